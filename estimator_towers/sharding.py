@@ -1,0 +1,177 @@
+"""Splitting a global batch into per-tower shards, and joining results back.
+
+The rule (used by the towered model_fn and by the staged input pipeline alike):
+a batch of B examples over N towers gives tower k the examples
+[offset_k, offset_k + size_k), where size_k = B // N + (1 if k < B % N else 0).
+Shard sizes differ by at most one, the first towers take the extra examples,
+tower 0 always holds the largest shard (so it is empty only when the whole batch
+is), and a batch smaller than N leaves the last towers with empty shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+Structure = Any  # A Tensor, SparseTensor, RaggedTensor or nested dict/list/tuple of them.
+
+
+def flatten_with_paths(structure: Structure, prefix: str = '') -> list[tuple[str, Any]]:
+  """Flattens a nested dict/list/tuple into (path, leaf) pairs, in tf.nest order."""
+  if isinstance(structure, dict):
+    items = []
+    for key in sorted(structure):
+      items.extend(flatten_with_paths(structure[key], f'{prefix}/{key}' if prefix else str(key)))
+    return items
+  if isinstance(structure, (list, tuple)):
+    items = []
+    for i, value in enumerate(structure):
+      items.extend(flatten_with_paths(value, f'{prefix}/{i}' if prefix else str(i)))
+    return items
+  return [(prefix or '<tensor>', structure)]
+
+
+def _rows_static(t: Any) -> int | None:
+  return t.shape[0] if t.shape.rank else None
+
+
+def _rows_dynamic(t: Any) -> tf.Tensor:
+  if isinstance(t, tf.SparseTensor):
+    return tf.cast(t.dense_shape[0], tf.int32)
+  if isinstance(t, tf.RaggedTensor):
+    return tf.cast(t.nrows(), tf.int32)
+  return tf.shape(t, out_type=tf.int32)[0]
+
+
+def _check_leaf(path: str, t: Any, what: str) -> None:
+  if isinstance(t, (tf.SparseTensor, tf.RaggedTensor)):
+    rank = t.shape.rank
+  elif isinstance(t, tf.Tensor):
+    rank = t.shape.rank
+  else:
+    raise TypeError(
+        f'{what} {path!r} is a {type(t).__name__}; towers can only split '
+        f'Tensor, SparseTensor and RaggedTensor values (or nested dicts, '
+        f'lists and tuples of them). Convert it with tf.convert_to_tensor '
+        f'in your input_fn.')
+  if rank == 0:
+    raise ValueError(
+        f'{what} {path!r} has shape {t.shape} and no batch dimension: every '
+        f'feature and label is split along axis 0 across towers, so each must '
+        f'have the batch as its first dimension. Give it shape [batch, ...] '
+        f'in your input_fn (e.g. tf.fill([batch_size], value)), or build it '
+        f'inside the model_fn instead.')
+
+
+def batch_size(features: Structure, labels: Structure | None) -> tf.Tensor | int:
+  """The global batch size, after checking every leaf has the same one.
+
+  Returns:
+    A Python int when the batch size is known statically, else an int32 scalar
+    Tensor (carrying run-time checks that every leaf agrees).
+
+  Raises:
+    ValueError: at graph construction, for a leaf without a batch dimension or
+      leaves whose static batch sizes differ.
+  """
+  leaves = [('feature', p, t) for p, t in flatten_with_paths(features)]
+  if labels is not None:
+    leaves += [('label', p, t) for p, t in flatten_with_paths(labels)]
+  if not leaves:
+    raise ValueError('features is empty: towers need at least one feature '
+                     'tensor to know the batch size.')
+  for what, path, t in leaves:
+    _check_leaf(path, t, what)
+
+  known = [(what, path, t, _rows_static(t)) for what, path, t in leaves]
+  known_sizes = [(what, path, t, n) for what, path, t, n in known if n is not None]
+  for what, path, t, n in known_sizes[1:]:
+    w0, p0, t0, n0 = known_sizes[0]
+    if n != n0:
+      raise ValueError(
+          f'All features and labels must have the same batch size (their '
+          f'first dimension), but {w0} {p0!r} has {n0} rows and {what} '
+          f'{path!r} has {n}. Batch them together in your input_fn.')
+  if len(known_sizes) == len(known):
+    return int(known_sizes[0][3])
+
+  reference = _rows_dynamic(leaves[0][2])
+  checks = []
+  for what, path, t in leaves[1:]:
+    checks.append(tf.debugging.assert_equal(
+        _rows_dynamic(t), reference,
+        message=(f'All features and labels must have the same batch size, '
+                 f'but {what} {path!r} differs from {leaves[0][0]} '
+                 f'{leaves[0][1]!r}. Batch them together in your input_fn.')))
+  if checks:
+    with tf.control_dependencies(checks):
+      reference = tf.identity(reference)
+  return reference
+
+
+def shard_sizes(batch: tf.Tensor | int, num_shards: int) -> list:
+  """Shard sizes for `num_shards` towers (Python ints when `batch` is static)."""
+  if isinstance(batch, int):
+    q, r = divmod(batch, num_shards)
+    return [q + (1 if k < r else 0) for k in range(num_shards)]
+  q = batch // num_shards
+  r = batch % num_shards
+  return [q + tf.cast(k < r, tf.int32) for k in range(num_shards)]
+
+
+def _offsets(sizes: Sequence) -> list:
+  offsets, total = [], 0
+  for s in sizes:
+    offsets.append(total)
+    total = total + s
+  return offsets
+
+
+def _split_leaf(t: Any, sizes: Sequence, offsets: Sequence) -> list:
+  if isinstance(t, tf.SparseTensor):
+    rest = t.dense_shape[1:]
+    shards = []
+    for off, size in zip(offsets, sizes):
+      start = tf.concat([tf.reshape(tf.cast(off, tf.int64), [1]),
+                         tf.zeros_like(rest)], 0)
+      extent = tf.concat([tf.reshape(tf.cast(size, tf.int64), [1]), rest], 0)
+      piece = tf.sparse.slice(t, start, extent)
+      # sparse.slice clips the shape to the last stored row; restore the
+      # shard's true shape so that empty trailing rows are kept.
+      shards.append(tf.SparseTensor(piece.indices, piece.values, extent))
+    return shards
+  if isinstance(t, tf.RaggedTensor):
+    return [t[off:off + size] for off, size in zip(offsets, sizes)]
+  if all(isinstance(s, int) for s in sizes):
+    return tf.split(t, sizes, axis=0, num=len(sizes))
+  return tf.split(t, tf.stack(sizes), axis=0, num=len(sizes))
+
+
+def split(structure: Structure | None, sizes: Sequence) -> list:
+  """Splits every leaf of `structure` along axis 0 into len(sizes) shards."""
+  if structure is None:
+    return [None] * len(sizes)
+  offsets = _offsets(sizes)
+  flat = tf.nest.flatten(structure)
+  pieces = [_split_leaf(t, sizes, offsets) for t in flat]
+  return [tf.nest.pack_sequence_as(structure, [p[k] for p in pieces])
+          for k in range(len(sizes))]
+
+
+def _concat_leaf(parts: Sequence) -> Any:
+  first = parts[0]
+  if isinstance(first, tf.SparseTensor):
+    return tf.sparse.concat(0, list(parts), expand_nonconcat_dims=True)
+  if isinstance(first, tf.RaggedTensor):
+    return tf.concat(list(parts), axis=0)
+  return tf.concat(list(parts), axis=0)
+
+
+def concat(shards: Sequence[Structure]) -> Structure:
+  """Joins per-tower structures back into one, in tower (= input) order."""
+  if shards[0] is None:
+    return None
+  flat = [tf.nest.flatten(s) for s in shards]
+  joined = [_concat_leaf([f[i] for f in flat]) for i in range(len(flat[0]))]
+  return tf.nest.pack_sequence_as(shards[0], joined)

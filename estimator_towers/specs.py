@@ -1,0 +1,87 @@
+"""Merging the towers' EstimatorSpecs into the one Estimator sees."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import tensorflow as tf
+
+from estimator_towers import sharding
+
+ModeKeys = tf.estimator.ModeKeys
+
+
+def weighted_sum(values: Sequence[tf.Tensor], weights: Sequence, nonempty: Sequence) -> tf.Tensor:
+  """sum_k weights[k] * values[k], skipping towers whose shard is empty."""
+  terms = []
+  for value, weight, ne in zip(values, weights, nonempty):
+    if ne is False:
+      continue
+    value = tf.convert_to_tensor(value)
+    term = value * tf.cast(weight, value.dtype)
+    if ne is not True:
+      term = tf.where(ne, term, tf.zeros_like(term))
+    terms.append(term)
+  return tf.add_n(terms)
+
+
+def _concat_export_output(outputs: Sequence[tf.estimator.export.ExportOutput]):
+  first = outputs[0]
+  if isinstance(first, tf.estimator.export.ClassificationOutput):
+    scores = None if first.scores is None else sharding.concat([o.scores for o in outputs])
+    classes = None if first.classes is None else sharding.concat([o.classes for o in outputs])
+    return tf.estimator.export.ClassificationOutput(scores=scores, classes=classes)
+  if isinstance(first, tf.estimator.export.RegressionOutput):
+    return tf.estimator.export.RegressionOutput(sharding.concat([o.value for o in outputs]))
+  if isinstance(first, tf.estimator.export.PredictOutput):
+    return tf.estimator.export.PredictOutput(sharding.concat([o.outputs for o in outputs]))
+  raise TypeError(
+      f'Cannot join export output {type(first).__name__} across towers; '
+      f'use ClassificationOutput, RegressionOutput or PredictOutput.')
+
+
+def _concat_predictions(specs):
+  if specs[0].predictions is None or not specs[0].predictions:
+    return specs[0].predictions
+  return sharding.concat([s.predictions for s in specs])
+
+
+def _respec(spec: tf.estimator.EstimatorSpec, **changes) -> tf.estimator.EstimatorSpec:
+  """A new, validated EstimatorSpec: `spec` with `changes`."""
+  fields = spec._asdict()
+  fields.update(changes)
+  return tf.estimator.EstimatorSpec(**fields)
+
+
+def merge_train(specs, loss, train_op) -> tf.estimator.EstimatorSpec:
+  first = specs[0]
+  return _respec(first, loss=loss, train_op=train_op,
+                        predictions=_concat_predictions(specs))
+
+
+def merge_eval(specs, loss) -> tf.estimator.EstimatorSpec:
+  """Tower 0's metric values (the metric state is shared), every tower's updates."""
+  first = specs[0]
+  metrics = {}
+  for key, (value, _) in first.eval_metric_ops.items():
+    updates = []
+    for k, spec in enumerate(specs):
+      if key not in spec.eval_metric_ops:
+        raise ValueError(
+            f'Tower {k} returned no eval_metric_ops[{key!r}] but tower 0 did; '
+            f'every tower must return the same metrics.')
+      updates.append(spec.eval_metric_ops[key][1])
+    metrics[key] = (value, tf.group(*updates))
+  return _respec(first, loss=loss, eval_metric_ops=metrics,
+                        predictions=_concat_predictions(specs))
+
+
+def merge_predict(specs) -> tf.estimator.EstimatorSpec:
+  first = specs[0]
+  export_outputs = None
+  if first.export_outputs:
+    export_outputs = {
+        key: _concat_export_output([s.export_outputs[key] for s in specs])
+        for key in first.export_outputs}
+  return _respec(first, predictions=_concat_predictions(specs),
+                        export_outputs=export_outputs)

@@ -1,0 +1,31 @@
+"""estimator_towers: data-parallel training of TensorFlow Estimators on several devices."""
+
+import setuptools
+
+setuptools.setup(
+    name='estimator_towers',
+    version='0.1.0',
+    description=('Data-parallel (towered) training of tf.estimator model_fns on '
+                 'several GPUs or CPU devices with one decorator.'),
+    long_description=open('README.md', encoding='utf-8').read(),
+    long_description_content_type='text/markdown',
+    packages=setuptools.find_packages(include=['estimator_towers', 'estimator_towers.*']),
+    python_requires='>=3.9,<3.12',
+    install_requires=[
+        'tensorflow==2.15.1',
+        'tensorflow-estimator==2.15.0',
+        'numpy<2',
+        'absl-py>=1.0',
+    ],
+    extras_require={
+        # GPU users: pip install 'estimator_towers[gpu]' (tensorflow-gpu is gone from PyPI).
+        'gpu': ['tensorflow[and-cuda]==2.15.1'],
+        'test': ['pytest>=7', 'pytest-timeout>=2'],
+    },
+    classifiers=[
+        'Programming Language :: Python :: 3.9',
+        'Programming Language :: Python :: 3.10',
+        'Programming Language :: Python :: 3.11',
+        'License :: OSI Approved :: Apache Software License',
+    ],
+)
