@@ -1,11 +1,23 @@
 """estimator_towers: data-parallel training of TensorFlow Estimators on several devices."""
 
+from estimator_towers.config import TowersConfig
+from estimator_towers.config import make_config
+from estimator_towers.config import make_run_config
+from estimator_towers.config import session_config
+from estimator_towers.flags import config_from_flags
+from estimator_towers.flags import define_flags
 from estimator_towers.plan import DevicePlan
 from estimator_towers.plan import make_plan
 from estimator_towers.towers import replicate_model_fn
 
 __all__ = [
     'DevicePlan',
+    'TowersConfig',
+    'config_from_flags',
+    'define_flags',
+    'make_config',
+    'make_run_config',
+    'session_config',
     'make_plan',
     'replicate_model_fn',
 ]

@@ -171,7 +171,8 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
 
 def _is_serving_graph(features: Any) -> bool:
   """True if the features are fed by placeholders (an export), not an input_fn."""
-  pending = [t.op for t in tf.nest.flatten(features, expand_composites=True)]
+  pending = [t.op for t in tf.nest.flatten(features, expand_composites=True)
+             if isinstance(t, tf.Tensor)]
   seen = set()
   while pending and len(seen) < 10000:
     op = pending.pop()
@@ -224,7 +225,7 @@ def _build_towers(run, features, labels, mode, plan, placement):
   graph = tf.compat.v1.get_default_graph()
   tower_devices = placement.tower_devices
   num_towers = len(tower_devices)
-  host = tf.nest.flatten(features, expand_composites=True)[0].device or '/cpu:0'
+  host = getattr(tf.nest.flatten(features, expand_composites=True)[0], 'device', '') or '/cpu:0'
   with tf.device(host), tf.name_scope('shard_inputs'):
     batch = sharding.batch_size(features, labels)
     sizes = sharding.shard_sizes(batch, num_towers)

@@ -1,0 +1,230 @@
+"""TowersConfig: every towering and session setting a training script chooses.
+
+`make_config` validates the settings once and returns an immutable
+`TowersConfig`; from it come the `DevicePlan` for `replicate_model_fn`
+(`config.plan`), the session's `ConfigProto` (`session_config`) and the
+Estimator's `RunConfig` (`make_run_config`). `estimator_towers.flags` fills it
+from command-line flags through the same `make_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import tensorflow as tf
+from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-direct-tensorflow-import
+
+from estimator_towers import devices as devices_lib
+from estimator_towers import plan as plan_lib
+
+_DEVICE_CHOICES = ('num_gpus', 'devices', 'num_cpu_devices')
+
+
+@dataclasses.dataclass(frozen=True)
+class TowersConfig:
+  """Immutable towering and session settings; build it with `make_config`.
+
+  Attributes:
+    num_gpus: towers on '/gpu:0' .. '/gpu:N-1'.
+    devices: explicit tower devices (canonical strings).
+    num_cpu_devices: towers on N virtual CPU devices '/cpu:0' .. '/cpu:N-1'
+      (machines without GPUs); the session gets N CPU devices.
+      At most one of num_gpus, devices and num_cpu_devices is set; with none,
+      the towers are every visible GPU (the CPU when there is none).
+    variable_strategy: a key of `estimator_towers.placement.STRATEGIES`.
+    staging_depth: shards kept in flight per device by the staged input_fn.
+    loss_reduction: 'mean' or 'sum', how the model_fn's loss reduces the batch.
+    log_device_placement: log the device of every op when the session starts.
+    allow_soft_placement: let TensorFlow move ops without a kernel for their
+      device (summaries on a GPU tower, say) to another device. On by default,
+      as in Estimator's own session config; towers asked for on missing GPUs
+      then only log a warning, while with it off they raise at graph
+      construction.
+    gpu_memory_fraction: share of each GPU's memory the process takes; 0 keeps
+      TensorFlow's default.
+    allow_growth: allocate GPU memory as needed instead of up front.
+    visible_gpus: GPU indices the session sees, e.g. '0,1'; '' for all.
+    intra_op_threads: threads inside one op; 0 lets TensorFlow choose.
+    inter_op_threads: ops run in parallel; 0 lets TensorFlow choose.
+  """
+  num_gpus: int | None = None
+  devices: tuple[str, ...] | None = None
+  num_cpu_devices: int | None = None
+  variable_strategy: str = 'cpu'
+  staging_depth: int = 1
+  loss_reduction: str = 'mean'
+  log_device_placement: bool = False
+  allow_soft_placement: bool = True
+  gpu_memory_fraction: float = 0.0
+  allow_growth: bool = False
+  visible_gpus: str = ''
+  intra_op_threads: int = 0
+  inter_op_threads: int = 0
+
+  @property
+  def plan(self) -> plan_lib.DevicePlan:
+    """The `DevicePlan` to pass to `replicate_model_fn(model_fn, plan=...)`."""
+    devices = self.devices
+    if self.num_cpu_devices is not None:
+      devices = tuple(f'/cpu:{i}' for i in range(self.num_cpu_devices))
+    return plan_lib.make_plan(num_gpus=self.num_gpus, devices=devices,
+                              variable_strategy=self.variable_strategy,
+                              loss_reduction=self.loss_reduction,
+                              staging_depth=self.staging_depth)
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(TowersConfig))
+
+
+def make_config(**kwargs: Any) -> TowersConfig:
+  """Validates settings (the `TowersConfig` fields) and returns a TowersConfig.
+
+  Raises:
+    TypeError: for an argument that is not a `TowersConfig` field.
+    ValueError: for more than one of num_gpus / devices / num_cpu_devices, a
+      value out of range, or anything `plan.make_plan` rejects.
+  """
+  unknown = sorted(set(kwargs) - set(FIELDS))
+  if unknown:
+    raise TypeError(f'make_config() got unknown argument(s) {unknown}; the '
+                    f'valid arguments are {list(FIELDS)}.')
+  given = [name for name in _DEVICE_CHOICES if kwargs.get(name) is not None]
+  if len(given) > 1:
+    received = ' and '.join(f'{name}={kwargs[name]!r}' for name in given)
+    raise ValueError(
+        f'Give at most one of num_gpus, devices and num_cpu_devices '
+        f'(--num_gpus, --devices, --num_cpu_devices), got {received}. '
+        f'num_gpus=N means towers on /gpu:0../gpu:N-1, num_cpu_devices=N '
+        f'towers on /cpu:0../cpu:N-1, devices=[...] names the towers exactly.')
+  if kwargs.get('num_cpu_devices') is not None:
+    devices_lib.validate_count(kwargs['num_cpu_devices'], what='num_cpu_devices')
+  if kwargs.get('devices') is not None:
+    kwargs['devices'] = devices_lib.validate_devices(kwargs['devices'])
+  for name in ('log_device_placement', 'allow_soft_placement', 'allow_growth'):
+    _check_bool(name, kwargs.get(name, False))
+  for name in ('intra_op_threads', 'inter_op_threads'):
+    _check_threads(name, kwargs.get(name, 0))
+  _check_memory_fraction(kwargs.get('gpu_memory_fraction', 0.0))
+  if 'visible_gpus' in kwargs:
+    kwargs['visible_gpus'] = _normalize_visible_gpus(kwargs['visible_gpus'])
+  config = TowersConfig(**kwargs)
+  plan = config.plan  # make_plan's checks: count, devices, strategy, reduction, depth.
+  _check_gpus_visible(plan, config.visible_gpus)
+  return config
+
+
+def session_config(config: TowersConfig) -> tf.compat.v1.ConfigProto:
+  """The session's ConfigProto for `config`.
+
+  Keeps Estimator's default graph rewriting (one meta-optimizer pass); sets
+  device_count CPU to the number of virtual CPU devices the towers need.
+  """
+  _check_config(config, 'session_config')
+  proto = tf.compat.v1.ConfigProto(
+      allow_soft_placement=config.allow_soft_placement,
+      log_device_placement=config.log_device_placement,
+      intra_op_parallelism_threads=config.intra_op_threads,
+      inter_op_parallelism_threads=config.inter_op_threads)
+  proto.graph_options.rewrite_options.meta_optimizer_iterations = (
+      rewriter_config_pb2.RewriterConfig.ONE)
+  num_cpus = _virtual_cpus(config)
+  if num_cpus:
+    proto.device_count['CPU'] = num_cpus
+  if config.gpu_memory_fraction:
+    proto.gpu_options.per_process_gpu_memory_fraction = config.gpu_memory_fraction
+  proto.gpu_options.allow_growth = config.allow_growth
+  proto.gpu_options.visible_device_list = config.visible_gpus
+  return proto
+
+
+def make_run_config(config: TowersConfig, **run_config_kwargs: Any
+                    ) -> tf.estimator.RunConfig:
+  """A `tf.estimator.RunConfig` with `session_config(config)`.
+
+  Args:
+    config: a TowersConfig from `make_config` or `config_from_flags`.
+    **run_config_kwargs: any other RunConfig argument (model_dir,
+      save_checkpoints_steps, ...).
+
+  Raises:
+    ValueError: if run_config_kwargs holds session_config.
+  """
+  _check_config(config, 'make_run_config')
+  if 'session_config' in run_config_kwargs:
+    raise ValueError(
+        'make_run_config builds session_config from the TowersConfig, so it '
+        'cannot also be passed (got session_config='
+        f'{run_config_kwargs["session_config"]!r}). Set the session options '
+        'through make_config(...) or the flags, or build the RunConfig yourself '
+        'with session_config(config) edited.')
+  return tf.estimator.RunConfig(session_config=session_config(config),
+                                **run_config_kwargs)
+
+
+def _check_config(config: object, caller: str) -> None:
+  if not isinstance(config, TowersConfig):
+    raise TypeError(f'{caller} needs a TowersConfig from make_config() or '
+                    f'config_from_flags(), got {config!r}.')
+
+
+def _check_bool(name: str, value: object) -> None:
+  if not isinstance(value, bool):
+    raise ValueError(f'{name} must be True or False (flags --{name} / '
+                     f'--no{name}), got {value!r}.')
+
+
+def _check_threads(name: str, value: object) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise ValueError(f'{name} must be a non-negative integer (0 lets TensorFlow '
+                     f'choose), got {value!r}.')
+
+
+def _check_memory_fraction(value: object) -> None:
+  if (isinstance(value, bool) or not isinstance(value, (int, float))
+      or not (value == 0 or 0 < value <= 1)):
+    raise ValueError(
+        f'gpu_memory_fraction must be 0 (TensorFlow\'s default) or in (0, 1] '
+        f'(the share of each GPU\'s memory this process takes, e.g. 0.5), got '
+        f'{value!r}.')
+
+
+def _normalize_visible_gpus(value: object) -> str:
+  """'0, 1' -> '0,1'; raises unless a list of distinct GPU indices or ''."""
+  items = [s.strip() for s in value.split(',')] if isinstance(value, str) else None
+  if items == ['']:
+    return ''
+  if (items is None or not all(s.isdigit() for s in items)
+      or len(set(map(int, items))) != len(items)):
+    raise ValueError(
+        f'visible_gpus must be a comma-separated list of distinct GPU indices '
+        f'such as "0,1" ("" for every GPU), got {value!r}.')
+  return ','.join(str(int(s)) for s in items)
+
+
+def _check_gpus_visible(plan: plan_lib.DevicePlan, visible_gpus: str) -> None:
+  """With visible_gpus set, the session sees only those GPUs, as /gpu:0.. ."""
+  if not visible_gpus:
+    return
+  gpu_indices = [devices_lib.device_index(d) for d in plan.devices or ()
+                 if devices_lib.device_type(d) == 'GPU']
+  needed = plan.num_gpus or (max(gpu_indices) + 1 if gpu_indices else 0)
+  available = len(visible_gpus.split(','))
+  if needed > available:
+    asked = (f'num_gpus={plan.num_gpus}' if plan.num_gpus
+             else f'devices={list(plan.devices)}')
+    raise ValueError(
+        f'{asked} needs {needed} GPUs but visible_gpus={visible_gpus!r} shows '
+        f'the session only {available} (as /gpu:0../gpu:{available - 1}). '
+        f'List more GPUs in --visible_gpus or use fewer towers.')
+
+
+def _virtual_cpus(config: TowersConfig) -> int:
+  """How many CPU devices the session must create for the towers (0: default)."""
+  if config.num_cpu_devices is not None:
+    return config.num_cpu_devices
+  local_cpus: Sequence[str] = [
+      d for d in config.devices or ()
+      if devices_lib.device_type(d) == 'CPU'
+      and tf.DeviceSpec.from_string(d).job in (None, 'localhost')]
+  return max((devices_lib.device_index(d) + 1 for d in local_cpus), default=0)

@@ -1,0 +1,180 @@
+"""One test per error message of replicate_model_fn and make_plan.
+
+Argument errors are raised when the decorator is applied; input errors when the
+graph is built (before any session runs), except a batch-size mismatch that is
+only known at run time, which fails the step with the same rule in its message.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import testlib
+from estimator_towers import make_plan
+from estimator_towers import replicate_model_fn
+
+ModeKeys = tf.estimator.ModeKeys
+
+
+@pytest.mark.parametrize('kwargs,message', [
+    (dict(num_gpus=2, devices=['/cpu:0', '/cpu:1']), 'Give either num_gpus or devices, not both'),
+    (dict(num_gpus=0), r'num_gpus must be a positive integer .* got 0'),
+    (dict(num_gpus=-3), r'num_gpus must be a positive integer .* got -3'),
+    (dict(num_gpus=2.0), r'num_gpus must be a positive integer .* got 2.0'),
+    (dict(num_gpus=True), r'num_gpus must be a positive integer .* got True'),
+    (dict(devices=['/cpu:0', '/device:CPU:0']),
+     r"Each tower needs its own device, but '/device:CPU:0' and '/cpu:0' both name /device:CPU:0"),
+    (dict(devices=[]), 'devices must name at least one device'),
+    (dict(devices='/cpu:0'), "devices must be a list of device strings, got the single string '/cpu:0'"),
+    (dict(devices=['/cpu:0', 'not a device']), "Cannot parse device string 'not a device'"),
+    (dict(devices=['/cpu:0', None]), 'A device must be a non-empty string'),
+    (dict(devices=['/cpu:0'], variable_strategy='nccl'), "variable_strategy must be one of .* got 'nccl'"),
+    (dict(devices=['/cpu:0'], loss_reduction='avg'), "loss_reduction must be one of .* got 'avg'"),
+])
+def test_bad_arguments(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    replicate_model_fn(testlib.v1_model_fn, **kwargs)
+
+
+def test_bad_staging_depth():
+  with pytest.raises(ValueError, match='staging_depth must be a non-negative integer .* got -1'):
+    make_plan(devices=['/cpu:0'], staging_depth=-1)
+
+
+def test_count_given_positionally_and_by_keyword():
+  with pytest.raises(ValueError, match=r'The device count was given twice: positionally \(2\) and as num_gpus=3'):
+    replicate_model_fn(2, num_gpus=3)
+
+
+def test_plan_and_devices_together():
+  with pytest.raises(ValueError, match='Give either plan or num_gpus/devices, not both'):
+    replicate_model_fn(testlib.v1_model_fn, devices=['/cpu:0'], plan=make_plan(num_gpus=1))
+
+
+def test_model_fn_must_be_callable():
+  with pytest.raises(TypeError, match='model_fn must be callable'):
+    replicate_model_fn('model_fn')
+
+
+def test_model_fn_must_take_features():
+  with pytest.raises(ValueError, match='must take a features argument'):
+    replicate_model_fn(lambda labels, mode: None, devices=['/cpu:0', '/cpu:1'])
+
+
+def _build(model_fn, features, labels, mode=ModeKeys.TRAIN, num_devices=3):
+  """Builds the towered graph (does not run it)."""
+  towered = replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices))
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    return towered(features() if callable(features) else features,
+                   labels() if callable(labels) else labels, mode, None, None)
+
+
+def test_feature_without_batch_dimension():
+  features = lambda: {'x': tf.zeros([4, testlib.NUM_FEATURES]), 'scale': tf.constant(2.0)}
+  with pytest.raises(ValueError, match=r"feature 'scale' has shape \(\) and no batch dimension"):
+    _build(testlib.v1_model_fn, features, lambda: tf.zeros([4], tf.int32))
+
+
+def test_features_and_labels_with_different_static_batch_sizes():
+  with pytest.raises(ValueError, match=r"same batch size .* feature 'x' has 4 rows and label '<tensor>' has 5"):
+    _build(testlib.v1_model_fn, lambda: {'x': tf.zeros([4, testlib.NUM_FEATURES])},
+           lambda: tf.zeros([5], tf.int32))
+
+
+def test_features_and_labels_with_different_dynamic_batch_sizes_fail_the_step():
+  x, _ = testlib.data(6)
+
+  def input_fn():
+    features = tf.data.Dataset.from_tensor_slices({'x': x}).batch(3)
+    labels = tf.data.Dataset.from_tensor_slices(np.zeros(8, np.int32)).batch(4)
+    return tf.data.Dataset.zip((features, labels))
+
+  est = testlib.make_estimator(
+      replicate_model_fn(testlib.v1_model_fn, devices=testlib.cpu_devices(2)), num_cpus=2)
+  with pytest.raises(tf.errors.InvalidArgumentError, match='same batch size'):
+    est.train(input_fn, steps=1)
+
+
+def test_feature_of_an_unsupported_type():
+  with pytest.raises(TypeError, match=r"feature 'x' is a ndarray; towers can only split Tensor"):
+    _build(testlib.v1_model_fn, {'x': np.zeros([4, testlib.NUM_FEATURES])}, None,
+           mode=ModeKeys.PREDICT)
+
+
+def _counting(make_model_fn):
+  """A model_fn whose behaviour depends on how many towers were built before."""
+  calls = itertools.count()
+  def model_fn(features, labels, mode):
+    return make_model_fn(next(calls), features, labels, mode)
+  return model_fn
+
+
+def _model_with_variables(names):
+  def build(call, features, labels, mode):
+    logits = features['x'][:, :testlib.NUM_CLASSES]
+    for name, shape in names(call):
+      logits += tf.reduce_sum(tf.compat.v1.get_variable(name, shape))
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  return _counting(build)
+
+
+@pytest.mark.parametrize('names,message', [
+    (lambda call: [('a', [2]), ('b', [3])] if call else [('a', [2])],
+     "Tower 1 created more variables than tower 0: its variable #1 \\('b'\\)"),
+    (lambda call: [('a', [2])] if call else [('a', [2]), ('b', [3])],
+     "Tower 1 created fewer variables than tower 0 \\(1 instead of 2; the first one it did not create is 'b:0'\\)"),
+    (lambda call: [('a', [7])] if call else [('a', [2])],
+     r"Tower 1 created a different variable than tower 0: its variable #0 is 'a' \(shape \(7,\)"),
+])
+def test_towers_that_create_different_variables(names, message):
+  features = lambda: {'x': tf.zeros([4, testlib.NUM_FEATURES])}
+  with pytest.raises(ValueError, match=message):
+    _build(_model_with_variables(names), features, lambda: tf.zeros([4], tf.int32))
+
+
+def test_towers_that_make_different_optimizer_calls():
+  def build(call, features, labels, mode):
+    w = tf.compat.v1.get_variable('w', [testlib.NUM_FEATURES, testlib.NUM_CLASSES])
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, tf.matmul(features['x'], w))
+    ops = [tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+           for _ in range(1 if call == 0 else 2)]
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=tf.group(*ops))
+  features = lambda: {'x': tf.zeros([4, testlib.NUM_FEATURES])}
+  with pytest.raises(ValueError, match='Tower 1 called apply_gradients/minimize 2 times but tower 0 called it 1 times'):
+    _build(_counting(build), features, lambda: tf.zeros([4], tf.int32))
+
+
+def test_towers_whose_optimizer_calls_update_different_variables():
+  def build(call, features, labels, mode):
+    a = tf.compat.v1.get_variable('a', [testlib.NUM_FEATURES, testlib.NUM_CLASSES])
+    b = tf.compat.v1.get_variable('b', [testlib.NUM_CLASSES])
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
+        labels, tf.matmul(features['x'], a) + b)
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, var_list=[a] if call == 0 else [b])
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  features = lambda: {'x': tf.zeros([4, testlib.NUM_FEATURES])}
+  with pytest.raises(ValueError, match=r"Optimizer call #0 of tower 1 updates variables \['b:0'\] but the same call of tower 0 updates \['a:0'\]"):
+    _build(_counting(build), features, lambda: tf.zeros([4], tf.int32))
+
+
+def test_training_without_an_optimizer():
+  def model_fn(features, labels, mode):
+    w = tf.compat.v1.get_variable('w', [testlib.NUM_FEATURES, testlib.NUM_CLASSES])
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, tf.matmul(features['x'], w))
+    train_op = w.assign_sub(0.1 * tf.gradients(loss, w)[0])
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  features = lambda: {'x': tf.zeros([4, testlib.NUM_FEATURES])}
+  with pytest.raises(ValueError, match='must update its variables through an optimizer'):
+    _build(model_fn, features, lambda: tf.zeros([4], tf.int32))
+
+
+def test_model_fn_that_returns_no_estimator_spec():
+  features = lambda: {'x': tf.zeros([4, testlib.NUM_FEATURES])}
+  with pytest.raises(TypeError, match='model_fn must return a tf.estimator.EstimatorSpec, got dict'):
+    _build(lambda features, labels, mode: {'loss': 0.0}, features, None)

@@ -1,0 +1,160 @@
+"""define_flags / config_from_flags, on fresh FlagValues (never the global FLAGS).
+
+Includes one run: a config from flags trains a towered Estimator on two
+virtual CPU devices, compared with the plain model_fn's step.
+"""
+
+import dataclasses
+import re
+
+from absl import flags
+import pytest
+import tensorflow as tf
+
+import testlib
+from estimator_towers import TowersConfig
+from estimator_towers import config_from_flags
+from estimator_towers import define_flags
+from estimator_towers import make_config
+from estimator_towers import make_plan
+from estimator_towers import make_run_config
+from estimator_towers import replicate_model_fn
+from estimator_towers import session_config
+from estimator_towers import placement
+from estimator_towers import devices as devices_lib
+
+
+def parsed(*args: str) -> flags.FlagValues:
+  flag_values = flags.FlagValues()
+  define_flags(flag_values)
+  flag_values(['prog', *args])
+  return flag_values
+
+
+def test_define_flags_twice_and_one_flag_per_field():
+  flag_values = flags.FlagValues()
+  define_flags(flag_values)
+  define_flags(flag_values)
+  fields = {f.name for f in dataclasses.fields(TowersConfig)}
+  assert fields <= set(flag_values)
+  assert set(flag_values) - fields == set()
+
+
+def test_define_flags_defaults_to_absl_flags(monkeypatch):
+  fresh = flags.FlagValues()
+  monkeypatch.setattr(flags, 'FLAGS', fresh)
+  define_flags()
+  fresh(['prog', '--num_cpu_devices=3'])
+  assert config_from_flags() == make_config(num_cpu_devices=3)
+
+
+def test_flag_defaults_equal_make_config_defaults():
+  assert config_from_flags(parsed()) == make_config()
+
+
+def test_strategy_choices_come_from_strategies():
+  flag_values = flags.FlagValues()
+  define_flags(flag_values)
+  assert sorted(flag_values['variable_strategy'].parser.enum_values) == sorted(placement.STRATEGIES)
+  with pytest.raises(flags.IllegalFlagValueError):
+    flag_values(['prog', '--variable_strategy=nowhere'])
+
+
+def test_all_flags():
+  config = config_from_flags(parsed(
+      '--num_cpu_devices=3', '--variable_strategy=cpu', '--staging_depth=2',
+      '--loss_reduction=sum', '--log_device_placement', '--noallow_soft_placement',
+      '--gpu_memory_fraction=0.5', '--allow_growth', '--visible_gpus=1,0',
+      '--intra_op_threads=2', '--inter_op_threads=4'))
+  assert config.plan == make_plan(devices=['/cpu:0', '/cpu:1', '/cpu:2'],
+                                  variable_strategy='cpu', loss_reduction='sum',
+                                  staging_depth=2)
+  proto = session_config(config)
+  assert dict(proto.device_count) == {'CPU': 3}
+  assert proto.log_device_placement and not proto.allow_soft_placement
+  assert proto.gpu_options.per_process_gpu_memory_fraction == pytest.approx(0.5)
+  assert proto.gpu_options.allow_growth
+  assert proto.gpu_options.visible_device_list == '1,0'
+  assert proto.intra_op_parallelism_threads == 2
+  assert proto.inter_op_parallelism_threads == 4
+
+
+def test_devices_flag():
+  config = config_from_flags(parsed('--devices=/cpu:0,/cpu:1'))
+  assert config.plan == make_plan(devices=['/cpu:0', '/cpu:1'])
+  assert dict(session_config(config).device_count) == {'CPU': 2}
+
+
+def test_num_gpus_flag():
+  config = config_from_flags(parsed('--num_gpus=2', '--visible_gpus=2,3'))
+  assert config.plan == make_plan(num_gpus=2)
+  proto = session_config(config)
+  assert proto.gpu_options.visible_device_list == '2,3'
+  assert dict(proto.device_count) == {}
+
+
+# --- Errors: flags go through make_config's checks ------------------------------
+
+@pytest.mark.parametrize('args, message', [
+    (['--num_gpus=2', '--num_cpu_devices=2'],
+     'Give at most one of num_gpus, devices and num_cpu_devices'),
+    (['--num_cpu_devices=0'], 'num_cpu_devices must be a positive integer'),
+    (['--num_gpus=0'], 'num_gpus must be a positive integer'),
+    (['--devices='], 'devices must name at least one device'),
+    (['--staging_depth=-1'], 'staging_depth must be a non-negative integer'),
+    (['--gpu_memory_fraction=1.5'], r'gpu_memory_fraction must be 0 .* or in \(0, 1\]'),
+    (['--visible_gpus=first'], 'visible_gpus must be a comma-separated list'),
+    (['--num_gpus=2', '--visible_gpus=0'], 'num_gpus=2 needs 2 GPUs but visible_gpus'),
+    (['--intra_op_threads=-1'], 'intra_op_threads must be a non-negative integer'),
+])
+def test_flag_errors(args, message):
+  flag_values = parsed(*args)
+  with pytest.raises(ValueError, match=message):
+    config_from_flags(flag_values)
+
+
+def test_config_from_flags_needs_define_flags():
+  flag_values = flags.FlagValues()
+  flags.DEFINE_integer('num_gpus', None, 'someone else\'s flag', flag_values=flag_values)
+  flag_values(['prog'])
+  with pytest.raises(ValueError, match=r"config_from_flags needs the flags of define_flags\(\), "
+                     r"but \['devices', 'num_cpu_devices'"):
+    config_from_flags(flag_values)
+
+
+def test_too_many_gpus_names_real_flags(tmp_path):
+  """The graph-construction error for missing GPUs names flags that exist."""
+  num_gpus = len(devices_lib.visible_gpus()) + 1
+  flag_values = parsed(f'--num_gpus={num_gpus}', '--noallow_soft_placement')
+  config = config_from_flags(flag_values)
+  estimator = tf.estimator.Estimator(
+      replicate_model_fn(testlib.v1_model_fn, plan=config.plan),
+      config=make_run_config(config, model_dir=str(tmp_path)))
+  x, y = testlib.data(4)
+  with pytest.raises(ValueError, match=f'num_gpus={num_gpus} asks for more GPUs than '
+                     'are visible') as raised:
+    estimator.train(testlib.input_fn(x, y, 4), steps=1)
+  named = set(re.findall(r'--(\w+)', str(raised.value)))
+  assert {'num_gpus', 'num_cpu_devices'} <= named
+  assert named <= set(flag_values)
+
+
+# --- Running: the three-line script on two virtual CPU devices -----------------
+
+def test_train_step_from_flags_matches_plain(tmp_path):
+  batch = 7  # Not divisible by 2.
+  x, y = testlib.data(batch)
+  fn = testlib.input_fn(x, y, batch)
+
+  # Without soft placement, /cpu:1 must exist: the session config creates it.
+  config = config_from_flags(parsed('--num_cpu_devices=2', '--noallow_soft_placement',
+                                    '--intra_op_threads=1', '--inter_op_threads=2'))
+  estimator = tf.estimator.Estimator(
+      replicate_model_fn(testlib.v1_model_fn, plan=config.plan),
+      config=make_run_config(config, model_dir=str(tmp_path / 'towered'),
+                             save_summary_steps=1000, log_step_count_steps=1000))
+  estimator.train(fn, steps=1)
+
+  plain = testlib.make_estimator(testlib.v1_model_fn, model_dir=str(tmp_path / 'plain'))
+  plain.train(fn, steps=1)
+  testlib.assert_variables_close(testlib.variables(estimator), testlib.variables(plain))
