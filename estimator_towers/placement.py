@@ -8,6 +8,7 @@ created and on which device a variable's per-tower gradients are summed.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import tensorflow as tf
@@ -60,8 +61,49 @@ class CpuPlacement(Placement):
     return f'variables on {self.parameter_device}'
 
 
+def variable_bytes(shape: tf.TensorShape | None, dtype: tf.DType | None) -> int:
+  """Bytes a new variable is counted for when balancing devices.
+
+  Unknown dimensions (and an unknown rank) count as 1, and every variable counts
+  for at least one element; an unknown dtype counts as float32, and a dtype with no
+  fixed element size (string, resource, variant) as 1 byte per element.
+  """
+  shape = tf.TensorShape(shape)
+  dims = shape.as_list() if shape.rank is not None else []
+  elements = max(math.prod(d for d in dims if d is not None), 1)
+  item = tf.as_dtype(dtype).base_dtype.size if dtype is not None else tf.float32.size
+  return elements * max(item, 1)
+
+
+class GpuPlacement(Placement):
+  """Variables spread over the tower devices, greedily balanced by byte size.
+
+  The rule of TensorFlow's `GreedyLoadBalancingStrategy` with a byte-size load
+  function, and of tf_cnn_benchmarks' `ParamServerDeviceSetter`: each new
+  variable goes, in creation order, to the tower device holding the fewest
+  bytes so far (the lowest-indexed one on a tie). Each variable's gradients are
+  combined on its own device, so the reduction work is spread as well.
+  """
+
+  name = 'gpu'
+
+  def __init__(self, tower_devices: Sequence[str]):
+    super().__init__(tower_devices)
+    self.loads = [0] * len(self.tower_devices)  # bytes placed on each device
+
+  def variable_device(self, shape, dtype, name):
+    k = min(range(len(self.loads)), key=self.loads.__getitem__)
+    self.loads[k] += variable_bytes(shape, dtype)
+    return self.tower_devices[k]
+
+  def describe(self):
+    return (f'variables spread over {", ".join(self.tower_devices)}, each on the '
+            f'device with the fewest bytes so far')
+
+
 STRATEGIES: dict[str, type[Placement]] = {
     CpuPlacement.name: CpuPlacement,
+    GpuPlacement.name: GpuPlacement,
 }
 
 

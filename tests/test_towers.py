@@ -347,3 +347,24 @@ def test_train_and_evaluate():
   assert metrics['global_step'] == 2
   for key in ('accuracy', 'loss', 'auc', 'mean_logit'):
     assert metrics[key] == pytest.approx(expected[key], abs=1e-6)
+
+
+def test_summaries_come_from_tower_zero_and_placement_is_logged(caplog):
+  def model_fn(features, labels, mode):
+    spec = testlib.v1_model_fn(features, labels, mode, None)
+    tf.compat.v1.summary.scalar('my_loss', spec.loss)
+    return spec
+
+  towered = replicate_model_fn(model_fn, devices=testlib.cpu_devices(3))
+  x, y = testlib.data(7)
+  with caplog.at_level('INFO'), tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    towered(tf.constant(x), tf.constant(y), ModeKeys.TRAIN, None, None)
+    towered(tf.constant(x), tf.constant(y), ModeKeys.TRAIN, None, None)
+    summaries = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.SUMMARIES)
+  names = [s.op.name for s in summaries]
+  assert len(names) == 2 and not any('/' in n for n in names), names  # one per build, tower 0's
+  placement_lines = [r.getMessage() for r in caplog.records if 'estimator_towers:' in r.getMessage()]
+  assert placement_lines == [
+      'estimator_towers: 3 tower(s) on /device:CPU:0, /device:CPU:1, /device:CPU:2; '
+      'variables on /device:CPU:0 (variable_strategy=cpu, loss_reduction=mean).']
