@@ -368,3 +368,32 @@ def test_summaries_come_from_tower_zero_and_placement_is_logged(caplog):
   assert placement_lines == [
       'estimator_towers: 3 tower(s) on /device:CPU:0, /device:CPU:1, /device:CPU:2; '
       'variables on /device:CPU:0 (variable_strategy=cpu, loss_reduction=mean).']
+
+
+def _sequential_model_fn(features, labels, mode, params):
+  """A tf.keras.Sequential model built inside the model_fn, Keras legacy Adam."""
+  model = tf.keras.Sequential([
+      tf.keras.layers.Dense(6, activation='relu',
+                            kernel_initializer=tf.keras.initializers.GlorotUniform(seed=11)),
+      tf.keras.layers.Dense(testlib.NUM_CLASSES,
+                            kernel_initializer=tf.keras.initializers.GlorotUniform(seed=12)),
+  ])
+  logits = model(features, training=mode == ModeKeys.TRAIN)
+  if mode == ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions={'logits': logits})
+  loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+      labels, logits, from_logits=True))
+  optimizer = tf.keras.optimizers.legacy.Adam(0.05)
+  step = tf.compat.v1.train.get_global_step()
+  train_op = tf.group(optimizer.get_updates(loss, model.trainable_weights),
+                      step.assign_add(1))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_keras_sequential_with_adam_over_three_steps():
+  x, y = testlib.data(21)
+  fn = testlib.input_fn(x, y, 7)
+  plain, towered = _train_pair(_sequential_model_fn, 3, fn, steps=3)
+  assert plain['global_step'] == 3
+  assert any('Adam' in name or '/m' in name for name in plain), sorted(plain)
+  testlib.assert_variables_close(towered, plain)
