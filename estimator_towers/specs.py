@@ -41,9 +41,14 @@ def _concat_export_output(outputs: Sequence[tf.estimator.export.ExportOutput]):
 
 
 def _concat_predictions(specs):
-  if specs[0].predictions is None or not specs[0].predictions:
-    return specs[0].predictions
-  return sharding.concat([s.predictions for s in specs])
+  """Per-example predictions joined in input order; others (scalars) from tower 0."""
+  first = specs[0].predictions
+  if first is None or (isinstance(first, dict) and not first):
+    return first
+  flat = [tf.nest.flatten(s.predictions) for s in specs]
+  joined = [sharding.concat([f[i] for f in flat]) if flat[0][i].shape.rank else flat[0][i]
+            for i in range(len(flat[0]))]
+  return tf.nest.pack_sequence_as(first, joined)
 
 
 def _respec(spec: tf.estimator.EstimatorSpec, **changes) -> tf.estimator.EstimatorSpec:

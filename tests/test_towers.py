@@ -397,3 +397,22 @@ def test_keras_sequential_with_adam_over_three_steps():
   assert plain['global_step'] == 3
   assert any('Adam' in name or '/m' in name for name in plain), sorted(plain)
   testlib.assert_variables_close(towered, plain)
+
+
+def test_tensor_predictions_and_scalar_train_predictions():
+  """predictions may be a single Tensor; a scalar in TRAIN is taken from tower 0."""
+  def model_fn(features, labels, mode):
+    spec = testlib.v1_model_fn(features, labels, mode, None)
+    if mode == ModeKeys.PREDICT:
+      return spec._replace(predictions=spec.predictions['logits'], export_outputs=None)
+    return spec._replace(predictions={'scalar': tf.constant(3.0),
+                                      'per_example': tf.reduce_sum(features, 1)})
+
+  x, y = testlib.data(7)
+  fn = testlib.input_fn(x, y, 7)
+  towered = testlib.make_estimator(
+      replicate_model_fn(model_fn, devices=testlib.cpu_devices(3)), num_cpus=3)
+  towered.train(fn, steps=1)
+  plain = testlib.make_estimator(model_fn, model_dir=towered.model_dir)
+  np.testing.assert_allclose(np.stack(list(towered.predict(fn))),
+                             np.stack(list(plain.predict(fn))), atol=1e-6)
