@@ -8,6 +8,7 @@ from estimator_towers.flags import config_from_flags
 from estimator_towers.flags import define_flags
 from estimator_towers.plan import DevicePlan
 from estimator_towers.plan import make_plan
+from estimator_towers.staging import staged_input_fn
 from estimator_towers.towers import replicate_model_fn
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     'session_config',
     'make_plan',
     'replicate_model_fn',
+    'staged_input_fn',
 ]
 
 __version__ = '0.1.0'

@@ -11,6 +11,11 @@ tower 0's name scope, with the user's original arguments (so `global_step`
 advances by exactly one). Tower 0's stand-in is then made to wait for the real
 update, so everything the user hung on its train_op runs in the single-device
 order.
+
+A tower that reads its own copies of the variables (the 'replicated' placement)
+computes gradients with respect to the copies; they are recorded against the
+variables the copies replicate, so the same variable's gradients from every
+tower are combined and applied to it.
 """
 
 from __future__ import annotations
@@ -45,9 +50,16 @@ class DeferredApply:
 
 
 class GradientCollector:
-  """Intercepts `apply_gradients` while towers are built."""
+  """Intercepts `apply_gradients` while towers are built.
 
-  def __init__(self):
+  Args:
+    primary: maps a variable a tower computed gradients for (its own copy of a
+      replicated variable) to the variable that is updated; the identity when
+      towers share the variables.
+  """
+
+  def __init__(self, primary: Callable[[tf.Variable], tf.Variable] | None = None):
+    self._primary = primary or (lambda variable: variable)
     self.calls: list[list[DeferredApply]] = []
     self._tower: list[DeferredApply] | None = None
 
@@ -73,7 +85,7 @@ class GradientCollector:
     def apply_gradients(optimizer, grads_and_vars, *args, **kwargs):
       if collector._tower is None:
         return original(optimizer, grads_and_vars, *args, **kwargs)
-      grads_and_vars = list(grads_and_vars)
+      grads_and_vars = [(g, collector._primary(v)) for g, v in grads_and_vars]
       graph = tf.compat.v1.get_default_graph()
       stand_in = tf.no_op(name='deferred_apply_gradients')
       collector._tower.append(DeferredApply(

@@ -3,7 +3,8 @@
 Each strategy is a small class behind one interface; `STRATEGIES` maps the
 `variable_strategy` name (a flag value) to its class. Tower compute always stays
 on the tower's own device; a strategy only decides where each new variable is
-created and on which device a variable's per-tower gradients are summed.
+created, on which device a variable's per-tower gradients are summed, and
+whether the other towers read copies of the variables on their own devices.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ class Placement:
   def aggregation_device(self, variable: tf.Variable) -> str:
     """The device on which `variable`'s gradients are combined: its own."""
     return variable.device
+
+  def replica_device(self, tower: int) -> str | None:  # pylint: disable=unused-argument
+    """The device of tower `tower`'s copies of the variables, or None.
+
+    None (the default) means that the tower uses the shared variables
+    themselves; a device means that it reads its own copies there, which are
+    refreshed from the shared variables after every update.
+    """
+    return None
 
   def describe(self) -> str:
     """One line for the placement log."""
@@ -101,9 +111,34 @@ class GpuPlacement(Placement):
             f'device with the fewest bytes so far')
 
 
+class ReplicatedPlacement(Placement):
+  """Every tower reads its own copy of the variables, on its own device.
+
+  The variables themselves (the ones the checkpoint holds, and the optimizer's
+  slots) live on the first tower's device, and tower 0 uses them directly;
+  tower k > 0 gets copies on its device. All towers' gradients are combined on
+  the first device, the optimizer updates the variables there once, and then
+  the new values are copied to every tower's device (reduce, update,
+  broadcast; no all-reduce).
+  """
+
+  name = 'replicated'
+
+  def variable_device(self, shape, dtype, name):
+    return self.tower_devices[0]
+
+  def replica_device(self, tower):
+    return self.tower_devices[tower]
+
+  def describe(self):
+    return (f'variables on {self.tower_devices[0]}, copied to each other tower\'s '
+            f'device and refreshed after every update')
+
+
 STRATEGIES: dict[str, type[Placement]] = {
     CpuPlacement.name: CpuPlacement,
     GpuPlacement.name: GpuPlacement,
+    ReplicatedPlacement.name: ReplicatedPlacement,
 }
 
 

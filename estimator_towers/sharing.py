@@ -8,6 +8,15 @@ hands back tower 0's i-th variable for their i-th creation request, with a fresh
 `get_variable` store and fresh variable-scope name counters so that
 `get_variable` and `tf.compat.v1.layers` ask for exactly the names tower 0 asked
 for. A tower that asks for a different variable is an error.
+
+With replicas (a `replica_device` for tower k), tower k gets its own copy of
+each of tower 0's floating-point global variables instead: a local variable
+named '<plain name>/replica_k' on its device, initialized from the original,
+not saved in checkpoints. While tower k is built, the copies stand in for their
+originals in TRAINABLE_VARIABLES, so the model_fn's optimizer computes tower
+k's gradients with respect to the copies; `primary` maps them back, and
+`refresh` copies the updated values into the replicas after each update.
+Metric and other local variables stay shared, so metrics stay exact.
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ from typing import Callable, Iterator
 
 import tensorflow as tf
 from tensorflow.python.ops import variable_scope as vs  # pylint: disable=g-direct-tensorflow-import
+
+GraphKeys = tf.compat.v1.GraphKeys
 
 
 class TowerMismatchError(ValueError):
@@ -49,18 +60,80 @@ def _requested_dtype(kwargs: dict) -> tf.DType | None:
   return None
 
 
+def _only_local(graph: tf.Graph, variable: tf.Variable) -> None:
+  """Puts `variable` in LOCAL_VARIABLES and in no other variable collection."""
+  keys = (GraphKeys.GLOBAL_VARIABLES, GraphKeys.TRAINABLE_VARIABLES,
+          GraphKeys.LOCAL_VARIABLES)
+  for key in keys:
+    collection = graph.get_collection_ref(key)
+    collection[:] = [v for v in collection if v is not variable]
+  graph.add_to_collection(GraphKeys.LOCAL_VARIABLES, variable)
+
+
 class VariableSharing:
-  """Records tower 0's variables and gives them to the other towers.
+  """Records tower 0's variables and gives them (or copies) to the other towers.
 
   Args:
     variable_device: called with (shape, dtype, name) of each new variable;
       returns the device string it is created on.
+    replica_device: called with a tower index k > 0; returns the device of
+      tower k's copies, or None for the shared variables. None: no copies.
   """
 
-  def __init__(self, variable_device: Callable[[tf.TensorShape | None, tf.DType | None, str], str]):
+  def __init__(self, variable_device: Callable[[tf.TensorShape | None, tf.DType | None, str], str],
+               replica_device: Callable[[int], str | None] | None = None):
     self._variable_device = variable_device
+    self._replica_device = replica_device or (lambda tower: None)
     self.variables: list[tf.Variable] = []
     self._requested_names: list[str] = []  # before the graph made them unique
+    self._primaries: dict[int, tf.Variable] = {}  # id(copy) -> original
+    self._replicas: dict[int, tuple[tf.Variable, list[tf.Variable]]] = {}  # id(original) -> copies
+
+  def primary(self, variable: tf.Variable) -> tf.Variable:
+    """The variable a tower's copy replicates; any other variable itself."""
+    return self._primaries.get(id(variable), variable)
+
+  def refresh(self, after_op: tf.Operation | tf.Tensor) -> tf.Operation | tf.Tensor:
+    """An op that, after `after_op`, copies every original into its replicas.
+
+    Each original is read once, on its device, and assigned to each copy on the
+    copy's device. Returns `after_op` itself when there are no copies.
+    """
+    if not self._replicas:
+      return after_op
+    assigns = []
+    with tf.name_scope('refresh_replicas'), tf.control_dependencies([after_op]):
+      for original, copies in self._replicas.values():
+        with tf.device(original.device):
+          value = original.read_value()
+        for copy in copies:
+          with tf.device(copy.device):
+            assigns.append(copy.assign(value, read_value=False))
+      return tf.group(*assigns)
+
+  def _replicate(self, next_creator: Callable, original: tf.Variable, tower: int,
+                 device: str) -> tf.Variable:
+    """Tower `tower`'s copy of `original` on `device`, a local variable."""
+    graph = tf.compat.v1.get_default_graph()
+    # The initial value is read on the original's device, outside the tower's
+    # control flow and control dependencies, in the original's name scope.
+    with tf.init_scope(), graph.name_scope(f'{original.op.name}/'), \
+        tf.device(original.device):
+      initial_value = original.read_value()
+    with graph.name_scope(None), tf.device(device):  # a plain name, not under tower_k/
+      copy = next_creator(
+          initial_value=initial_value, name=f'{original.op.name}/replica_{tower}',
+          trainable=original.trainable, collections=[GraphKeys.LOCAL_VARIABLES],
+          dtype=original.dtype.base_dtype, validate_shape=original.shape.is_fully_defined(),
+          use_resource=True)
+    _only_local(graph, copy)
+    trainable = graph.get_collection_ref(GraphKeys.TRAINABLE_VARIABLES)
+    for i, v in enumerate(trainable):
+      if v is original:
+        trainable[i] = copy
+    self._primaries[id(copy)] = original
+    self._replicas.setdefault(id(original), (original, []))[1].append(copy)
+    return copy
 
   @contextlib.contextmanager
   def creating(self) -> Iterator[None]:
@@ -81,10 +154,22 @@ class VariableSharing:
 
   @contextlib.contextmanager
   def reusing(self, tower: int) -> Iterator[None]:
-    """Scope of tower `tower` > 0: creation requests return tower 0's variables."""
-    position = [0]
+    """Scope of tower `tower` > 0: creation requests return tower 0's variables.
 
-    def creator(next_creator, **kwargs):  # pylint: disable=unused-argument
+    With a replica device for the tower, they return its copies of tower 0's
+    floating-point global variables instead; copies stand in for their
+    originals in TRAINABLE_VARIABLES until the scope ends.
+    """
+    position = [0]
+    device = self._replica_device(tower)
+    graph = tf.compat.v1.get_default_graph()
+    replicated = set()
+    if device is not None:
+      replicated = {id(v) for v in graph.get_collection(GraphKeys.GLOBAL_VARIABLES)
+                    if v.dtype.base_dtype.is_floating}
+    made: dict[int, tf.Variable] = {}  # id(copy) -> original, this tower's
+
+    def creator(next_creator, **kwargs):
       i = position[0]
       name = kwargs.get('name')
       if i >= len(self.variables):
@@ -110,7 +195,11 @@ class VariableSharing:
             f'the same order; do not branch on anything that differs between '
             f'towers when creating variables.')
       position[0] += 1
-      return variable
+      if id(variable) not in replicated:
+        return variable
+      copy = self._replicate(next_creator, variable, tower, device)
+      made[id(copy)] = variable
+      return copy
 
     scope_stores = tf.compat.v1.get_collection_ref(vs._VARSCOPESTORE_KEY)  # pylint: disable=protected-access
     saved_scope_stores = list(scope_stores)
@@ -123,6 +212,8 @@ class VariableSharing:
         yield
     finally:
       scope_stores[:] = saved_scope_stores
+      trainable = graph.get_collection_ref(GraphKeys.TRAINABLE_VARIABLES)
+      trainable[:] = [made.get(id(v), v) for v in trainable]
     if position[0] != len(self.variables):
       missing = self.variables[position[0]]
       raise TowerMismatchError(

@@ -17,6 +17,7 @@ from estimator_towers import plan as plan_lib
 from estimator_towers import sharding
 from estimator_towers import sharing
 from estimator_towers import specs as specs_lib
+from estimator_towers import staging
 
 ModeKeys = tf.estimator.ModeKeys
 GraphKeys = tf.compat.v1.GraphKeys
@@ -151,6 +152,13 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
                    'loss_reduction=%s).', len(tower_devices), ', '.join(tower_devices),
                    placement.describe(), placement.name, plan.loss_reduction)
     run = functools.partial(call_user, params=params, config=config)
+    staged = staging.staged_shards(features, labels, plan, tower_devices)
+    if staged is not None:  # Towers read prefetched shards from staging areas.
+      if len(tower_devices) == 1:
+        with tf.device(tower_devices[0]):
+          return staged.attach_hook(run(staged.features[0], staged.labels[0], mode))
+      return staged.attach_hook(
+          _build_towers(run, features, labels, mode, plan, placement, staged))
     if len(tower_devices) == 1:
       with tf.device(tower_devices[0]):
         return run(features, labels, mode)
@@ -221,16 +229,20 @@ def _detach_side_effects(ops: Sequence[tf.Operation]) -> None:
       op._add_control_inputs(keep)  # pylint: disable=protected-access
 
 
-def _build_towers(run, features, labels, mode, plan, placement):
+def _build_towers(run, features, labels, mode, plan, placement, staged=None):
   graph = tf.compat.v1.get_default_graph()
   tower_devices = placement.tower_devices
   num_towers = len(tower_devices)
   host = getattr(tf.nest.flatten(features, expand_composites=True)[0], 'device', '') or '/cpu:0'
   with tf.device(host), tf.name_scope('shard_inputs'):
-    batch = sharding.batch_size(features, labels)
-    sizes = sharding.shard_sizes(batch, num_towers)
-    feature_shards = sharding.split(features, sizes)
-    label_shards = sharding.split(labels, sizes)
+    if staged is None:
+      batch = sharding.batch_size(features, labels)
+      sizes = sharding.shard_sizes(batch, num_towers)
+      feature_shards = sharding.split(features, sizes)
+      label_shards = sharding.split(labels, sizes)
+    else:
+      batch, sizes = staged.batch, staged.sizes
+      feature_shards, label_shards = staged.features, staged.labels
     if isinstance(batch, int):
       nonempty = [s > 0 for s in sizes]
       weights = ([s / max(batch, 1) for s in sizes] if plan.loss_reduction == 'mean'
@@ -243,8 +255,9 @@ def _build_towers(run, features, labels, mode, plan, placement):
   # Towers whose shard is statically empty are not built at all.
   active = [k for k in range(num_towers) if nonempty[k] is not False] or [0]
 
-  variable_sharing = sharing.VariableSharing(placement.variable_device)
-  collector = gradients.GradientCollector()
+  variable_sharing = sharing.VariableSharing(placement.variable_device,
+                                             placement.replica_device)
+  collector = gradients.GradientCollector(primary=variable_sharing.primary)
   saved = {key: graph.get_collection(key) for key in _PER_TOWER_COLLECTIONS}
   kept = {}
   tower_specs = []
@@ -285,4 +298,5 @@ def _build_towers(run, features, labels, mode, plan, placement):
         'towers\' gradients can be combined before one update; this model_fn '
         'made no such call. Use an optimizer, or run it without towers.')
   collector.apply(weights, nonempty, placement.aggregation_device)
-  return specs_lib.merge_train(tower_specs, loss, tower_specs[0].train_op)
+  train_op = variable_sharing.refresh(tower_specs[0].train_op)  # itself without copies
+  return specs_lib.merge_train(tower_specs, loss, train_op)

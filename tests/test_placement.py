@@ -9,6 +9,7 @@ import functools
 import math
 import re
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -63,9 +64,12 @@ def tower_of(op):
 
 
 def variable_ops(graph):
-  """VarHandleOps of the model and its optimizer slots (not global_step)."""
-  return {op.name: op for op in graph.get_operations()
-          if op.type == 'VarHandleOp' and op.name != 'global_step'}
+  """VarHandleOps of the model's global variables and optimizer slots.
+
+  Not global_step, and not the towers' replicas, which are local variables.
+  """
+  return {v.op.name: v.op for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+          if v.op.name != 'global_step'}
 
 
 def gpu(k):
@@ -81,13 +85,16 @@ FEATURES = {
 # gpu: bytes 160, 32, 512, 64 go to the four empty devices in turn; then
 # dense_2/kernel (192) joins GPU:1 (32, the lightest) and dense_2/bias joins
 # GPU:3 (64, lightest of 160, 224, 512, 64). Round-robin would differ on both.
+# replicated: the originals on the first tower's device (copies are checked in
+# test_replicated_towers_read_their_own_copies).
+MODEL_VARIABLES = ('dense/kernel', 'dense/bias', 'dense_1/kernel', 'dense_1/bias',
+                   'dense_2/kernel', 'dense_2/bias')
 EXPECTED_DEVICES = {
-    'cpu': {name: '/device:CPU:0' for name in (
-        'dense/kernel', 'dense/bias', 'dense_1/kernel', 'dense_1/bias',
-        'dense_2/kernel', 'dense_2/bias')},
+    'cpu': {name: '/device:CPU:0' for name in MODEL_VARIABLES},
     'gpu': {'dense/kernel': gpu(0), 'dense/bias': gpu(1),
             'dense_1/kernel': gpu(2), 'dense_1/bias': gpu(3),
             'dense_2/kernel': gpu(1), 'dense_2/bias': gpu(3)},
+    'replicated': {name: gpu(0) for name in MODEL_VARIABLES},
 }
 
 
@@ -195,3 +202,205 @@ def test_describe_is_one_line_naming_the_devices(strategy):
   assert line and '\n' not in line
   assert any(device in line for device in ('/device:CPU:0', '/device:GPU:0'))
 
+
+
+# --- replicated ---------------------------------------------------------------
+
+def ancestors(tensors):
+  """Every op that `tensors` depend on through data edges."""
+  seen, pending = set(), [t.op for t in tensors]
+  while pending:
+    op = pending.pop()
+    if op not in seen:
+      seen.add(op)
+      pending.extend(t.op for t in op.inputs)
+  return seen
+
+
+def replica_name(name, k):
+  return f'{name}/replica_{k}'
+
+
+@pytest.mark.parametrize('features', sorted(FEATURES))
+def test_replicated_towers_read_their_own_copies(features):
+  graph = build_train_graph('replicated', SMALL_WIDTHS, FEATURES[features])
+  ops = graph.get_operations()
+  keys = tf.compat.v1.GraphKeys
+  originals = {v.op.name: v for v in graph.get_collection(keys.GLOBAL_VARIABLES)
+               if v.op.name in MODEL_VARIABLES}
+  assert sorted(originals) == sorted(MODEL_VARIABLES)
+
+  # Towers 1..3 each have a copy of every model variable on their own device:
+  # local variables (initialized from the original, never saved), not global
+  # and not trainable once the towers are built. Tower 0 uses the originals.
+  copies = {v.op.name: v for v in graph.get_collection(keys.LOCAL_VARIABLES)}
+  assert sorted(copies) == sorted(replica_name(name, k) for name in MODEL_VARIABLES
+                                  for k in range(1, len(GPUS)))
+  for name, copy in copies.items():
+    assert copy.device == gpu(int(name.rsplit('_', 1)[1])), name
+  global_ids = {id(v) for v in graph.get_collection(keys.GLOBAL_VARIABLES)}
+  assert not any(id(v) in global_ids for v in copies.values())
+  assert ([v.op.name for v in graph.get_collection(keys.TRAINABLE_VARIABLES)]
+          == list(MODEL_VARIABLES))
+
+  # Each tower's compute (forward and backward MatMul, BiasAdd and their
+  # gradients) reads only variables on its own device: the originals for tower
+  # 0, its copies for tower k; no op in tower k's scope touches another variable.
+  read = {k: set() for k in range(len(GPUS))}
+  for op in ops:
+    handles = [t.op for t in op.inputs if t.dtype == tf.resource]
+    if op.type == 'ReadVariableOp' and any(c.type in ('MatMul', 'BiasAdd', 'BiasAddGrad')
+                                           for c in op.outputs[0].consumers()):
+      read[tower_of(op)].update(h.name for h in handles)
+    elif op.name.startswith('tower_'):
+      assert not handles or op.type == 'ReadVariableOp', op.name
+    if op.name.startswith('tower_'):
+      for h in handles:
+        assert h.name == replica_name(h.name.split('/replica_')[0], tower_of(op)), op.name
+  assert read[0] == set(MODEL_VARIABLES)
+  for k in range(1, len(GPUS)):
+    assert read[k] == {replica_name(name, k) for name in MODEL_VARIABLES}, k
+  for k, names in read.items():
+    for name in names:
+      assert graph.get_operation_by_name(name).device == gpu(k), name
+
+  # Each original's update (on GPU:0, with its gradients combined there, see
+  # test_graph_placement_on_four_gpus) takes every tower's gradient: the one of
+  # tower k with respect to its copy.
+  updates = {op.inputs[0].op.name: op for op in ops if op.type == 'ResourceApplyMomentum'}
+  assert sorted(updates) == sorted(MODEL_VARIABLES)
+  for name, update in updates.items():
+    assert update.device == gpu(0)
+    towers = {tower_of(op) for op in ancestors(update.inputs)
+              if '/gradients/' in op.name or op.name.startswith('gradients/')}
+    assert towers == set(range(len(GPUS))), (name, towers)
+
+  # After the update, each copy is overwritten with its original's value,
+  # read on GPU:0 and written on the copy's device.
+  refreshed = set()
+  for op in ops:
+    if op.type == 'AssignVariableOp' and op.name.startswith('refresh_replicas/'):
+      copy = op.inputs[0].op
+      assert op.device == copy.device
+      sources = {a.inputs[0].op for a in ancestors(op.inputs[1:]) if a.type == 'ReadVariableOp'}
+      assert [(s.name, s.device) for s in sources] == [(copy.name.split('/replica_')[0], gpu(0))]
+      refreshed.add(copy.name)
+  assert refreshed == set(copies)
+
+
+def keras_dense_model_fn(features, labels, mode, params):
+  """A Keras Dense layer plus a raw tf.Variable scale; Keras legacy SGD."""
+  del params  # Unused.
+  scale = tf.Variable(1.0, name='scale')
+  logits = scale * tf.keras.layers.Dense(testlib.NUM_CLASSES)(features)
+  if mode == tf.estimator.ModeKeys.PREDICT:
+    return tf.estimator.EstimatorSpec(mode, predictions=logits)
+  loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+      labels, logits, from_logits=True))
+  optimizer = tf.keras.optimizers.legacy.SGD(0.1)
+  optimizer.iterations = tf.compat.v1.train.get_global_step()
+  train_op = optimizer.get_updates(loss, tf.compat.v1.trainable_variables())
+  return tf.estimator.EstimatorSpec(tf.estimator.ModeKeys.TRAIN, loss=loss,
+                                    train_op=tf.group(train_op))
+
+
+@pytest.mark.parametrize('model_fn', [testlib.keras_model_fn, keras_dense_model_fn])
+def test_replicated_copies_of_keras_and_raw_variables(model_fn):
+  # Keras layers (batch-norm moving statistics included) and tf.Variable create
+  # through other paths than get_variable; their copies are local too, and the
+  # Keras optimizer in tower 1 computes gradients for the copies.
+  x, y = testlib.data(7)
+  with tf.Graph().as_default():  # The model's variables (not the optimizer's).
+    model_fn(tf.constant(x), None, tf.estimator.ModeKeys.PREDICT, None)
+    model_variables = [v.op.name for v in tf.compat.v1.global_variables()]
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.compat.v1.train.create_global_step()
+    towered = replicate_model_fn(model_fn, devices=GPUS[:2], variable_strategy='replicated')
+    towered(tf.constant(x), tf.constant(y), tf.estimator.ModeKeys.TRAIN, None, None)
+    keys = tf.compat.v1.GraphKeys
+    originals = [v for v in graph.get_collection(keys.GLOBAL_VARIABLES)
+                 if v.op.name in model_variables]
+    copies = graph.get_collection(keys.LOCAL_VARIABLES)
+    trainable = graph.get_collection(keys.TRAINABLE_VARIABLES)
+  assert sorted(v.op.name for v in originals) == sorted(model_variables)
+  assert all(v.device == gpu(0) for v in originals)
+  assert [v.op.name for v in copies] == [replica_name(v.op.name, 1) for v in originals]
+  assert all(v.device == gpu(1) for v in copies)
+  assert not {id(v) for v in copies} & {id(v) for v in trainable}
+  assert all(v.trainable == o.trainable for v, o in zip(copies, originals))
+  updates = [op for op in graph.get_operations() if op.type.startswith('ResourceApply')]
+  assert sorted(op.inputs[0].op.name for op in updates) == sorted(v.op.name for v in trainable)
+  for update in updates:  # Each takes both towers' gradients.
+    towers = {tower_of(op) for op in ancestors(update.inputs) if 'gradients/' in op.name}
+    assert towers == {0, 1}, update.name
+
+
+class CopiesHook(tf.compat.v1.train.SessionRunHook):
+  """After every step, fetches every replica and the original it copies."""
+
+  def __init__(self):
+    self.steps = []  # per step: {copy name: (copy value, original value)}
+
+  def begin(self):
+    graph = tf.compat.v1.get_default_graph()
+    originals = {v.op.name: v for v in tf.compat.v1.global_variables()}
+    self.fetches = {v.op.name: (v, originals[v.op.name.split('/replica_')[0]])
+                    for v in graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES)
+                    if '/replica_' in v.op.name}
+
+  def after_run(self, run_context, run_values):
+    self.steps.append(run_context.session.run(self.fetches))
+
+
+def test_replicated_copies_equal_originals_after_every_step():
+  batch, steps, num_devices = 7, 3, 3
+  x, y = testlib.data(batch * steps)
+  towered = replicate_model_fn(mlp_model_fn, devices=testlib.cpu_devices(num_devices),
+                               variable_strategy='replicated')
+  est = testlib.make_estimator(towered, num_cpus=num_devices,
+                               params={'widths': SMALL_WIDTHS})
+  hook = CopiesHook()
+  est.train(testlib.input_fn(x, y, batch), steps=steps, hooks=[hook])
+  assert len(hook.steps) == steps
+  assert sorted(hook.steps[0]) == sorted(replica_name(name, k) for name in MODEL_VARIABLES
+                                         for k in range(1, num_devices))
+  for values in hook.steps:
+    for name, (copy, original) in values.items():
+      np.testing.assert_array_equal(copy, original, err_msg=name)
+  for name in hook.steps[0]:  # The originals did move: the test can fail.
+    assert not np.array_equal(hook.steps[0][name][1], hook.steps[-1][name][1]), name
+
+
+def plain_checkpoint_names(model_fn):
+  """Names of the variables the plain model_fn saves after training."""
+  x, y = testlib.data(7)
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    model_fn(tf.constant(x), tf.constant(y), tf.estimator.ModeKeys.TRAIN, None)
+    return sorted(v.op.name for v in tf.compat.v1.global_variables())
+
+
+@pytest.mark.parametrize('model_name', sorted(testlib.MODELS))
+def test_replicated_checkpoint_restores_into_plain_model_fn(model_name):
+  # Train on 3 towers with batches of 7; the checkpoint holds exactly the plain
+  # names, and evaluate/predict on 3 towers (tower k reading its copies,
+  # batch-norm moving statistics included) equal the plain model_fn's on it.
+  model_fn = testlib.MODELS[model_name]
+  batch, steps, num_devices = 7, 2, 3
+  x, y = testlib.data(batch * steps)
+  towered = replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices),
+                               variable_strategy='replicated')
+  est = testlib.make_estimator(towered, num_cpus=num_devices)
+  est.train(testlib.input_fn(x, y, batch), steps=steps)
+  assert est.get_variable_names() == plain_checkpoint_names(model_fn)
+
+  plain = testlib.make_estimator(model_fn, model_dir=est.model_dir)
+  fn = testlib.input_fn(x, y, batch)
+  plain_metrics, metrics = plain.evaluate(fn), est.evaluate(fn)
+  assert sorted(metrics) == sorted(plain_metrics)
+  for key in plain_metrics:
+    np.testing.assert_allclose(metrics[key], plain_metrics[key], atol=1e-6, err_msg=key)
+  predicted = testlib.predictions(est, fn)
+  assert predicted.shape == (batch * steps, testlib.NUM_CLASSES)
+  np.testing.assert_allclose(predicted, testlib.predictions(plain, fn), atol=1e-6)

@@ -1,0 +1,161 @@
+"""Throughput of towered training with and without input staging, on virtual CPUs.
+
+Trains the same towered MLP on the same synthetic data unstaged (staging_depth
+0: the towered model_fn splits each host batch itself) and staged with each
+backend:depth of --configs (staged_input_fn with a StagingArea per device, or
+with tf.data's MultiDeviceIterator), in interleaved rounds on fresh Estimators. It prints, per round and depth, the
+wall-clock examples/second and the process CPU time per step (all threads),
+then per configuration the medians and the median over rounds of the ratio to
+the unstaged run of the same round (paired, so that load from other processes that drifts
+between rounds cancels out). Graph building, session creation, warm-up steps
+and the final checkpoint are not timed.
+
+  python bench/staging_bench.py                       # 2 virtual CPUs
+  python bench/staging_bench.py --num_cpu_devices=4 --rounds=7 \
+      --configs=staging_area:1,multi_device_iterator:1
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+import numpy as np
+import tensorflow as tf
+
+import estimator_towers as et
+
+flags.DEFINE_integer('num_cpu_devices', 2, 'Towers on this many virtual CPU devices.')
+flags.DEFINE_integer('batch_size', 256, 'Global batch size.')
+flags.DEFINE_integer('num_features', 256, 'Input width.')
+flags.DEFINE_integer('hidden', 512, 'Width of the two hidden layers.')
+flags.DEFINE_integer('num_examples', 8192, 'Synthetic examples (repeated).')
+flags.DEFINE_integer('warmup_steps', 20, 'Untimed steps at the start of each run.')
+flags.DEFINE_integer('steps', 200, 'Timed steps per run.')
+flags.DEFINE_integer('rounds', 5, 'Interleaved rounds (one run per depth each).')
+flags.DEFINE_list('configs', ['staging_area:1', 'staging_area:2',
+                              'multi_device_iterator:1', 'multi_device_iterator:2'],
+                  'backend:staging_depth pairs to compare with the unstaged run.')
+flags.DEFINE_integer('inter_op_threads', 0, 'Session inter-op threads (0: TF default).')
+flags.DEFINE_integer('intra_op_threads', 0, 'Session intra-op threads (0: TF default).')
+
+FLAGS = flags.FLAGS
+NUM_CLASSES = 10
+
+
+def model_fn(features, labels, mode):
+  x = features['x']
+  for i in range(2):
+    x = tf.compat.v1.layers.dense(
+        x, FLAGS.hidden, activation=tf.nn.relu,
+        kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=i))
+  logits = tf.compat.v1.layers.dense(x, NUM_CLASSES)
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  optimizer = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9)
+  train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def input_fn():
+  rng = np.random.RandomState(0)
+  x = rng.randn(FLAGS.num_examples, FLAGS.num_features).astype(np.float32)
+  y = rng.randint(0, NUM_CLASSES, FLAGS.num_examples).astype(np.int32)
+  dataset = tf.data.Dataset.from_tensor_slices(({'x': x}, y)).repeat()
+  return dataset.batch(FLAGS.batch_size).prefetch(2)
+
+
+class StepTimer(tf.compat.v1.train.SessionRunHook):
+  """Wall time of the steps after the warm-up."""
+
+  def __init__(self, warmup_steps: int):
+    self._warmup = warmup_steps
+    self._steps = 0
+    self.start = self.stop = self.cpu_start = self.cpu_stop = None
+
+  def after_run(self, run_context, run_values):
+    self._steps += 1
+    if self._steps == self._warmup:
+      self.start, self.cpu_start = time.perf_counter(), time.process_time()
+    self.stop, self.cpu_stop = time.perf_counter(), time.process_time()
+
+
+UNSTAGED = 'unstaged'
+
+
+def run_once(config: str) -> tuple[float, float]:
+  """Examples/second and CPU milliseconds/step of a fresh training run."""
+  backend, depth = ('staging_area', 0) if config == UNSTAGED else config.split(':')
+  plan = et.make_plan(devices=[f'/cpu:{i}' for i in range(FLAGS.num_cpu_devices)],
+                      staging_depth=int(depth))
+  config = tf.estimator.RunConfig(
+      session_config=tf.compat.v1.ConfigProto(
+          device_count={'CPU': FLAGS.num_cpu_devices},
+          inter_op_parallelism_threads=FLAGS.inter_op_threads,
+          intra_op_parallelism_threads=FLAGS.intra_op_threads),
+      save_checkpoints_steps=10**9, save_summary_steps=10**9,
+      log_step_count_steps=10**9)
+  estimator = tf.estimator.Estimator(
+      et.replicate_model_fn(model_fn, plan=plan), config=config,
+      model_dir=tempfile.mkdtemp(prefix='staging_bench_'))
+  timer = StepTimer(FLAGS.warmup_steps)
+  estimator.train(et.staged_input_fn(input_fn, plan, backend),
+                  steps=FLAGS.warmup_steps + FLAGS.steps, hooks=[timer])
+  return (FLAGS.steps * FLAGS.batch_size / (timer.stop - timer.start),
+          1000 * (timer.cpu_stop - timer.cpu_start) / FLAGS.steps)
+
+
+def machine() -> str:
+  try:
+    lscpu = subprocess.run(['lscpu'], capture_output=True, text=True, check=False).stdout
+    model = next((l.split(':', 1)[1].strip() for l in lscpu.splitlines()
+                  if l.startswith('Model name')), platform.processor())
+  except OSError:
+    model = platform.processor()
+  return f'{model}, nproc={os.cpu_count()}'
+
+
+def main(argv):
+  del argv
+  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+  configs = [UNSTAGED] + FLAGS.configs
+  print(f'# {datetime.date.today()}  {machine()}  TensorFlow {tf.__version__}')
+  print(f'# columns: {", ".join(configs)}')
+  print(f'# {FLAGS.num_cpu_devices} virtual CPU towers, batch {FLAGS.batch_size}, '
+        f'MLP {FLAGS.num_features}-{FLAGS.hidden}-{FLAGS.hidden}-{NUM_CLASSES}, '
+        f'{FLAGS.steps} timed steps after {FLAGS.warmup_steps}, {FLAGS.rounds} rounds')
+  speed = {c: [] for c in configs}
+  cpu = {c: [] for c in configs}
+  for r in range(FLAGS.rounds):
+    order = configs if r % 2 == 0 else configs[::-1]  # Interleave against drift.
+    for config in order:
+      examples_per_second, cpu_ms = run_once(config)
+      speed[config].append(examples_per_second)
+      cpu[config].append(cpu_ms)
+    print(f'round {r:2d}: ' + '  '.join(f'{speed[c][-1]:6.0f}' for c in configs)
+          + '  ex/s;  ' + '  '.join(f'{cpu[c][-1]:5.2f}' for c in configs)
+          + '  cpu-ms/step', flush=True)
+
+  def paired(values, config):
+    """Median and quartiles, over rounds, of the % change from unstaged."""
+    changes = [100 * (v / b - 1) for v, b in zip(values[config], values[UNSTAGED])]
+    q1, median, q3 = statistics.quantiles(changes, n=4) if len(changes) > 1 else changes * 3
+    return f'{median:+6.1f}% [{q1:+6.1f}, {q3:+6.1f}]'
+
+  print(f'\n{"configuration":24s} {"ex/s":>7s}  {"change [quartiles]":>24s}'
+        f'  {"cpu-ms/step":>11s}  {"change [quartiles]":>24s}')
+  for config in configs:
+    print(f'{config:24s} {statistics.median(speed[config]):7.0f}  '
+          f'{paired(speed, config):>24s}  {statistics.median(cpu[config]):11.2f}  '
+          f'{paired(cpu, config):>24s}')
+  print('(medians over rounds; change: vs the unstaged run of the same round)')
+
+
+if __name__ == '__main__':
+  app.run(main)
