@@ -107,9 +107,9 @@ def run() -> dict:
   estimator = tf.estimator.Estimator(model_fn, config=run_config, params=model_params())
 
   train_input_fn = cifar_data.make_input_fn(source, True, FLAGS.batch_size)
-  if hasattr(et, 'staged_input_fn'):  # TODO(lead): drop this guard once it is exported.
-    train_input_fn = et.staged_input_fn(train_input_fn, plan=towers.plan)  # estimator_towers:
+  train_input_fn = et.staged_input_fn(train_input_fn, plan=towers.plan)  # estimator_towers:
   eval_input_fn = cifar_data.make_input_fn(source, False, FLAGS.eval_batch_size)
+  eval_input_fn = et.staged_input_fn(eval_input_fn, plan=towers.plan)  # estimator_towers:
   train_spec = tf.estimator.TrainSpec(train_input_fn, max_steps=FLAGS.train_steps)
   eval_spec = tf.estimator.EvalSpec(eval_input_fn, steps=FLAGS.eval_steps,
                                     start_delay_secs=0, throttle_secs=0)
