@@ -35,7 +35,16 @@ class Placement:
     raise NotImplementedError
 
   def aggregation_device(self, variable: tf.Variable) -> str:
-    """The device on which `variable`'s gradients are combined: its own."""
+    """The device on which `variable`'s gradients are combined.
+
+    The variable's own device, unless the variable lives on another task than
+    the towers (a parameter server under TF_CONFIG): then the towers' gradients
+    are summed on the towers' host CPU and only the sum crosses the network.
+    """
+    home = tf.DeviceSpec.from_string(variable.device)
+    towers = tf.DeviceSpec.from_string(self.tower_devices[0])
+    if home.job is not None and (home.job, home.task) != (towers.job, towers.task):
+      return devices_lib.host_device(self.tower_devices[0])
     return variable.device
 
   def replica_device(self, tower: int) -> str | None:  # pylint: disable=unused-argument

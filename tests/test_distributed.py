@@ -12,7 +12,7 @@ import testlib
 from estimator_towers import replicate_model_fn
 
 
-def test_parameter_server_placement_is_kept():
+def test_parameter_server_placement_is_kept_and_gradients_summed_on_the_worker():
   towered = replicate_model_fn(testlib.v1_model_fn, devices=['/gpu:0', '/gpu:1'])
   x, y = testlib.data(7)
   setter = tf.compat.v1.train.replica_device_setter(
@@ -33,5 +33,10 @@ def test_parameter_server_placement_is_kept():
   for op in updates:
     variable = op.inputs[0].op
     assert op.device == variable.device
-    combined = op.inputs[2].op  # the combined gradient
-    assert combined.type == 'AddN' and combined.device == variable.device
+    # The towers' gradients are summed on the worker; only the sum goes to the ps.
+    combined = op.inputs[2].op
+    assert combined.type == 'AddN', combined.type
+    assert combined.device == '/job:worker/task:1/device:CPU:0', combined.device
+    assert {t.op.device for t in combined.inputs} <= {
+        '/job:worker/task:1/device:CPU:0', '/job:worker/task:1/device:GPU:0',
+        '/job:worker/task:1/device:GPU:1'}
