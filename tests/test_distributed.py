@@ -6,6 +6,14 @@ placement for variables and put the towers on the worker's own devices.
 Checked on the graph's device strings, without running.
 """
 
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
 import tensorflow as tf
 
 import testlib
@@ -40,3 +48,42 @@ def test_parameter_server_placement_is_kept_and_gradients_summed_on_the_worker()
     assert {t.op.device for t in combined.inputs} <= {
         '/job:worker/task:1/device:CPU:0', '/job:worker/task:1/device:GPU:0',
         '/job:worker/task:1/device:GPU:1'}
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.timeout(240)
+def test_train_and_evaluate_with_a_parameter_server_task(tmp_path):
+  """A ps task and a chief (2 towers on virtual CPUs) under TF_CONFIG give the
+  plain single-process result after 3 steps."""
+  x, y = testlib.data(21)
+  data_path = str(tmp_path / 'data.npz')
+  np.savez(data_path, x=x, y=y)
+  cluster = {'chief': [f'localhost:{_free_port()}'], 'ps': [f'localhost:{_free_port()}']}
+  script = os.path.join(os.path.dirname(__file__), 'distributed_task.py')
+  model_dir = str(tmp_path / 'model')
+
+  def start(task_type):
+    env = dict(os.environ, TF_CONFIG=json.dumps(
+        {'cluster': cluster, 'task': {'type': task_type, 'index': 0}}), CUDA_VISIBLE_DEVICES='')
+    return subprocess.Popen([sys.executable, script, model_dir, data_path, '2'], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+  ps = start('ps')
+  try:
+    chief = start('chief')
+    output, _ = chief.communicate(timeout=200)
+    assert chief.returncode == 0, output.decode()[-3000:]
+  finally:
+    ps.kill()
+    ps.wait()
+
+  plain = testlib.make_estimator(testlib.v1_model_fn)
+  plain.train(testlib.input_fn(x, y, 7, epochs=10), max_steps=3)
+  distributed = testlib.make_estimator(testlib.v1_model_fn, model_dir=model_dir)
+  assert testlib.variables(distributed)['global_step'] == 3
+  testlib.assert_variables_close(testlib.variables(distributed), testlib.variables(plain))
