@@ -72,10 +72,13 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   only: their variable updates are detached from their gradient computations.
   Summaries come from tower 0, under their plain names.
 
-  On placement: tower k's ops run on device k; `variable_strategy` ('cpu' by
-  default: variables on the host CPU of the first tower's worker when there are
-  several towers, on the device itself when there is one) decides where
-  variables live, and each variable's gradients are combined on its device.
+  On placement: tower k's ops run on device k; `variable_strategy` decides
+  where variables live: 'cpu' (default) on the host CPU of the towers' worker
+  (on the device itself when there is one), 'gpu' spread over the tower devices
+  balanced by bytes, 'replicated' a copy per tower refreshed after each update.
+  Gradients are combined on each variable's device, or on the worker's CPU when
+  the variable sits on a parameter server. Features from
+  `staged_input_fn(input_fn, plan)` are read from per-device staging areas.
   The plan chosen is logged once, when the graph is first built. With one device
   the model_fn runs as it is, under that device. Serving graphs
   (export_saved_model) are built as the plain model_fn, without device pins,
