@@ -3,16 +3,22 @@
 Trains the same towered MLP on the same synthetic data unstaged (staging_depth
 0: the towered model_fn splits each host batch itself) and staged with each
 backend:depth of --configs (staged_input_fn with a StagingArea per device, or
-with tf.data's MultiDeviceIterator), in interleaved rounds on fresh Estimators. It prints, per round and depth, the
-wall-clock examples/second and the process CPU time per step (all threads),
-then per configuration the medians and the median over rounds of the ratio to
-the unstaged run of the same round (paired, so that load from other processes that drifts
-between rounds cancels out). Graph building, session creation, warm-up steps
-and the final checkpoint are not timed.
+with tf.data's MultiDeviceIterator), in interleaved rounds. It prints, per round
+and configuration, the wall-clock examples/second and the process CPU time per
+step (all threads), then per configuration the medians and the median (and
+quartiles) over rounds of the change from the unstaged run of the same round:
+paired, so that load from other processes that drifts between rounds cancels.
+
+--mode=estimator (default) trains a fresh Estimator per run (graph building,
+session creation, warm-up steps and the final checkpoint are not timed).
+--mode=interleaved builds each configuration's training graph once, as
+Estimator does, keeps its session open and alternates chunks of --steps steps
+between the configurations in one process: much less run-to-run noise.
 
   python bench/staging_bench.py                       # 2 virtual CPUs
-  python bench/staging_bench.py --num_cpu_devices=4 --rounds=7 \
+  python bench/staging_bench.py --num_cpu_devices=4 --rounds=7 \\
       --configs=staging_area:1,multi_device_iterator:1
+  python bench/staging_bench.py --mode=interleaved --rounds=60 --steps=100
 """
 
 from __future__ import annotations
@@ -32,13 +38,16 @@ import tensorflow as tf
 
 import estimator_towers as et
 
+flags.DEFINE_enum('mode', 'estimator', ['estimator', 'interleaved'],
+                  'estimator: a fresh Estimator per run; interleaved: one open '
+                  'session per configuration, alternating chunks of steps.')
 flags.DEFINE_integer('num_cpu_devices', 2, 'Towers on this many virtual CPU devices.')
 flags.DEFINE_integer('batch_size', 256, 'Global batch size.')
 flags.DEFINE_integer('num_features', 256, 'Input width.')
 flags.DEFINE_integer('hidden', 512, 'Width of the two hidden layers.')
 flags.DEFINE_integer('num_examples', 8192, 'Synthetic examples (repeated).')
 flags.DEFINE_integer('warmup_steps', 20, 'Untimed steps at the start of each run.')
-flags.DEFINE_integer('steps', 200, 'Timed steps per run.')
+flags.DEFINE_integer('steps', 200, 'Timed steps per run (per chunk when interleaved).')
 flags.DEFINE_integer('rounds', 5, 'Interleaved rounds (one run per depth each).')
 flags.DEFINE_list('configs', ['staging_area:1', 'staging_area:2',
                               'multi_device_iterator:1', 'multi_device_iterator:2'],
@@ -89,26 +98,79 @@ class StepTimer(tf.compat.v1.train.SessionRunHook):
 UNSTAGED = 'unstaged'
 
 
-def run_once(config: str) -> tuple[float, float]:
-  """Examples/second and CPU milliseconds/step of a fresh training run."""
+def plan_and_backend(config: str) -> tuple[et.DevicePlan, str]:
   backend, depth = ('staging_area', 0) if config == UNSTAGED else config.split(':')
   plan = et.make_plan(devices=[f'/cpu:{i}' for i in range(FLAGS.num_cpu_devices)],
                       staging_depth=int(depth))
-  config = tf.estimator.RunConfig(
-      session_config=tf.compat.v1.ConfigProto(
-          device_count={'CPU': FLAGS.num_cpu_devices},
-          inter_op_parallelism_threads=FLAGS.inter_op_threads,
-          intra_op_parallelism_threads=FLAGS.intra_op_threads),
-      save_checkpoints_steps=10**9, save_summary_steps=10**9,
-      log_step_count_steps=10**9)
+  return plan, backend
+
+
+def session_config(own_threads: bool = False) -> tf.compat.v1.ConfigProto:
+  """own_threads: thread pools of its own (not the process-wide ones), so
+  that open sessions waiting for their turn do not hold threads of another."""
+  return tf.compat.v1.ConfigProto(
+      device_count={'CPU': FLAGS.num_cpu_devices},
+      inter_op_parallelism_threads=FLAGS.inter_op_threads,
+      intra_op_parallelism_threads=FLAGS.intra_op_threads,
+      use_per_session_threads=own_threads)
+
+
+def run_once(config: str) -> tuple[float, float]:
+  """Examples/second and CPU milliseconds/step of a fresh training run."""
+  plan, backend = plan_and_backend(config)
+  run_config = tf.estimator.RunConfig(
+      session_config=session_config(), save_checkpoints_steps=10**9,
+      save_summary_steps=10**9, log_step_count_steps=10**9)
   estimator = tf.estimator.Estimator(
-      et.replicate_model_fn(model_fn, plan=plan), config=config,
+      et.replicate_model_fn(model_fn, plan=plan), config=run_config,
       model_dir=tempfile.mkdtemp(prefix='staging_bench_'))
   timer = StepTimer(FLAGS.warmup_steps)
   estimator.train(et.staged_input_fn(input_fn, plan, backend),
                   steps=FLAGS.warmup_steps + FLAGS.steps, hooks=[timer])
   return (FLAGS.steps * FLAGS.batch_size / (timer.stop - timer.start),
           1000 * (timer.cpu_stop - timer.cpu_start) / FLAGS.steps)
+
+
+class _Initializer(tf.compat.v1.train.SessionRunHook):
+  """Initializes a dataset iterator, as Estimator's own input hook does."""
+
+  def __init__(self, initializer):
+    self._initializer = initializer
+
+  def after_create_session(self, session, coord):
+    session.run(self._initializer)
+
+
+class OpenSession:
+  """One configuration's training graph, built as Estimator builds it, kept open."""
+
+  def __init__(self, config: str):
+    plan, backend = plan_and_backend(config)
+    with tf.Graph().as_default():
+      tf.compat.v1.train.get_or_create_global_step()
+      hooks = []
+      with tf.device('/cpu:0'):  # Where Estimator calls input_fns.
+        inputs = et.staged_input_fn(input_fn, plan, backend)()
+      if isinstance(inputs, tf.data.Dataset):  # Staging off: Estimator's own iterator.
+        iterator = tf.compat.v1.data.make_initializable_iterator(inputs)
+        hooks.append(_Initializer(iterator.initializer))
+        inputs = iterator.get_next()
+      features, labels = inputs
+      spec = et.replicate_model_fn(model_fn, plan=plan)(
+          features, labels, mode=tf.estimator.ModeKeys.TRAIN)
+      self._train_op = spec.train_op
+      self._session = tf.compat.v1.train.MonitoredSession(
+          tf.compat.v1.train.ChiefSessionCreator(config=session_config(own_threads=True)),
+          hooks=hooks + list(spec.training_hooks))
+    self.run(FLAGS.warmup_steps)
+
+  def run(self, steps: int) -> tuple[float, float]:
+    """Examples/second and CPU milliseconds/step of `steps` more steps."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+      self._session.run(self._train_op)
+    return (steps * FLAGS.batch_size / (time.perf_counter() - start),
+            1000 * (time.process_time() - cpu_start) / steps)
 
 
 def machine() -> str:
@@ -129,13 +191,19 @@ def main(argv):
   print(f'# columns: {", ".join(configs)}')
   print(f'# {FLAGS.num_cpu_devices} virtual CPU towers, batch {FLAGS.batch_size}, '
         f'MLP {FLAGS.num_features}-{FLAGS.hidden}-{FLAGS.hidden}-{NUM_CLASSES}, '
-        f'{FLAGS.steps} timed steps after {FLAGS.warmup_steps}, {FLAGS.rounds} rounds')
+        f'{FLAGS.steps} timed steps after {FLAGS.warmup_steps}, {FLAGS.rounds} rounds, '
+        f'mode {FLAGS.mode}')
+  if FLAGS.mode == 'interleaved':
+    sessions = {c: OpenSession(c) for c in configs}
+    run = lambda config: sessions[config].run(FLAGS.steps)
+  else:
+    run = run_once
   speed = {c: [] for c in configs}
   cpu = {c: [] for c in configs}
   for r in range(FLAGS.rounds):
     order = configs if r % 2 == 0 else configs[::-1]  # Interleave against drift.
     for config in order:
-      examples_per_second, cpu_ms = run_once(config)
+      examples_per_second, cpu_ms = run(config)
       speed[config].append(examples_per_second)
       cpu[config].append(cpu_ms)
     print(f'round {r:2d}: ' + '  '.join(f'{speed[c][-1]:6.0f}' for c in configs)

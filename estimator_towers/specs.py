@@ -46,7 +46,8 @@ def _concat_predictions(specs):
   if first is None or (isinstance(first, dict) and not first):
     return first
   flat = [tf.nest.flatten(s.predictions) for s in specs]
-  joined = [sharding.concat([f[i] for f in flat]) if flat[0][i].shape.rank else flat[0][i]
+  # Only a known scalar is per-batch; unknown rank is taken as per-example.
+  joined = [flat[0][i] if flat[0][i].shape.rank == 0 else sharding.concat([f[i] for f in flat])
             for i in range(len(flat[0]))]
   return tf.nest.pack_sequence_as(first, joined)
 

@@ -212,17 +212,19 @@ class StagedShards:
 class StagingHook(tf.compat.v1.train.SessionRunHook):
   """Primes the staging areas and puts one batch per step; ends input exactly.
 
-  The number of staged batches is counted in Python. A step consumes one
-  staged batch on every device (the hook fetches the get ops) and runs the
-  next put. After the put reports the end of input, the step that consumes the
-  last staged batch requests a stop; a step about to start with nothing staged
-  (an empty dataset) raises OutOfRangeError, MonitoredSession's end of input.
+  The number of staged batches is counted in Python. Every step fetches
+  `step`: the put's result, after the get ops of all devices, so that a step
+  consumes one staged batch on every device (whatever the model reads) and
+  runs the next put. After the put reports the end of input, the step that
+  consumes the last staged batch requests a stop; a step about to start with
+  nothing staged (an empty dataset) raises OutOfRangeError, MonitoredSession's
+  end of input.
   """
 
-  def __init__(self, put: tf.Tensor, consume: tf.Operation,
-               initializer: tf.Operation, clear: tf.Operation, depth: int):
+  def __init__(self, put: tf.Tensor, step: tf.Tensor, initializer: tf.Operation,
+               clear: tf.Operation, depth: int):
     self._put = put
-    self._consume = consume
+    self._step_args = tf.compat.v1.train.SessionRunArgs(step)
     self._initializer = initializer
     self._clear = clear
     self._depth = depth
@@ -247,13 +249,11 @@ class StagingHook(tf.compat.v1.train.SessionRunHook):
       raise tf.errors.OutOfRangeError(
           None, None, 'End of input: every staged batch has been consumed.')
     self._staged -= 1
-    if self._exhausted:
-      return tf.compat.v1.train.SessionRunArgs([self._consume])
-    return tf.compat.v1.train.SessionRunArgs([self._consume, self._put])
+    return self._step_args
 
   def after_run(self, run_context, run_values):
     if not self._exhausted:
-      if run_values.results[1]:
+      if run_values.results:
         self._staged += 1
       else:
         self._exhausted = True
@@ -267,16 +267,16 @@ class StagingHook(tf.compat.v1.train.SessionRunHook):
 class MultiDeviceIteratorHook(tf.compat.v1.train.SessionRunHook):
   """Initializes the iterator per session; every step reads every device."""
 
-  def __init__(self, initializer: tf.Operation, consume: tf.Operation):
+  def __init__(self, initializer: tf.Operation, gets: Sequence[tf.Operation]):
     self._initializer = initializer
-    self._consume = consume
+    self._step_args = tf.compat.v1.train.SessionRunArgs(list(gets))
 
   def after_create_session(self, session, coord):
     del coord
     session.run(self._initializer)
 
   def before_run(self, run_context):
-    return tf.compat.v1.train.SessionRunArgs(self._consume)
+    return self._step_args
 
 
 def _split(value: Any, with_labels: bool, num_towers: int) -> list:
@@ -363,10 +363,11 @@ class StagingAreaBackend(Backend):
         gets.append(components[0].op)
         clears.append(area.clear())
     with tf.device(self.host):
-      hook = StagingHook(put=put, consume=tf.group(*gets, name='consume_staged'),
-                         initializer=iterator.initializer, clear=tf.group(*clears),
-                         depth=self.depth)
-    return shards, hook
+      with tf.control_dependencies(gets):
+        step = tf.identity(put, name='staged_step')
+      clear = tf.group(*clears, name='clear_staged')
+    return shards, StagingHook(put=put, step=step, initializer=iterator.initializer,
+                               clear=clear, depth=self.depth)
 
 
 class MultiDeviceIteratorBackend(Backend):
@@ -391,10 +392,8 @@ class MultiDeviceIteratorBackend(Backend):
           dataset, list(self.tower_devices), max_buffer_size=self.depth,
           prefetch_buffer_size=self.depth, source_device=self.host)
     shards = iterator.get_next()
-    with tf.device(self.host):
-      consume = tf.group(*[tf.nest.flatten(shard, expand_composites=True)[0].op
-                           for shard in shards], name='consume_staged')
-    return shards, MultiDeviceIteratorHook(iterator.initializer, consume)
+    gets = [tf.nest.flatten(shard, expand_composites=True)[0].op for shard in shards]
+    return shards, MultiDeviceIteratorHook(iterator.initializer, gets)
 
 
 BACKENDS: dict[str, type[Backend]] = {

@@ -408,6 +408,13 @@ def test_tensor_predictions_and_scalar_train_predictions():
     return spec._replace(predictions={'scalar': tf.constant(3.0),
                                       'per_example': tf.reduce_sum(features, 1)})
 
+  def unknown_rank_model_fn(features, labels, mode):
+    spec = testlib.v1_model_fn(features, labels, mode, None)
+    if mode != ModeKeys.PREDICT:
+      return spec
+    unknown = tf.compat.v1.placeholder_with_default(spec.predictions['logits'], shape=None)
+    return spec._replace(predictions={'unknown_rank': unknown}, export_outputs=None)
+
   x, y = testlib.data(7)
   fn = testlib.input_fn(x, y, 7)
   towered = testlib.make_estimator(
@@ -416,3 +423,10 @@ def test_tensor_predictions_and_scalar_train_predictions():
   plain = testlib.make_estimator(model_fn, model_dir=towered.model_dir)
   np.testing.assert_allclose(np.stack(list(towered.predict(fn))),
                              np.stack(list(plain.predict(fn))), atol=1e-6)
+  # A prediction of unknown rank is per-example: every tower's rows come back.
+  towered_unknown = testlib.make_estimator(
+      replicate_model_fn(unknown_rank_model_fn, devices=testlib.cpu_devices(3)),
+      num_cpus=3, model_dir=towered.model_dir)
+  plain_unknown = testlib.make_estimator(unknown_rank_model_fn, model_dir=towered.model_dir)
+  np.testing.assert_allclose(testlib.predictions(towered_unknown, fn, 'unknown_rank'),
+                             testlib.predictions(plain_unknown, fn, 'unknown_rank'), atol=1e-6)
