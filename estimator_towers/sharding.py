@@ -32,11 +32,13 @@ def flatten_with_paths(structure: Structure, prefix: str = '') -> list[tuple[str
   return [(prefix or '<tensor>', structure)]
 
 
-def _rows_static(t: Any) -> int | None:
+def static_rows(t: Any) -> int | None:
+  """The batch (first) dimension of a leaf, when known statically."""
   return t.shape[0] if t.shape.rank else None
 
 
-def _rows_dynamic(t: Any) -> tf.Tensor:
+def rows(t: Any) -> tf.Tensor:
+  """The batch (first) dimension of a leaf, as an int32 scalar Tensor."""
   if isinstance(t, tf.SparseTensor):
     return tf.cast(t.dense_shape[0], tf.int32)
   if isinstance(t, tf.RaggedTensor):
@@ -84,7 +86,7 @@ def batch_size(features: Structure, labels: Structure | None) -> tf.Tensor | int
   for what, path, t in leaves:
     _check_leaf(path, t, what)
 
-  known = [(what, path, t, _rows_static(t)) for what, path, t in leaves]
+  known = [(what, path, t, static_rows(t)) for what, path, t in leaves]
   known_sizes = [(what, path, t, n) for what, path, t, n in known if n is not None]
   for what, path, t, n in known_sizes[1:]:
     w0, p0, t0, n0 = known_sizes[0]
@@ -96,11 +98,11 @@ def batch_size(features: Structure, labels: Structure | None) -> tf.Tensor | int
   if len(known_sizes) == len(known):
     return int(known_sizes[0][3])
 
-  reference = _rows_dynamic(leaves[0][2])
+  reference = rows(leaves[0][2])
   checks = []
   for what, path, t in leaves[1:]:
     checks.append(tf.debugging.assert_equal(
-        _rows_dynamic(t), reference,
+        rows(t), reference,
         message=(f'All features and labels must have the same batch size, '
                  f'but {what} {path!r} differs from {leaves[0][0]} '
                  f'{leaves[0][1]!r}. Batch them together in your input_fn.')))
@@ -160,12 +162,9 @@ def split(structure: Structure | None, sizes: Sequence) -> list:
 
 
 def _concat_leaf(parts: Sequence) -> Any:
-  first = parts[0]
-  if isinstance(first, tf.SparseTensor):
+  if isinstance(parts[0], tf.SparseTensor):
     return tf.sparse.concat(0, list(parts), expand_nonconcat_dims=True)
-  if isinstance(first, tf.RaggedTensor):
-    return tf.concat(list(parts), axis=0)
-  return tf.concat(list(parts), axis=0)
+  return tf.concat(list(parts), axis=0)  # Tensors and RaggedTensors
 
 
 def concat(shards: Sequence[Structure]) -> Structure:

@@ -414,21 +414,6 @@ def _describe(plan: plan_lib.DevicePlan) -> str:
   return 'the default devices'
 
 
-def _rows(structure: Any) -> tf.Tensor:
-  """The number of rows of the first leaf of `structure`, as int32."""
-  leaf = tf.nest.flatten(structure)[0]
-  if isinstance(leaf, tf.SparseTensor):
-    return tf.cast(leaf.dense_shape[0], tf.int32)
-  if isinstance(leaf, tf.RaggedTensor):
-    return tf.cast(leaf.nrows(), tf.int32)
-  return tf.shape(leaf, out_type=tf.int32)[0]
-
-
-def _static_rows(structure: Any) -> int | None:
-  shape = tf.nest.flatten(structure)[0].shape
-  return shape[0] if shape.rank else None
-
-
 def staged_shards(features: Any, labels: Any, plan: plan_lib.DevicePlan,
                   tower_devices: Sequence[str]) -> StagedShards | None:
   """Builds the staging for a host batch of `staged_input_fn`.
@@ -480,8 +465,9 @@ def staged_shards(features: Any, labels: Any, plan: plan_lib.DevicePlan,
       feature_shards.append(shard_features)
       label_shards.append(shard_labels)
       with tf.device(device):  # A shape read on a GPU stays in host memory.
-        sizes.append(_rows(shard_features))
-    static = [_static_rows(shard_features) for shard_features in feature_shards]
+        sizes.append(sharding.rows(tf.nest.flatten(shard_features)[0]))
+    static = [sharding.static_rows(tf.nest.flatten(shard_features)[0])
+              for shard_features in feature_shards]
     with tf.device(host):
       if all(isinstance(n, int) and n > 0 for n in static):
         sizes, batch = static, sum(static)

@@ -246,15 +246,14 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
     else:
       batch, sizes = staged.batch, staged.sizes
       feature_shards, label_shards = staged.features, staged.labels
-    if isinstance(batch, int):
-      nonempty = [s > 0 for s in sizes]
-      weights = ([s / max(batch, 1) for s in sizes] if plan.loss_reduction == 'mean'
-                 else [1.0] * num_towers)
+    nonempty = [s > 0 for s in sizes]  # Python bools when the batch is static
+    if plan.loss_reduction == 'sum':
+      weights = [1.0] * num_towers
+    elif isinstance(batch, int):
+      weights = [s / max(batch, 1) for s in sizes]
     else:
-      nonempty = [s > 0 for s in sizes]
       total = tf.cast(tf.maximum(batch, 1), tf.float32)
-      weights = ([tf.cast(s, tf.float32) / total for s in sizes]
-                 if plan.loss_reduction == 'mean' else [1.0] * num_towers)
+      weights = [tf.cast(s, tf.float32) / total for s in sizes]
   # Towers whose shard is statically empty are not built at all.
   active = [k for k in range(num_towers) if nonempty[k] is not False] or [0]
 
