@@ -34,6 +34,7 @@ class TowersConfig:
       the towers are every visible GPU (the CPU when there is none).
     variable_strategy: a key of `estimator_towers.placement.STRATEGIES`.
     staging_depth: shards kept in flight per device by the staged input_fn.
+    staging_backend: the staged input_fn's backend, a key of `staging.BACKENDS`.
     loss_reduction: 'mean' or 'sum', how the model_fn's loss reduces the batch.
     log_device_placement: log the device of every op when the session starts.
     allow_soft_placement: let TensorFlow move ops without a kernel for their
@@ -53,6 +54,7 @@ class TowersConfig:
   num_cpu_devices: int | None = None
   variable_strategy: str = 'cpu'
   staging_depth: int = 1
+  staging_backend: str = 'staging_area'
   loss_reduction: str = 'mean'
   log_device_placement: bool = False
   allow_soft_placement: bool = True
@@ -71,7 +73,8 @@ class TowersConfig:
     return plan_lib.make_plan(num_gpus=self.num_gpus, devices=devices,
                               variable_strategy=self.variable_strategy,
                               loss_reduction=self.loss_reduction,
-                              staging_depth=self.staging_depth)
+                              staging_depth=self.staging_depth,
+                              staging_backend=self.staging_backend)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TowersConfig))

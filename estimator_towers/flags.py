@@ -24,6 +24,7 @@ from absl import flags
 from estimator_towers import config as config_lib
 from estimator_towers import placement
 from estimator_towers import plan as plan_lib
+from estimator_towers import staging
 
 
 def _definitions() -> dict[str, Callable[[flags.FlagValues], object]]:
@@ -49,6 +50,11 @@ def _definitions() -> dict[str, Callable[[flags.FlagValues], object]]:
       'staging_depth': lambda fv: flags.DEFINE_integer(
           'staging_depth', 1,
           'Input shards kept in flight per device (0 turns staging off).',
+          flag_values=fv),
+      'staging_backend': lambda fv: flags.DEFINE_enum(
+          'staging_backend', 'staging_area', sorted(staging.BACKENDS),
+          'How staged_input_fn prefetches shards onto the devices: a '
+          'StagingArea per device, or tf.data\'s MultiDeviceIterator.',
           flag_values=fv),
       'loss_reduction': lambda fv: flags.DEFINE_enum(
           'loss_reduction', 'mean', list(plan_lib.LOSS_REDUCTIONS),

@@ -29,12 +29,15 @@ class DevicePlan:
     loss_reduction: 'mean' (the loss is a mean over the batch: towers are
       weighted by their share of the batch) or 'sum' (towers add up).
     staging_depth: shards kept in flight per device by the staged input_fn.
+    staging_backend: how the staged input_fn prefetches shards: a key of
+      `staging.BACKENDS` ('staging_area' or 'multi_device_iterator').
   """
   devices: tuple[str, ...] | None = None
   num_gpus: int | None = None
   variable_strategy: str = 'cpu'
   loss_reduction: str = 'mean'
   staging_depth: int = 1
+  staging_backend: str = 'staging_area'
 
   def resolve(self, allow_soft_placement: bool = False) -> tuple[str, ...]:
     """The tower devices on this machine.
@@ -64,13 +67,14 @@ class DevicePlan:
 
 def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
               variable_strategy: str = 'cpu', loss_reduction: str = 'mean',
-              staging_depth: int = 1) -> DevicePlan:
+              staging_depth: int = 1,
+              staging_backend: str = 'staging_area') -> DevicePlan:
   """Validates arguments and returns a DevicePlan.
 
   Raises:
     ValueError: for a count together with devices, a non-positive count,
       duplicate or malformed devices, an unknown strategy or reduction, or a
-      negative staging depth.
+      negative staging depth, or an unknown staging backend.
   """
   if num_gpus is not None and devices is not None:
     raise ValueError(
@@ -91,6 +95,13 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
     raise ValueError(
         f'staging_depth must be a non-negative integer (shards kept in flight '
         f'per device; 0 turns staging off), got {staging_depth!r}.')
+  from estimator_towers import staging  # pylint: disable=g-import-not-at-top  (staging imports plan)
+  if staging_backend not in staging.BACKENDS:
+    raise ValueError(
+        f'staging_backend must be one of {sorted(staging.BACKENDS)}, got '
+        f'{staging_backend!r}: "staging_area" puts shards into a StagingArea per '
+        f'device, "multi_device_iterator" uses tf.data\'s MultiDeviceIterator.')
   return DevicePlan(devices=canonical, num_gpus=num_gpus,
                     variable_strategy=variable_strategy,
-                    loss_reduction=loss_reduction, staging_depth=staging_depth)
+                    loss_reduction=loss_reduction, staging_depth=staging_depth,
+                    staging_backend=staging_backend)

@@ -100,7 +100,7 @@ def _features_and_labels(element: Any, with_labels: bool = True) -> tuple[Any, A
 
 
 def staged_input_fn(input_fn: Callable, plan: plan_lib.DevicePlan,
-                    backend: str = 'staging_area') -> Callable:
+                    backend: str | None = None) -> Callable:
   """Wraps an Estimator input_fn so that towers read prefetched device shards.
 
   `input_fn` returns a `tf.data.Dataset` whose elements are global batches:
@@ -122,7 +122,7 @@ def staged_input_fn(input_fn: Callable, plan: plan_lib.DevicePlan,
     plan: the `DevicePlan` (from `make_plan`) of the towered model_fn.
     backend: a key of `BACKENDS`: 'staging_area' (StagingArea per device, puts
       driven by a hook) or 'multi_device_iterator' (tf.data's
-      MultiDeviceIterator).
+      MultiDeviceIterator); None: `plan.staging_backend` (--staging_backend).
 
   Returns:
     An input_fn for Estimator.
@@ -138,6 +138,8 @@ def staged_input_fn(input_fn: Callable, plan: plan_lib.DevicePlan,
         f'plan must be a DevicePlan from estimator_towers.make_plan, got '
         f'{plan!r}. Build one plan and give it to both replicate_model_fn(..., '
         f'plan=plan) and staged_input_fn(input_fn, plan).')
+  if backend is None:
+    backend = plan.staging_backend
   if backend not in BACKENDS:
     raise ValueError(
         f'backend must be one of {sorted(BACKENDS)}, got {backend!r}: '

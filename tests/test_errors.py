@@ -43,6 +43,11 @@ def test_bad_staging_depth():
     make_plan(devices=['/cpu:0'], staging_depth=-1)
 
 
+def test_bad_staging_backend():
+  with pytest.raises(ValueError, match="staging_backend must be one of .* got 'nccl'"):
+    make_plan(devices=['/cpu:0'], staging_backend='nccl')
+
+
 def test_count_given_positionally_and_by_keyword():
   with pytest.raises(ValueError, match=r'The device count was given twice: positionally \(2\) and as num_gpus=3'):
     replicate_model_fn(2, num_gpus=3)

@@ -158,3 +158,10 @@ def test_train_step_from_flags_matches_plain(tmp_path):
   plain = testlib.make_estimator(testlib.v1_model_fn, model_dir=str(tmp_path / 'plain'))
   plain.train(fn, steps=1)
   testlib.assert_variables_close(testlib.variables(estimator), testlib.variables(plain))
+
+
+def test_staging_backend_flag_reaches_the_plan():
+  config = config_from_flags(parsed('--staging_backend=multi_device_iterator',
+                                    '--num_cpu_devices=2'))
+  assert config.plan.staging_backend == 'multi_device_iterator'
+  assert config_from_flags(parsed('--num_cpu_devices=2')).plan.staging_backend == 'staging_area'

@@ -349,3 +349,18 @@ def test_input_fn_arguments_are_forwarded():
   predicted = [p['id'] for p in est.predict(staged_input_fn(input_fn, plan))]
   assert predicted == list(range(NUM_IDS))
   assert seen == {'mode': tf.estimator.ModeKeys.PREDICT, 'params': {'p': 1}}
+
+
+def test_backend_comes_from_the_plan_by_default():
+  """make_plan(staging_backend=...) (--staging_backend) picks the backend."""
+  x, y = testlib.data(7)
+  plan = make_plan(devices=['/gpu:0', '/gpu:1'], staging_backend='multi_device_iterator')
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.get_or_create_global_step()
+    with tf.device('/cpu:0'):
+      features, labels = staged_input_fn(testlib.input_fn(x, y, 3), plan)()
+    spec = replicate_model_fn(testlib.v1_model_fn, plan=plan)(
+        features, labels, mode=tf.estimator.ModeKeys.TRAIN)
+  assert [op.type for op in graph.get_operations() if op.type == 'MultiDeviceIterator']
+  assert not [op for op in graph.get_operations() if op.type == 'Stage']
+  assert sum(isinstance(h, staging.MultiDeviceIteratorHook) for h in spec.training_hooks) == 1
