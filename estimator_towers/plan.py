@@ -96,11 +96,7 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
         f'staging_depth must be a non-negative integer (shards kept in flight '
         f'per device; 0 turns staging off), got {staging_depth!r}.')
   from estimator_towers import staging  # pylint: disable=g-import-not-at-top  (staging imports plan)
-  if staging_backend not in staging.BACKENDS:
-    raise ValueError(
-        f'staging_backend must be one of {sorted(staging.BACKENDS)}, got '
-        f'{staging_backend!r}: "staging_area" puts shards into a StagingArea per '
-        f'device, "multi_device_iterator" uses tf.data\'s MultiDeviceIterator.')
+  staging.validate_backend(staging_backend, what='staging_backend')
   return DevicePlan(devices=canonical, num_gpus=num_gpus,
                     variable_strategy=variable_strategy,
                     loss_reduction=loss_reduction, staging_depth=staging_depth,

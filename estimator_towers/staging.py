@@ -140,11 +140,7 @@ def staged_input_fn(input_fn: Callable, plan: plan_lib.DevicePlan,
         f'plan=plan) and staged_input_fn(input_fn, plan).')
   if backend is None:
     backend = plan.staging_backend
-  if backend not in BACKENDS:
-    raise ValueError(
-        f'backend must be one of {sorted(BACKENDS)}, got {backend!r}: '
-        f'"staging_area" puts shards into a StagingArea per device, '
-        f'"multi_device_iterator" uses tf.data\'s MultiDeviceIterator.')
+  validate_backend(backend)
   if plan.staging_depth == 0:
     return input_fn
   # Estimator passes only the arguments an input_fn's signature names.
@@ -402,6 +398,20 @@ BACKENDS: dict[str, type[Backend]] = {
     StagingAreaBackend.name: StagingAreaBackend,
     MultiDeviceIteratorBackend.name: MultiDeviceIteratorBackend,
 }
+
+
+def validate_backend(name: object, what: str = 'backend') -> str:
+  """Checks a staging backend name (`what` names the argument in the message).
+
+  Raises:
+    ValueError: if `name` is not one of `BACKENDS`.
+  """
+  if name not in BACKENDS:
+    raise ValueError(
+        f'{what} must be one of {sorted(BACKENDS)}, got {name!r}: '
+        f'"staging_area" puts shards into a StagingArea per device, '
+        f'"multi_device_iterator" uses tf.data\'s MultiDeviceIterator.')
+  return name
 
 
 def _same_devices(a: plan_lib.DevicePlan, b: plan_lib.DevicePlan) -> bool:
