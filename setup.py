@@ -9,6 +9,7 @@ setuptools.setup(
                  'several GPUs or CPU devices with one decorator.'),
     long_description=open('README.md', encoding='utf-8').read(),
     long_description_content_type='text/markdown',
+    license='Apache-2.0',
     packages=setuptools.find_packages(include=['estimator_towers', 'estimator_towers.*']),
     python_requires='>=3.9,<3.12',
     install_requires=[

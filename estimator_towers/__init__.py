@@ -9,13 +9,21 @@ from estimator_towers.flags import define_flags
 from estimator_towers.plan import DevicePlan
 from estimator_towers.plan import make_plan
 from estimator_towers.staging import staged_input_fn
+from estimator_towers.throughput import ThroughputHook
+from estimator_towers.tower_context import TowerContext
+from estimator_towers.tower_context import current_tower
+from estimator_towers.tower_summaries import global_mean
 from estimator_towers.towers import replicate_model_fn
 
 __all__ = [
     'DevicePlan',
+    'ThroughputHook',
+    'TowerContext',
     'TowersConfig',
     'config_from_flags',
+    'current_tower',
     'define_flags',
+    'global_mean',
     'make_config',
     'make_run_config',
     'session_config',

@@ -17,6 +17,7 @@ from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-di
 
 from estimator_towers import devices as devices_lib
 from estimator_towers import plan as plan_lib
+from estimator_towers import spelling
 
 _DEVICE_CHOICES = ('num_gpus', 'devices', 'num_cpu_devices')
 
@@ -26,7 +27,9 @@ class TowersConfig:
   """Immutable towering and session settings; build it with `make_config`.
 
   Attributes:
-    num_gpus: towers on '/gpu:0' .. '/gpu:N-1'.
+    num_gpus: towers on '/gpu:0' .. '/gpu:N-1'; 0 trains on the host CPU.
+      More GPUs than are visible is an error (raised by make_config) unless
+      allow_cpu_fallback.
     devices: explicit tower devices (canonical strings).
     num_cpu_devices: towers on N virtual CPU devices '/cpu:0' .. '/cpu:N-1'
       (machines without GPUs); the session gets N CPU devices.
@@ -39,15 +42,16 @@ class TowersConfig:
     log_device_placement: log the device of every op when the session starts.
     allow_soft_placement: let TensorFlow move ops without a kernel for their
       device (summaries on a GPU tower, say) to another device. On by default,
-      as in Estimator's own session config; towers asked for on missing GPUs
-      then only log a warning, while with it off they raise at graph
-      construction.
+      as in Estimator's own session config. It never hides missing GPUs:
+      those are allow_cpu_fallback's business.
     gpu_memory_fraction: share of each GPU's memory the process takes; 0 keeps
       TensorFlow's default.
     allow_growth: allocate GPU memory as needed instead of up front.
     visible_gpus: GPU indices the session sees, e.g. '0,1'; '' for all.
     intra_op_threads: threads inside one op; 0 lets TensorFlow choose.
     inter_op_threads: ops run in parallel; 0 lets TensorFlow choose.
+    allow_cpu_fallback: when num_gpus asks for more GPUs than are visible, run
+      the missing towers on the host CPU with one warning, instead of raising.
   """
   num_gpus: int | None = None
   devices: tuple[str, ...] | None = None
@@ -63,6 +67,7 @@ class TowersConfig:
   visible_gpus: str = ''
   intra_op_threads: int = 0
   inter_op_threads: int = 0
+  allow_cpu_fallback: bool = False
 
   @property
   def plan(self) -> plan_lib.DevicePlan:
@@ -74,7 +79,8 @@ class TowersConfig:
                               variable_strategy=self.variable_strategy,
                               loss_reduction=self.loss_reduction,
                               staging_depth=self.staging_depth,
-                              staging_backend=self.staging_backend)
+                              staging_backend=self.staging_backend,
+                              allow_cpu_fallback=self.allow_cpu_fallback)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TowersConfig))
@@ -83,28 +89,55 @@ FIELDS = tuple(f.name for f in dataclasses.fields(TowersConfig))
 def make_config(**kwargs: Any) -> TowersConfig:
   """Validates settings (the `TowersConfig` fields) and returns a TowersConfig.
 
+  Messages spell settings in Python syntax (`num_gpus=2`), or as flags
+  (`--num_gpus=2`) when called by `config_from_flags` or a flag validator.
+
   Raises:
     TypeError: for an argument that is not a `TowersConfig` field.
     ValueError: for more than one of num_gpus / devices / num_cpu_devices, a
-      value out of range, or anything `plan.make_plan` rejects.
+      value out of range, anything `plan.make_plan` rejects, or num_gpus
+      beyond the visible GPUs without allow_cpu_fallback.
   """
+  return _make_config(kwargs, resolve=True)
+
+
+def check_field(name: str, value: Any) -> None:
+  """Checks one setting on its own (no GPU lookup): for per-flag validators.
+
+  Raises:
+    TypeError: if `name` is not a `TowersConfig` field.
+    ValueError: if `value` is out of range for `name`.
+  """
+  _make_config({name: value}, resolve=False)
+
+
+def _make_config(kwargs: dict[str, Any], resolve: bool) -> TowersConfig:
+  kwargs = dict(kwargs)
   unknown = sorted(set(kwargs) - set(FIELDS))
   if unknown:
     raise TypeError(f'make_config() got unknown argument(s) {unknown}; the '
                     f'valid arguments are {list(FIELDS)}.')
   given = [name for name in _DEVICE_CHOICES if kwargs.get(name) is not None]
   if len(given) > 1:
-    received = ' and '.join(f'{name}={kwargs[name]!r}' for name in given)
+    received = ' and '.join(spelling.setting(name, kwargs[name]) for name in given)
+    if spelling.flags_active():
+      raise ValueError(
+          f'Give at most one of --num_gpus, --devices and --num_cpu_devices, '
+          f'got {received}. --num_gpus=N means towers on /gpu:0../gpu:N-1 '
+          f'(--num_gpus=0: the CPU), --num_cpu_devices=N towers on '
+          f'/cpu:0../cpu:N-1, --devices=/gpu:0,/gpu:2 names the towers exactly.')
     raise ValueError(
         f'Give at most one of num_gpus, devices and num_cpu_devices '
         f'(--num_gpus, --devices, --num_cpu_devices), got {received}. '
-        f'num_gpus=N means towers on /gpu:0../gpu:N-1, num_cpu_devices=N '
-        f'towers on /cpu:0../cpu:N-1, devices=[...] names the towers exactly.')
+        f'num_gpus=N means towers on /gpu:0../gpu:N-1 (num_gpus=0: the CPU), '
+        f'num_cpu_devices=N towers on /cpu:0../cpu:N-1, devices=[...] names '
+        f'the towers exactly.')
   if kwargs.get('num_cpu_devices') is not None:
     devices_lib.validate_count(kwargs['num_cpu_devices'], what='num_cpu_devices')
   if kwargs.get('devices') is not None:
     kwargs['devices'] = devices_lib.validate_devices(kwargs['devices'])
-  for name in ('log_device_placement', 'allow_soft_placement', 'allow_growth'):
+  for name in ('log_device_placement', 'allow_soft_placement', 'allow_growth',
+               'allow_cpu_fallback'):
     _check_bool(name, kwargs.get(name, False))
   for name in ('intra_op_threads', 'inter_op_threads'):
     _check_threads(name, kwargs.get(name, 0))
@@ -114,6 +147,8 @@ def make_config(**kwargs: Any) -> TowersConfig:
   config = TowersConfig(**kwargs)
   plan = config.plan  # make_plan's checks: count, devices, strategy, reduction, depth.
   _check_gpus_visible(plan, config.visible_gpus)
+  if resolve and plan.num_gpus is not None:
+    plan.resolve()  # Missing GPUs: an error now, before the script creates anything.
   return config
 
 
@@ -179,17 +214,18 @@ def _check_bool(name: str, value: object) -> None:
 
 def _check_threads(name: str, value: object) -> None:
   if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-    raise ValueError(f'{name} must be a non-negative integer (0 lets TensorFlow '
-                     f'choose), got {value!r}.')
+    raise ValueError(f'{spelling.name(name)} must be a non-negative integer (0 '
+                     f'lets TensorFlow choose), got {spelling.value(name, value)}.')
 
 
 def _check_memory_fraction(value: object) -> None:
   if (isinstance(value, bool) or not isinstance(value, (int, float))
       or not (value == 0 or 0 < value <= 1)):
     raise ValueError(
-        f'gpu_memory_fraction must be 0 (TensorFlow\'s default) or in (0, 1] '
-        f'(the share of each GPU\'s memory this process takes, e.g. 0.5), got '
-        f'{value!r}.')
+        f'{spelling.name("gpu_memory_fraction")} must be 0 (TensorFlow\'s '
+        f'default) or in (0, 1] (the share of each GPU\'s memory this process '
+        f'takes, e.g. {spelling.setting("gpu_memory_fraction", 0.5)}), got '
+        f'{spelling.value("gpu_memory_fraction", value)}.')
 
 
 def _normalize_visible_gpus(value: object) -> str:
@@ -200,8 +236,9 @@ def _normalize_visible_gpus(value: object) -> str:
   if (items is None or not all(s.isdigit() for s in items)
       or len(set(map(int, items))) != len(items)):
     raise ValueError(
-        f'visible_gpus must be a comma-separated list of distinct GPU indices '
-        f'such as "0,1" ("" for every GPU), got {value!r}.')
+        f'{spelling.name("visible_gpus")} must be a comma-separated list of '
+        f'distinct GPU indices such as {spelling.setting("visible_gpus", "0,1")} '
+        f'(empty for every GPU), got {spelling.value("visible_gpus", value)}.')
   return ','.join(str(int(s)) for s in items)
 
 
@@ -214,12 +251,14 @@ def _check_gpus_visible(plan: plan_lib.DevicePlan, visible_gpus: str) -> None:
   needed = plan.num_gpus or (max(gpu_indices) + 1 if gpu_indices else 0)
   available = len(visible_gpus.split(','))
   if needed > available:
-    asked = (f'num_gpus={plan.num_gpus}' if plan.num_gpus
-             else f'devices={list(plan.devices)}')
+    asked = (spelling.setting('num_gpus', plan.num_gpus) if plan.num_gpus
+             else spelling.setting('devices', list(plan.devices)))
     raise ValueError(
-        f'{asked} needs {needed} GPUs but visible_gpus={visible_gpus!r} shows '
-        f'the session only {available} (as /gpu:0../gpu:{available - 1}). '
-        f'List more GPUs in --visible_gpus or use fewer towers.')
+        f'{asked} needs {needed} GPUs but '
+        f'{spelling.setting("visible_gpus", visible_gpus)} shows the session '
+        f'only {available} (as /gpu:0../gpu:{available - 1}). List more GPUs in '
+        f'{"" if spelling.flags_active() else "visible_gpus / "}--visible_gpus '
+        f'or use fewer towers.')
 
 
 def _virtual_cpus(config: TowersConfig) -> int:

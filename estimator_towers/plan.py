@@ -9,10 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from absl import logging
-
 from estimator_towers import devices as devices_lib
 from estimator_towers import placement
+from estimator_towers import spelling
 
 LOSS_REDUCTIONS = ('mean', 'sum')
 
@@ -24,13 +23,16 @@ class DevicePlan:
   Attributes:
     devices: canonical tower devices, or None for "every visible GPU (the CPU
       when there is none)", resolved at graph construction.
-    num_gpus: the GPU count asked for, when given as a count.
+    num_gpus: the GPU count asked for, when given as a count; 0 means one
+      tower on the host CPU.
     variable_strategy: a key of `placement.STRATEGIES`.
     loss_reduction: 'mean' (the loss is a mean over the batch: towers are
       weighted by their share of the batch) or 'sum' (towers add up).
     staging_depth: shards kept in flight per device by the staged input_fn.
     staging_backend: how the staged input_fn prefetches shards: a key of
       `staging.BACKENDS` ('staging_area' or 'multi_device_iterator').
+    allow_cpu_fallback: when num_gpus asks for more GPUs than are visible, run
+      the missing towers on the host CPU (with one warning) instead of raising.
   """
   devices: tuple[str, ...] | None = None
   num_gpus: int | None = None
@@ -38,41 +40,47 @@ class DevicePlan:
   loss_reduction: str = 'mean'
   staging_depth: int = 1
   staging_backend: str = 'staging_area'
+  allow_cpu_fallback: bool = False
 
-  def resolve(self, allow_soft_placement: bool = False) -> tuple[str, ...]:
-    """The tower devices on this machine.
+  def resolve(self) -> tuple[str, ...]:
+    """The devices the towers really get on this machine.
+
+    Explicit devices are taken as given (a warning says when they name GPUs
+    that are not visible here); num_gpus=0 is the host CPU; num_gpus=N needs N
+    visible GPUs, or allow_cpu_fallback; no choice means every visible GPU, or
+    the host CPU when there is none.
 
     Raises:
-      ValueError: when more GPUs are asked for than are visible and soft
-        placement is off.
+      ValueError: when num_gpus asks for more GPUs than are visible and
+        allow_cpu_fallback is off.
     """
     if self.devices is not None:
+      devices_lib.warn_invisible_gpus(self.devices)
       return self.devices
     if self.num_gpus is None:
       return devices_lib.default_devices()
-    visible = devices_lib.visible_gpus()
-    if self.num_gpus > len(visible):
-      message = (
-          f'num_gpus={self.num_gpus} asks for more GPUs than are visible '
-          f'({len(visible)}); visible devices: {devices_lib.visible_devices()}. '
-          f'Lower --num_gpus, check CUDA_VISIBLE_DEVICES / --visible_gpus, or '
-          f'run towers on virtual CPU devices with --num_cpu_devices=N '
-          f'(devices=["/cpu:0", ...]).')
-      if not allow_soft_placement:
-        raise ValueError(message)
-      logging.warning('%s allow_soft_placement is on: TensorFlow will place '
-                      'the missing towers on other devices.', message)
-    return devices_lib.gpu_devices(self.num_gpus)
+    return devices_lib.resolve_gpu_count(self.num_gpus, self.allow_cpu_fallback)
 
 
 def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
               variable_strategy: str = 'cpu', loss_reduction: str = 'mean',
               staging_depth: int = 1,
-              staging_backend: str = 'staging_area') -> DevicePlan:
+              staging_backend: str = 'staging_area',
+              allow_cpu_fallback: bool = False) -> DevicePlan:
   """Validates arguments and returns a DevicePlan.
 
+  Args:
+    num_gpus: towers on /gpu:0 .. /gpu:N-1; 0 trains on the host CPU.
+    devices: explicit tower devices, instead of num_gpus.
+    variable_strategy: a key of `placement.STRATEGIES`.
+    loss_reduction: 'mean' or 'sum'.
+    staging_depth: shards kept in flight per device by `staged_input_fn`.
+    staging_backend: a key of `staging.BACKENDS`.
+    allow_cpu_fallback: run towers on the host CPU when num_gpus asks for
+      more GPUs than are visible, instead of raising at graph construction.
+
   Raises:
-    ValueError: for a count together with devices, a non-positive count,
+    ValueError: for a count together with devices, a negative count,
       duplicate or malformed devices, an unknown strategy or reduction, or a
       negative staging depth, or an unknown staging backend.
   """
@@ -82,22 +90,27 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
         f'and devices={devices!r}). devices=[...] names the towers exactly; '
         f'num_gpus=N means devices=["/gpu:0", ..., "/gpu:N-1"].')
   if num_gpus is not None:
-    devices_lib.validate_count(num_gpus)
+    devices_lib.validate_gpu_count(num_gpus)
   canonical = devices_lib.validate_devices(devices) if devices is not None else None
   placement.validate_strategy(variable_strategy)
   if loss_reduction not in LOSS_REDUCTIONS:
     raise ValueError(
-        f'loss_reduction must be one of {LOSS_REDUCTIONS}, got '
-        f'{loss_reduction!r}: use "mean" when your loss averages over the '
-        f'batch (tf.compat.v1.losses and Keras losses do) and "sum" when it '
-        f'adds up per-example losses.')
+        f'{spelling.name("loss_reduction")} must be one of {LOSS_REDUCTIONS}, '
+        f'got {spelling.value("loss_reduction", loss_reduction)}: use "mean" '
+        f'when your loss averages over the batch (tf.compat.v1.losses and Keras '
+        f'losses do) and "sum" when it adds up per-example losses.')
   if isinstance(staging_depth, bool) or not isinstance(staging_depth, int) or staging_depth < 0:
     raise ValueError(
-        f'staging_depth must be a non-negative integer (shards kept in flight '
-        f'per device; 0 turns staging off), got {staging_depth!r}.')
+        f'{spelling.name("staging_depth")} must be a non-negative integer '
+        f'(shards kept in flight per device; 0 turns staging off), got '
+        f'{spelling.value("staging_depth", staging_depth)}.')
+  if not isinstance(allow_cpu_fallback, bool):
+    raise ValueError(
+        f'allow_cpu_fallback must be True or False, got {allow_cpu_fallback!r}.')
   from estimator_towers import staging  # pylint: disable=g-import-not-at-top  (staging imports plan)
   staging.validate_backend(staging_backend, what='staging_backend')
   return DevicePlan(devices=canonical, num_gpus=num_gpus,
                     variable_strategy=variable_strategy,
                     loss_reduction=loss_reduction, staging_depth=staging_depth,
-                    staging_backend=staging_backend)
+                    staging_backend=staging_backend,
+                    allow_cpu_fallback=allow_cpu_fallback)

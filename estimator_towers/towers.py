@@ -7,17 +7,20 @@ import functools
 import inspect
 from typing import Any, Callable, Sequence
 
-from absl import logging
 import tensorflow as tf
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers import gradients
+from estimator_towers import logs
 from estimator_towers import placement as placement_lib
 from estimator_towers import plan as plan_lib
 from estimator_towers import sharding
 from estimator_towers import sharing
 from estimator_towers import specs as specs_lib
 from estimator_towers import staging
+from estimator_towers import throughput
+from estimator_towers import tower_context
+from estimator_towers import tower_summaries
 
 ModeKeys = tf.estimator.ModeKeys
 GraphKeys = tf.compat.v1.GraphKeys
@@ -79,7 +82,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   Gradients are combined on each variable's device, or on the worker's CPU when
   the variable sits on a parameter server. Features from
   `staged_input_fn(input_fn, plan)` are read from per-device staging areas.
-  The plan chosen is logged once, when the graph is first built. With one device
+  The devices the towers get are logged once per graph. With one device
   the model_fn runs as it is, under that device. Serving graphs
   (export_saved_model) are built as the plain model_fn, without device pins,
   so a SavedModel serves on any machine.
@@ -129,7 +132,6 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
   accepted = set(function_utils.fn_args(model_fn))
   if 'features' not in accepted:
     raise ValueError(f'model_fn {model_fn} must take a features argument.')
-  logged = []
 
   def call_user(features, labels, mode, params, config):
     kwargs = {'features': features}
@@ -145,27 +147,31 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
 
   @functools.wraps(model_fn)
   def towered_model_fn(features, labels=None, mode=None, params=None, config=None):
-    soft = bool(config is not None and config.session_config is not None
-                and config.session_config.allow_soft_placement)
-    tower_devices = plan.resolve(allow_soft_placement=soft)
+    tower_devices = plan.resolve()
     placement = placement_lib.make_placement(plan.variable_strategy, tower_devices)
-    if not logged:
-      logged.append(True)
-      logging.info('estimator_towers: %d tower(s) on %s; %s (variable_strategy=%s, '
-                   'loss_reduction=%s).', len(tower_devices), ', '.join(tower_devices),
-                   placement.describe(), placement.name, plan.loss_reduction)
+    serving = (mode == ModeKeys.PREDICT and len(tower_devices) > 1
+               and _is_serving_graph(features))
+    logs.info_once_per_graph(
+        f'estimator_towers: {mode} graph: the plain model_fn, without towers or '
+        f'device pins (a serving graph).' if serving else
+        f'estimator_towers: {mode} graph: {len(tower_devices)} tower(s) on '
+        f'{", ".join(tower_devices)}; {placement.describe()} (variable_strategy='
+        f'{placement.name}, loss_reduction={plan.loss_reduction}).')
     run = functools.partial(call_user, params=params, config=config)
     staged = staging.staged_shards(features, labels, plan, tower_devices)
+    if mode == ModeKeys.TRAIN:  # For ThroughputHook's examples/sec.
+      throughput.record_global_batch(staged.batch if staged is not None
+                                     else throughput.first_leaf_rows(features))
     if staged is not None:  # Towers read prefetched shards from staging areas.
       if len(tower_devices) == 1:
-        with tf.device(tower_devices[0]):
+        with tf.device(tower_devices[0]), tower_context.entering(0, 1, tower_devices[0], True):
           return staged.attach_hook(run(staged.features[0], staged.labels[0], mode))
       return staged.attach_hook(
           _build_towers(run, features, labels, mode, plan, placement, staged))
     if len(tower_devices) == 1:
-      with tf.device(tower_devices[0]):
+      with tf.device(tower_devices[0]), tower_context.entering(0, 1, tower_devices[0], True):
         return run(features, labels, mode)
-    if mode == ModeKeys.PREDICT and _is_serving_graph(features):
+    if serving:
       return run(features, labels, mode)
     return _build_towers(run, features, labels, mode, plan, placement)
 
@@ -274,6 +280,8 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
       scopes.enter_context(variable_sharing.creating() if k == active[0]
                            else variable_sharing.reusing(k))
       scopes.enter_context(_tower_collections(saved, tower_kept))
+      scopes.enter_context(tower_context.entering(k, num_towers, tower_devices[k],
+                                                  primary=k == active[0]))
       if mode == ModeKeys.TRAIN:
         scopes.enter_context(collector.collecting())
       tower_specs.append(run(feature_shards[k], label_shards[k], mode))
@@ -290,6 +298,9 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
     return specs_lib.merge_predict(tower_specs)
   with tf.name_scope('tower_loss'):
     loss = specs_lib.weighted_sum([s.loss for s in tower_specs], weights, nonempty)
+  # towers/<k>/loss, towers/<k>/shard_size and the towers' global_mean scalars.
+  tower_losses = dict(zip(active, (s.loss for s in tower_specs)))
+  tower_summaries.tower_summaries([tower_losses.get(k) for k in range(num_towers)], sizes)
   if mode == ModeKeys.EVAL:
     return specs_lib.merge_eval(tower_specs, loss)
   if not collector.calls[0]:

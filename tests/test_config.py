@@ -15,6 +15,7 @@ from estimator_towers import make_config
 from estimator_towers import make_plan
 from estimator_towers import make_run_config
 from estimator_towers import session_config
+from estimator_towers import devices as devices_lib
 from estimator_towers import placement
 
 
@@ -52,10 +53,34 @@ def test_num_cpu_devices(n):
   assert dict(session_config(config).device_count) == {'CPU': n}
 
 
-def test_num_gpus():
+def test_num_gpus(monkeypatch):
+  monkeypatch.setattr(devices_lib, 'visible_gpus', lambda: [f'/device:GPU:{i}' for i in range(4)])
   config = make_config(num_gpus=4, variable_strategy='cpu')
   assert config.plan == make_plan(num_gpus=4)
   assert dict(session_config(config).device_count) == {}
+
+
+def test_num_gpus_zero_is_the_cpu():
+  config = make_config(num_gpus=0)
+  assert config.plan == make_plan(num_gpus=0)
+  assert config.plan.resolve() == ('/device:CPU:0',)
+  assert dict(session_config(config).device_count) == {}
+
+
+def test_missing_gpus_raise_at_make_config(monkeypatch):
+  """Before a script creates anything; Python spelling from Python."""
+  monkeypatch.setattr(devices_lib, 'visible_gpus', lambda: [])
+  with pytest.raises(ValueError, match=r'num_gpus=2 asks for 2 GPUs but 0 are visible.*'
+                     r'num_gpus=0 to train on the CPU; num_cpu_devices=2 for 2 towers on '
+                     r'virtual CPU devices; allow_cpu_fallback=True to run'):
+    make_config(num_gpus=2)
+
+
+def test_allow_cpu_fallback(monkeypatch):
+  monkeypatch.setattr(devices_lib, 'visible_gpus', lambda: ['/device:GPU:0'])
+  config = make_config(num_gpus=3, allow_cpu_fallback=True)
+  assert config.plan == make_plan(num_gpus=3, allow_cpu_fallback=True)
+  assert config.plan.resolve() == ('/device:GPU:0', '/device:CPU:0', '/device:CPU:0')
 
 
 @pytest.mark.parametrize('devices, cpus', [
@@ -130,7 +155,7 @@ def test_num_cpu_devices_positive(value):
 
 # make_plan's own checks surface at make_config time, with make_plan's messages.
 @pytest.mark.parametrize('kwargs, message', [
-    ({'num_gpus': 0}, 'num_gpus must be a positive integer'),
+    ({'num_gpus': -1}, r'num_gpus must be 0 \(train on the CPU\) or a positive integer'),
     ({'devices': '/cpu:0'}, 'devices must be a list of device strings'),
     ({'devices': []}, 'devices must name at least one device'),
     ({'devices': ['/cpu:0', '/device:CPU:0']}, 'Each tower needs its own device'),
@@ -144,7 +169,8 @@ def test_plan_errors_surface(kwargs, message):
     make_config(**kwargs)
 
 
-@pytest.mark.parametrize('name', ['log_device_placement', 'allow_soft_placement', 'allow_growth'])
+@pytest.mark.parametrize('name', ['log_device_placement', 'allow_soft_placement', 'allow_growth',
+                                  'allow_cpu_fallback'])
 def test_bool_fields(name):
   with pytest.raises(ValueError, match=f"{name} must be True or False .*--no{name}.*got 'yes'"):
     make_config(**{name: 'yes'})

@@ -20,10 +20,10 @@ ModeKeys = tf.estimator.ModeKeys
 
 @pytest.mark.parametrize('kwargs,message', [
     (dict(num_gpus=2, devices=['/cpu:0', '/cpu:1']), 'Give either num_gpus or devices, not both'),
-    (dict(num_gpus=0), r'num_gpus must be a positive integer .* got 0'),
-    (dict(num_gpus=-3), r'num_gpus must be a positive integer .* got -3'),
-    (dict(num_gpus=2.0), r'num_gpus must be a positive integer .* got 2.0'),
-    (dict(num_gpus=True), r'num_gpus must be a positive integer .* got True'),
+    (dict(num_gpus=-3), r'num_gpus must be 0 \(train on the CPU\) or a positive integer .* got -3\. '
+     r'Use e\.g\. num_gpus=2'),
+    (dict(num_gpus=2.0), r'num_gpus must be 0 .* or a positive integer .* got 2.0'),
+    (dict(num_gpus=True), r'num_gpus must be 0 .* or a positive integer .* got True'),
     (dict(devices=['/cpu:0', '/device:CPU:0']),
      r"Each tower needs its own device, but '/device:CPU:0' and '/cpu:0' both name /device:CPU:0"),
     (dict(devices=[]), 'devices must name at least one device'),
@@ -36,6 +36,11 @@ ModeKeys = tf.estimator.ModeKeys
 def test_bad_arguments(kwargs, message):
   with pytest.raises(ValueError, match=message):
     replicate_model_fn(testlib.v1_model_fn, **kwargs)
+
+
+def test_allow_cpu_fallback_must_be_a_bool():
+  with pytest.raises(ValueError, match="allow_cpu_fallback must be True or False, got 'yes'"):
+    make_plan(num_gpus=2, allow_cpu_fallback='yes')
 
 
 def test_bad_staging_depth():

@@ -1,7 +1,8 @@
 """define_flags / config_from_flags, on fresh FlagValues (never the global FLAGS).
 
 Includes one run: a config from flags trains a towered Estimator on two
-virtual CPU devices, compared with the plain model_fn's step.
+virtual CPU devices, compared with the plain model_fn's step. Bad values fail
+while absl parses argv, with messages in flag syntax.
 """
 
 import dataclasses
@@ -20,8 +21,17 @@ from estimator_towers import make_plan
 from estimator_towers import make_run_config
 from estimator_towers import replicate_model_fn
 from estimator_towers import session_config
-from estimator_towers import placement
+from estimator_towers import config as config_lib
 from estimator_towers import devices as devices_lib
+from estimator_towers import placement
+from estimator_towers import plan as plan_lib
+from estimator_towers import staging
+
+
+def fake_gpus(monkeypatch, count: int) -> None:
+  """Pretend `count` GPUs are visible (the machines here have none)."""
+  monkeypatch.setattr(devices_lib, 'visible_gpus',
+                      lambda: [f'/device:GPU:{i}' for i in range(count)])
 
 
 def parsed(*args: str) -> flags.FlagValues:
@@ -85,7 +95,8 @@ def test_devices_flag():
   assert dict(session_config(config).device_count) == {'CPU': 2}
 
 
-def test_num_gpus_flag():
+def test_num_gpus_flag(monkeypatch):
+  fake_gpus(monkeypatch, 4)
   config = config_from_flags(parsed('--num_gpus=2', '--visible_gpus=2,3'))
   assert config.plan == make_plan(num_gpus=2)
   proto = session_config(config)
@@ -93,24 +104,99 @@ def test_num_gpus_flag():
   assert dict(proto.device_count) == {}
 
 
-# --- Errors: flags go through make_config's checks ------------------------------
+# --- Errors: checked while absl parses argv, in flag syntax ---------------------
 
 @pytest.mark.parametrize('args, message', [
     (['--num_gpus=2', '--num_cpu_devices=2'],
-     'Give at most one of num_gpus, devices and num_cpu_devices'),
-    (['--num_cpu_devices=0'], 'num_cpu_devices must be a positive integer'),
-    (['--num_gpus=0'], 'num_gpus must be a positive integer'),
-    (['--devices='], 'devices must name at least one device'),
-    (['--staging_depth=-1'], 'staging_depth must be a non-negative integer'),
-    (['--gpu_memory_fraction=1.5'], r'gpu_memory_fraction must be 0 .* or in \(0, 1\]'),
-    (['--visible_gpus=first'], 'visible_gpus must be a comma-separated list'),
-    (['--num_gpus=2', '--visible_gpus=0'], 'num_gpus=2 needs 2 GPUs but visible_gpus'),
-    (['--intra_op_threads=-1'], 'intra_op_threads must be a non-negative integer'),
+     r'Give at most one of --num_gpus, --devices and --num_cpu_devices, got '
+     r'--num_gpus=2 and --num_cpu_devices=2\.'),
+    (['--num_cpu_devices=0'],
+     r'--num_cpu_devices must be a positive integer .*got --num_cpu_devices=0\. '
+     r'Use --num_cpu_devices=2 .* or --num_gpus=0 to train on the CPU'),
+    (['--num_gpus=-1'],
+     r'--num_gpus must be 0 \(train on the CPU\) or a positive integer .*got --num_gpus=-1'),
+    (['--devices='], r'--devices must name at least one device; got --devices=\. '
+     r'Pass e\.g\. --devices=/gpu:0,/gpu:1'),
+    (['--devices=/cpu:0,/device:CPU:0'],
+     r'Remove the duplicate from --devices=/cpu:0,/device:CPU:0'),
+    (['--staging_depth=-1'], r'--staging_depth must be a non-negative integer .*got --staging_depth=-1'),
+    (['--gpu_memory_fraction=1.5'],
+     r'--gpu_memory_fraction must be 0 .* or in \(0, 1\] .*got --gpu_memory_fraction=1\.5'),
+    (['--visible_gpus=first'],
+     r'--visible_gpus must be a comma-separated list .*got --visible_gpus=first'),
+    (['--num_gpus=2', '--visible_gpus=0'],
+     r'--num_gpus=2 needs 2 GPUs but --visible_gpus=0 shows the session only 1'),
+    (['--intra_op_threads=-1'],
+     r'--intra_op_threads must be a non-negative integer .*got --intra_op_threads=-1'),
 ])
-def test_flag_errors(args, message):
-  flag_values = parsed(*args)
-  with pytest.raises(ValueError, match=message):
+def test_flag_errors_at_parse_time_in_flag_syntax(args, message):
+  flag_values = flags.FlagValues()
+  define_flags(flag_values)
+  with pytest.raises(flags.IllegalFlagValueError, match=message) as raised:
+    flag_values(['prog', *args])
+  # No Python spelling (num_gpus=2, devices=[...]) in the advice.
+  assert not re.search(r"(?<![-\w])(num_gpus|num_cpu_devices|devices)=[\[\d]",
+                       str(raised.value).split(': ', 1)[1]), str(raised.value)
+
+
+def test_config_from_flags_errors_in_flag_syntax():
+  """Values set after parsing (validators bypassed) are checked again."""
+  flag_values = parsed()
+  flag_values['num_cpu_devices'].value = 0
+  with pytest.raises(ValueError, match='got --num_cpu_devices=0'):
     config_from_flags(flag_values)
+
+
+def test_missing_gpus_are_an_error_at_parse_time_naming_the_fixes(monkeypatch):
+  fake_gpus(monkeypatch, 1)
+  flag_values = flags.FlagValues()
+  define_flags(flag_values)
+  with pytest.raises(flags.IllegalFlagValueError,
+                     match=r'--num_gpus=3 asks for 3 GPUs but 1 is visible') as raised:
+    flag_values(['prog', '--num_gpus=3'])
+  named = set(re.findall(r'--(\w+)', str(raised.value)))
+  assert {'num_gpus', 'num_cpu_devices', 'allow_cpu_fallback'} <= named
+  assert named <= set(flag_values)
+  for fix in ('--num_gpus=1', '--num_gpus=0', '--num_cpu_devices=3', '--allow_cpu_fallback'):
+    assert fix in str(raised.value)
+
+
+def test_num_gpus_zero_trains_on_the_cpu():
+  config = config_from_flags(parsed('--num_gpus=0'))
+  assert config.plan.resolve() == ('/device:CPU:0',)
+
+
+def test_allow_cpu_fallback_flag(monkeypatch):
+  fake_gpus(monkeypatch, 0)
+  config = config_from_flags(parsed('--num_gpus=2', '--allow_cpu_fallback'))
+  assert config.allow_cpu_fallback and config.plan.allow_cpu_fallback
+  assert config.plan.resolve() == ('/device:CPU:0', '/device:CPU:0')
+
+
+# --- Help ------------------------------------------------------------------------
+
+def test_flags_are_key_flags_of_the_calling_module():
+  """A script's --help lists the key flags of its module: ours must be among them."""
+  flag_values = flags.FlagValues()
+  define_flags(flag_values)
+  key = {f.name for f in flag_values.get_key_flags_for_module(__name__)}
+  assert set(config_lib.FIELDS) <= key
+  assert '--num_gpus' in flag_values.module_help(__name__)
+
+
+def test_help_texts_describe_every_choice():
+  flag_values = flags.FlagValues()
+  define_flags(flag_values)
+  for name in config_lib.FIELDS:
+    assert len(flag_values[name].help) > 30, name
+  for name, values in (('variable_strategy', placement.STRATEGIES),
+                       ('staging_backend', staging.BACKENDS),
+                       ('loss_reduction', plan_lib.LOSS_REDUCTIONS)):
+    assert sorted(flag_values[name].parser.enum_values) == sorted(values)
+    for value in values:
+      assert f'{value}: ' in flag_values[name].help, (name, value)
+  assert 'host CPU' in flag_values['variable_strategy'].help
+  assert '0 trains on the CPU' in flag_values['num_gpus'].help
 
 
 def test_config_from_flags_needs_define_flags():
@@ -120,23 +206,6 @@ def test_config_from_flags_needs_define_flags():
   with pytest.raises(ValueError, match=r"config_from_flags needs the flags of define_flags\(\), "
                      r"but \['devices', 'num_cpu_devices'"):
     config_from_flags(flag_values)
-
-
-def test_too_many_gpus_names_real_flags(tmp_path):
-  """The graph-construction error for missing GPUs names flags that exist."""
-  num_gpus = len(devices_lib.visible_gpus()) + 1
-  flag_values = parsed(f'--num_gpus={num_gpus}', '--noallow_soft_placement')
-  config = config_from_flags(flag_values)
-  estimator = tf.estimator.Estimator(
-      replicate_model_fn(testlib.v1_model_fn, plan=config.plan),
-      config=make_run_config(config, model_dir=str(tmp_path)))
-  x, y = testlib.data(4)
-  with pytest.raises(ValueError, match=f'num_gpus={num_gpus} asks for more GPUs than '
-                     'are visible') as raised:
-    estimator.train(testlib.input_fn(x, y, 4), steps=1)
-  named = set(re.findall(r'--(\w+)', str(raised.value)))
-  assert {'num_gpus', 'num_cpu_devices'} <= named
-  assert named <= set(flag_values)
 
 
 # --- Running: the three-line script on two virtual CPU devices -----------------

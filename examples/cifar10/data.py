@@ -39,6 +39,10 @@ PAD = 4
 SHUFFLE_BUFFER = 10000
 
 
+class DataError(ValueError):
+  """The data the flags name is missing or unusable (reported without a traceback)."""
+
+
 class CifarBinary:
   """The binary CIFAR-10 files in `data_dir`.
 
@@ -51,21 +55,23 @@ class CifarBinary:
 
   def __init__(self, data_dir: str | None):
     if not data_dir:
-      raise ValueError(
+      raise DataError(
           '--data=cifar10 reads the binary CIFAR-10 files and needs --data_dir, '
-          'got none. Download and extract '
-          'https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz and pass '
-          '--data_dir=<dir>/cifar-10-batches-bin, or use --data=synthetic.')
+          'got none. Pass --data_dir=<dir> --download to fetch them into <dir>, '
+          'or extract https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz '
+          'yourself and pass --data_dir=<dir>/cifar-10-batches-bin, or use '
+          '--data=synthetic.')
     nested = os.path.join(data_dir, EXTRACTED_DIR)
     self.data_dir = nested if os.path.isdir(nested) else data_dir
     missing = [f for f in TRAIN_FILES + EVAL_FILES
                if not tf.io.gfile.exists(os.path.join(self.data_dir, f))]
     if missing:
-      raise ValueError(
-          f'--data_dir={data_dir!r} must hold the binary CIFAR-10 files '
+      raise DataError(
+          f'--data_dir={data_dir} must hold the binary CIFAR-10 files '
           f'{list(TRAIN_FILES + EVAL_FILES)}, but {missing} are missing from '
-          f'{self.data_dir!r}. Extract cifar-10-binary.tar.gz (the "binary '
-          f'version", not the Python one) there, or use --data=synthetic.')
+          f'{self.data_dir!r}. Pass --download to fetch and extract '
+          f'cifar-10-binary.tar.gz there, extract it yourself (the "binary '
+          f'version", not the Python one), or use --data=synthetic.')
 
   def filenames(self, training: bool) -> list[str]:
     names = TRAIN_FILES if training else EVAL_FILES
@@ -146,7 +152,7 @@ def make_source(name: str, data_dir: str | None = None):
     ValueError: for an unknown name, or (cifar10) a missing data_dir or file.
   """
   if name not in SOURCES:
-    raise ValueError(f'--data must be one of {sorted(SOURCES)}, got {name!r}.')
+    raise DataError(f'--data must be one of {sorted(SOURCES)}, got --data={name}.')
   return SOURCES[name](data_dir)
 
 

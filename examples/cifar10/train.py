@@ -2,24 +2,36 @@
 
 Lines that differ from a single-device trainer end with `# estimator_towers:`
 (a single-device trainer builds a plain RunConfig and passes the model_fn and
-input_fn unwrapped). The library's flags (--num_gpus, --devices,
---num_cpu_devices, --variable_strategy, --staging_depth, session flags) are
-listed by --helpfull. --batch_size is global: each step splits it across the
-towers.
+input_fn unwrapped). --help lists this script's flags and the library's
+(--num_gpus, --devices, --num_cpu_devices, --allow_cpu_fallback,
+--variable_strategy, --staging_depth, session flags). --batch_size is global:
+each step splits it across the towers. Every log_every_n_steps steps the log
+shows examples/sec and the time left; TensorBoard on the model directory shows
+examples_per_sec, train_accuracy over the global batch, and towers/<k>/loss
+and towers/<k>/shard_size for each tower.
 
 No download needed (synthetic CIFAR-shaped data, 2 virtual CPU devices):
 
   python examples/cifar10/train.py --num_cpu_devices=2
 
-Real CIFAR-10 (the binary version, cifar-10-binary.tar.gz) on 4 GPUs:
+On the CPU, one device (as TensorFlow's cifar10_estimator's --num_gpus=0):
 
-  python examples/cifar10/train.py --num_gpus=4 \
-      --data_dir=/data/cifar-10-batches-bin --resnet_depth=32 \
+  python examples/cifar10/train.py --num_gpus=0
+
+Real CIFAR-10 on 4 GPUs; --download fetches cifar-10-binary.tar.gz (162 MB)
+into --data_dir once, checks its MD5 and extracts it; later runs reuse it:
+
+  python examples/cifar10/train.py --num_gpus=4 --download \\
+      --data_dir=/data/cifar10 --resnet_depth=32 \\
       --train_steps=64000 --eval_every_steps=2000
+
+Asking for more GPUs than the machine shows stops with an error before
+anything is created; --allow_cpu_fallback runs the missing towers on the CPU.
 """
 
 from __future__ import annotations
 
+import sys
 import tempfile
 
 from absl import app
@@ -28,6 +40,7 @@ from absl import logging
 import tensorflow as tf
 
 import data as cifar_data  # Sibling modules: this directory is on sys.path.
+import download as cifar_download
 import estimator_towers as et
 import model as cifar_model
 
@@ -37,7 +50,15 @@ flags.DEFINE_enum('data', None, sorted(cifar_data.SOURCES),
                   'is given, synthetic otherwise.')
 flags.DEFINE_string('data_dir', None,
                     'Directory of the binary CIFAR-10 files (data_batch_*.bin, '
-                    'test_batch.bin) or of the extracted cifar-10-batches-bin/.')
+                    'test_batch.bin) or of the extracted cifar-10-batches-bin/; '
+                    'with --download, where to put them.')
+flags.DEFINE_bool('download', False,
+                  'Fetch CIFAR-10 into --data_dir unless it is there already: '
+                  'downloads --data_url, checks the MD5 published with it, '
+                  'extracts cifar-10-batches-bin/. Later runs reuse it.')
+flags.DEFINE_string('data_url', cifar_download.URL,
+                    'Where --download fetches cifar-10-binary.tar.gz: an '
+                    'http(s):// or file:// URL, or a local path.')
 flags.DEFINE_string('model_dir', None,
                     'Checkpoints and summaries; default: a new temporary directory.')
 flags.DEFINE_integer('train_steps', 300,
@@ -67,6 +88,21 @@ flags.DEFINE_integer('log_every_n_steps', 50, 'Log loss and accuracy every N ste
 flags.DEFINE_integer('seed', 0, 'Graph-level random seed and initializer seeds.')
 et.define_flags()  # estimator_towers: --num_gpus, --devices, --num_cpu_devices, ...
 
+
+def _check_depth(depth: int) -> bool:
+  try:
+    cifar_model.check_depth(depth)
+  except ValueError as e:
+    raise flags.ValidationError(str(e)) from e
+  return True
+
+
+flags.register_validator('resnet_depth', _check_depth)
+flags.register_multi_flags_validator(
+    ['download', 'data_dir'], lambda values: not values['download'] or values['data_dir'],
+    '--download needs --data_dir=<dir>: the directory to put CIFAR-10 in '
+    '(reused by later runs).')
+
 FLAGS = flags.FLAGS
 
 
@@ -87,15 +123,26 @@ def model_params() -> dict:
   }
 
 
+def data_source():
+  """The --data source, fetched first with --download.
+
+  Raises:
+    cifar_data.DataError: for missing data, or a failed download.
+  """
+  data_name = FLAGS.data or ('cifar10' if FLAGS.data_dir or FLAGS.download else 'synthetic')
+  data_dir = FLAGS.data_dir
+  if FLAGS.download and data_name == 'cifar10':
+    data_dir = cifar_download.maybe_download_and_extract(data_dir, FLAGS.data_url)
+  return data_name, cifar_data.make_source(data_name, data_dir)
+
+
 def run() -> dict:
   """Trains and evaluates as the flags say; returns the final evaluation."""
-  cifar_model.check_depth(FLAGS.resnet_depth)
-  data_name = FLAGS.data or ('cifar10' if FLAGS.data_dir else 'synthetic')
-  source = cifar_data.make_source(data_name, FLAGS.data_dir)
-  model_dir = FLAGS.model_dir or tempfile.mkdtemp(prefix='cifar10_')
+  towers = et.config_from_flags()  # estimator_towers:
+  data_name, source = data_source()
+  model_dir = FLAGS.model_dir or tempfile.mkdtemp(prefix='cifar10_')  # After every check.
   logging.info('data=%s, model_dir=%s', data_name, model_dir)
 
-  towers = et.config_from_flags()  # estimator_towers:
   run_config = et.make_run_config(  # estimator_towers:
       towers,
       model_dir=model_dir,
@@ -110,7 +157,9 @@ def run() -> dict:
   train_input_fn = et.staged_input_fn(train_input_fn, plan=towers.plan)  # estimator_towers:
   eval_input_fn = cifar_data.make_input_fn(source, False, FLAGS.eval_batch_size)
   eval_input_fn = et.staged_input_fn(eval_input_fn, plan=towers.plan)  # estimator_towers:
-  train_spec = tf.estimator.TrainSpec(train_input_fn, max_steps=FLAGS.train_steps)
+  examples_per_sec = et.ThroughputHook(estimator.config, max_steps=FLAGS.train_steps)  # estimator_towers:
+  train_spec = tf.estimator.TrainSpec(train_input_fn, max_steps=FLAGS.train_steps,
+                                      hooks=[examples_per_sec])
   eval_spec = tf.estimator.EvalSpec(eval_input_fn, steps=FLAGS.eval_steps,
                                     start_delay_secs=0, throttle_secs=0)
   metrics, _ = tf.estimator.train_and_evaluate(estimator, train_spec, eval_spec)
@@ -125,7 +174,10 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   logging.set_verbosity(logging.INFO)
   tf.get_logger().propagate = False  # TensorFlow logs through its own handler already.
-  run()
+  try:
+    run()
+  except cifar_data.DataError as e:
+    sys.exit(f'{argv[0]}: {e}')
 
 
 if __name__ == '__main__':

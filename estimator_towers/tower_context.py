@@ -1,0 +1,76 @@
+"""current_tower(): which tower a model_fn is being built for.
+
+A towered model_fn runs the user's model_fn once per tower. Code inside it
+that needs per-tower state or ops (names, local variables, a side effect that
+must happen once per step) asks `current_tower()`. Towers may be built inside
+one another (a tower can be built while another waits for gradients), so the
+context is a stack; graph construction happens on one thread, and each thread
+has its own stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Iterator
+
+
+@dataclasses.dataclass(frozen=True)
+class TowerContext:
+  """The tower a model_fn call builds.
+
+  Attributes:
+    index: the tower's index, 0 .. num_towers - 1.
+    num_towers: how many towers the towered model_fn runs.
+    device: the tower's device ('/device:GPU:1'), or None outside towers.
+    primary: True for the tower whose side effects run: its train_op is the
+      one Estimator runs, with its update ops (batch-norm moving averages) and
+      summaries (tower 0). The other towers contribute gradients only.
+  """
+  index: int
+  num_towers: int
+  device: str | None
+  primary: bool
+
+
+OUTSIDE = TowerContext(index=0, num_towers=1, device=None, primary=True)
+
+_local = threading.local()
+
+
+def _stack() -> list[TowerContext]:
+  if not hasattr(_local, 'stack'):
+    _local.stack = []
+  return _local.stack
+
+
+def current_tower() -> TowerContext:
+  """The tower being built, as seen from inside a model_fn.
+
+  Outside a towered model_fn (a plain model_fn, an input_fn, a hook) the
+  answer is one device: index 0 of 1 tower, device None, primary.
+
+  Example:
+    tower = estimator_towers.current_tower()
+    if tower.primary:
+      tf.compat.v1.summary.histogram('logits', logits)
+    per_tower_state = tf.compat.v1.get_local_variable(
+        f'seen_on_tower_{tower.index}', ...)
+  """
+  stack = _stack()
+  return stack[-1] if stack else OUTSIDE
+
+
+@contextlib.contextmanager
+def entering(index: int, num_towers: int, device: str | None,
+             primary: bool) -> Iterator[TowerContext]:
+  """While a tower's model_fn call is built, `current_tower()` describes it."""
+  context = TowerContext(index=index, num_towers=num_towers, device=device,
+                         primary=primary)
+  stack = _stack()
+  stack.append(context)
+  try:
+    yield context
+  finally:
+    stack.pop()
