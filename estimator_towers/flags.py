@@ -57,9 +57,11 @@ def _definitions() -> dict[str, Callable[[flags.FlagValues], object]]:
           'StagingArea per device, or tf.data\'s MultiDeviceIterator.',
           flag_values=fv),
       'loss_reduction': lambda fv: flags.DEFINE_enum(
-          'loss_reduction', 'mean', list(plan_lib.LOSS_REDUCTIONS),
-          'How the model_fn\'s loss reduces the batch: mean (towers weighted '
-          'by their share of the batch) or sum (towers add up).',
+          'loss_reduction', 'auto', list(plan_lib.LOSS_REDUCTIONS),
+          'How the model_fn\'s loss reduces the batch: auto (the reduction '
+          'its tf.compat.v1.losses / Keras loss records; v1 canned heads sum; '
+          'mean when none is recorded), mean (towers weighted by their share '
+          'of the batch) or sum (towers add up).',
           flag_values=fv),
       'log_device_placement': lambda fv: flags.DEFINE_bool(
           'log_device_placement', False,

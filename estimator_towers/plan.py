@@ -14,7 +14,7 @@ from absl import logging
 from estimator_towers import devices as devices_lib
 from estimator_towers import placement
 
-LOSS_REDUCTIONS = ('mean', 'sum')
+LOSS_REDUCTIONS = ('auto', 'mean', 'sum')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +26,10 @@ class DevicePlan:
       when there is none)", resolved at graph construction.
     num_gpus: the GPU count asked for, when given as a count.
     variable_strategy: a key of `placement.STRATEGIES`.
-    loss_reduction: 'mean' (the loss is a mean over the batch: towers are
-      weighted by their share of the batch) or 'sum' (towers add up).
+    loss_reduction: 'auto' (default: the reduction the model_fn's TensorFlow
+      loss function recorded, as TensorFlow's distribution strategies read it;
+      a mean when none did), 'mean' (the loss is a mean over the batch: towers
+      are weighted by their share of the batch) or 'sum' (towers add up).
     staging_depth: shards kept in flight per device by the staged input_fn.
     staging_backend: how the staged input_fn prefetches shards: a key of
       `staging.BACKENDS` ('staging_area' or 'multi_device_iterator').
@@ -35,7 +37,7 @@ class DevicePlan:
   devices: tuple[str, ...] | None = None
   num_gpus: int | None = None
   variable_strategy: str = 'cpu'
-  loss_reduction: str = 'mean'
+  loss_reduction: str = 'auto'
   staging_depth: int = 1
   staging_backend: str = 'staging_area'
 
@@ -66,7 +68,7 @@ class DevicePlan:
 
 
 def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
-              variable_strategy: str = 'cpu', loss_reduction: str = 'mean',
+              variable_strategy: str = 'cpu', loss_reduction: str = 'auto',
               staging_depth: int = 1,
               staging_backend: str = 'staging_area') -> DevicePlan:
   """Validates arguments and returns a DevicePlan.
@@ -88,7 +90,8 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
   if loss_reduction not in LOSS_REDUCTIONS:
     raise ValueError(
         f'loss_reduction must be one of {LOSS_REDUCTIONS}, got '
-        f'{loss_reduction!r}: use "mean" when your loss averages over the '
+        f'{loss_reduction!r}: use "auto" to follow the reduction your '
+        f'TensorFlow loss function records, "mean" when your loss averages over the '
         f'batch (tf.compat.v1.losses and Keras losses do) and "sum" when it '
         f'adds up per-example losses.')
   if isinstance(staging_depth, bool) or not isinstance(staging_depth, int) or staging_depth < 0:

@@ -161,6 +161,30 @@ def split(structure: Structure | None, sizes: Sequence) -> list:
           for k in range(len(sizes))]
 
 
+def _first_row(t: Any) -> Any:
+  if isinstance(t, tf.SparseTensor):
+    rest = t.dense_shape[1:]
+    extent = tf.concat([tf.ones([1], tf.int64), rest], 0)
+    piece = tf.sparse.slice(t, tf.zeros_like(t.dense_shape), extent)
+    return tf.SparseTensor(piece.indices, piece.values, extent)
+  return t[:1]  # Tensors and RaggedTensors
+
+
+def fill_empty(shard: Structure | None, size: tf.Tensor, donor: Structure | None) -> Structure:
+  """`shard`, or the first example of `donor` when `shard` has no rows.
+
+  For training only: a tower whose shard turns out empty at run time (a last
+  batch smaller than the number of towers) computes its loss on one borrowed
+  example instead, with weight zero. Its contribution to the gradient is then
+  exactly zero, where an empty batch could give NaN (batch normalisation's
+  statistics of no rows).
+  """
+  if shard is None:
+    return None
+  return tf.cond(size > 0, lambda: shard,
+                 lambda: tf.nest.map_structure(_first_row, donor))
+
+
 def _concat_leaf(parts: Sequence) -> Any:
   if isinstance(parts[0], tf.SparseTensor):
     return tf.sparse.concat(0, list(parts), expand_nonconcat_dims=True)

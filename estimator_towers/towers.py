@@ -12,6 +12,7 @@ import tensorflow as tf
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers import gradients
+from estimator_towers import interception
 from estimator_towers import placement as placement_lib
 from estimator_towers import plan as plan_lib
 from estimator_towers import sharding
@@ -31,6 +32,8 @@ _MUTATING_PREFIXES = ('Assign', 'ResourceScatter', 'Scatter', 'ResourceApply',
                       'Apply', 'ResourceSparseApply', 'SparseApply')
 
 _MODEL_FN_ARGS = ('features', 'labels', 'mode', 'params', 'config')
+
+_TPU_SPEC = tf.compat.v1.estimator.tpu.TPUEstimatorSpec
 
 
 def replicate_model_fn(model_fn: Callable | int | None = None,
@@ -138,9 +141,11 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
       if name in accepted:
         kwargs[name] = value
     spec = model_fn(**kwargs)
+    if isinstance(spec, _TPU_SPEC):  # TPU-first model_fns, run with use_tpu=False
+      spec = spec.as_estimator_spec()
     if not isinstance(spec, tf.estimator.EstimatorSpec):
-      raise TypeError(f'model_fn must return a tf.estimator.EstimatorSpec, got '
-                      f'{type(spec).__name__}.')
+      raise TypeError(f'model_fn must return a tf.estimator.EstimatorSpec (or a '
+                      f'TPUEstimatorSpec), got {type(spec).__name__}.')
     return spec
 
   @functools.wraps(model_fn)
@@ -199,24 +204,33 @@ def _is_serving_graph(features: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _tower_collections(saved: dict, keep: dict) -> Any:
-  """While a tower is built, per-tower collections hold only what it adds."""
+def _tower_collections(base: dict, keep: dict | None = None) -> Any:
+  """While a tower is built, per-tower collections hold only what it adds.
+
+  They start as `base` (their state before any tower); what the tower adds is
+  stored in `keep` if given. Afterwards they are as they were before, so a
+  tower built in the middle of tower 0 leaves tower 0's view untouched.
+  """
   graph = tf.compat.v1.get_default_graph()
+  before = {key: graph.get_collection(key) for key in _PER_TOWER_COLLECTIONS}
   for key in _PER_TOWER_COLLECTIONS:
-    graph.get_collection_ref(key)[:] = saved[key]
+    graph.get_collection_ref(key)[:] = base[key]
   try:
     yield
   finally:
     for key in _PER_TOWER_COLLECTIONS:
-      keep[key] = graph.get_collection(key)[len(saved[key]):]
+      if keep is not None:
+        keep[key] = graph.get_collection(key)[len(base[key]):]
+      graph.get_collection_ref(key)[:] = before[key]
 
 
 def _detach_side_effects(ops: Sequence[tf.Operation]) -> None:
   """Drops control edges from a tower's ops to its own variable updates.
 
-  A model_fn often computes gradients under `control_dependencies(update_ops)`;
-  in towers other than tower 0 that would run their batch-norm updates as well
-  (and an empty shard would write NaN statistics). Data edges are untouched.
+  A model_fn often computes its loss or gradients under
+  `control_dependencies(update_ops)`; in towers other than tower 0 that would
+  run their batch-norm updates as well (and an empty shard would write NaN
+  statistics). Data edges are untouched.
   """
   mutating = set()
   for op in ops:
@@ -233,6 +247,7 @@ def _detach_side_effects(ops: Sequence[tf.Operation]) -> None:
 
 
 def _build_towers(run, features, labels, mode, plan, placement, staged=None):
+  """Shards -> towers -> weighted loss -> whole-batch gradient -> the user's update."""
   graph = tf.compat.v1.get_default_graph()
   tower_devices = placement.tower_devices
   num_towers = len(tower_devices)
@@ -246,59 +261,112 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
     else:
       batch, sizes = staged.batch, staged.sizes
       feature_shards, label_shards = staged.features, staged.labels
-    nonempty = [s > 0 for s in sizes]  # Python bools when the batch is static
-    if plan.loss_reduction == 'sum':
-      weights = [1.0] * num_towers
-    elif isinstance(batch, int):
-      weights = [s / max(batch, 1) for s in sizes]
-    else:
-      total = tf.cast(tf.maximum(batch, 1), tf.float32)
-      weights = [tf.cast(s, tf.float32) / total for s in sizes]
+  nonempty = [s > 0 for s in sizes]  # Python bools when the batch is static
   # Towers whose shard is statically empty are not built at all.
   active = [k for k in range(num_towers) if nonempty[k] is not False] or [0]
-
   variable_sharing = sharing.VariableSharing(placement.variable_device,
                                              placement.replica_device)
-  collector = gradients.GradientCollector(primary=variable_sharing.primary)
-  saved = {key: graph.get_collection(key) for key in _PER_TOWER_COLLECTIONS}
-  kept = {}
-  tower_specs = []
-  for k in active:
-    first_op = len(graph.get_operations())
-    tower_kept = {}
-    scopes = contextlib.ExitStack()
-    with scopes:
-      if k != active[0]:
-        scopes.enter_context(tf.name_scope(f'tower_{k}'))
-      scopes.enter_context(tf.device(tower_devices[k]))
-      scopes.enter_context(variable_sharing.creating() if k == active[0]
-                           else variable_sharing.reusing(k))
-      scopes.enter_context(_tower_collections(saved, tower_kept))
-      if mode == ModeKeys.TRAIN:
-        scopes.enter_context(collector.collecting())
-      tower_specs.append(run(feature_shards[k], label_shards[k], mode))
-    if k == active[0]:
-      kept = tower_kept
-    elif mode == ModeKeys.TRAIN:
-      _detach_side_effects(graph.get_operations()[first_op:])
-  for key in _PER_TOWER_COLLECTIONS:
-    graph.get_collection_ref(key)[:] = saved[key] + kept.get(key, [])
+  base = {key: graph.get_collection(key) for key in _PER_TOWER_COLLECTIONS}
+  root_scope = tf.compat.v1.get_variable_scope()
+  devices = interception.device_stack(graph)
 
-  weights = [weights[k] for k in active]
-  nonempty = [nonempty[k] for k in active]
-  if mode == ModeKeys.PREDICT:
-    return specs_lib.merge_predict(tower_specs)
-  with tf.name_scope('tower_loss'):
-    loss = specs_lib.weighted_sum([s.loss for s in tower_specs], weights, nonempty)
-  if mode == ModeKeys.EVAL:
+  def build(k, reuse, **reuse_args):
+    """Tower k's model_fn on its shard, on its device, with shared variables."""
+    with tf.device(tower_devices[k]), (
+        variable_sharing.reusing(k, root_scope, **reuse_args) if reuse
+        else variable_sharing.creating()):
+      try:
+        return run(feature_shards[k], label_shards[k], mode)
+      except gradients.TowerStop:  # at the gradient request it was built for
+        return None
+
+  interception.reset_loss_reduction(graph)
+  if mode != ModeKeys.TRAIN:
+    tower_specs, kept = [], {}
+    for k in active:
+      tower_kept = {}
+      with tf.name_scope(f'tower_{k}') if k != active[0] else contextlib.nullcontext(), \
+          _tower_collections(base, tower_kept):
+        tower_specs.append(build(k, reuse=k != active[0]))
+      kept = kept or tower_kept
+    for key in _PER_TOWER_COLLECTIONS:
+      graph.get_collection_ref(key)[:] = base[key] + kept.get(key, [])
+    if mode == ModeKeys.PREDICT:
+      return specs_lib.merge_predict(tower_specs)
+    _, weights = gradients.tower_weights(plan.loss_reduction, graph, sizes, batch, active)
+    with tf.name_scope('tower_loss'):
+      loss = specs_lib.weighted_sum([s.loss for s in tower_specs], weights,
+                                    [nonempty[k] for k in active])
     return specs_lib.merge_eval(tower_specs, loss)
-  if not collector.calls[0]:
+
+  with tf.name_scope('shard_inputs'):
+    for k in active[1:]:
+      if not isinstance(sizes[k], int):
+        with tf.device(tower_devices[k] if staged is not None else host):
+          feature_shards[k] = sharding.fill_empty(feature_shards[k], sizes[k], feature_shards[0])
+          label_shards[k] = sharding.fill_empty(label_shards[k], sizes[k], label_shards[0])
+
+  def build_other(k, stop_at):
+    """Tower k, in a clean context, up to its `stop_at`-th gradient request."""
+    expected = None if stop_at is None else broker.variables_at[stop_at]
+    first_op = len(graph.get_operations())
+    with interception.clean_context(graph, devices), variable_sharing.suspended(), \
+        graph.name_scope(f'tower_{k}'), _tower_collections(base), \
+        broker.building(k, stop_at):
+      spec = build(k, reuse=True, expected=expected)
+    _detach_side_effects(graph.get_operations()[first_op:])
+    if not broker.stopped_at_expected_request(k):
+      raise gradients.DivergentTowersError(
+          f'Tower {k} returned from the model_fn after {stop_at} gradient '
+          f'request(s) with respect to variables, but tower 0 made more. '
+          f'Every tower runs the same model_fn and must make the same gradient '
+          f'requests; do not branch on the shard or device around them.')
+    return spec
+
+  broker = gradients.WholeBatchGradients(
+      graph, active, sizes, batch, plan.loss_reduction, build_other,
+      copy_of=variable_sharing.copy_of, primary=variable_sharing.primary,
+      aggregation_device=placement.aggregation_device,
+      variable_count=lambda: len(variable_sharing.variables))
+  with interception.gradient_requests(broker.handle), broker.building(active[0]):
+    spec = build(active[0], reuse=False)
+  if not broker.requests:
     raise ValueError(
-        'In TRAIN mode a towered model_fn must update its variables through an '
-        'optimizer (tf.compat.v1.train.Optimizer or a tf.keras.optimizers.legacy '
-        'optimizer: minimize, apply_gradients or get_updates), so that the '
-        'towers\' gradients can be combined before one update; this model_fn '
-        'made no such call. Use an optimizer, or run it without towers.')
-  collector.apply(weights, nonempty, placement.aggregation_device)
-  train_op = variable_sharing.refresh(tower_specs[0].train_op)  # itself without copies
-  return specs_lib.merge_train(tower_specs, loss, train_op)
+        'In TRAIN mode a towered model_fn must ask for the gradients of its '
+        'loss with respect to its variables (an optimizer\'s minimize or '
+        'compute_gradients, tf.gradients, a Keras optimizer), so that one '
+        'gradient of the whole batch can be handed back; this model_fn asked '
+        'for none (updates that are not gradient steps cannot be split across '
+        'towers). Use an optimizer, or run it without towers.')
+  losses = [spec.loss]
+  for k in active[1:]:
+    loss_k = broker.counterpart(k, spec.loss)
+    if loss_k is None:  # The loss is not what the gradients were asked of.
+      _log_full_towers_once()
+      with interception.gradient_requests(broker.handle):
+        loss_k = build_other(k, None).loss
+    losses.append(loss_k)
+  with tf.name_scope('tower_loss'):
+    loss = specs_lib.weighted_sum(losses, broker.weights, [nonempty[k] for k in active])
+  train_op = variable_sharing.refresh(spec.train_op)  # itself without copies
+  def counterparts(tensor):  # without the example borrowed by an empty shard
+    found = broker.all_counterparts(tensor)
+    if found is None:
+      return None
+    return [t if isinstance(sizes[k], int) else t[:sizes[k]] for k, t in zip(active, found)]
+
+  return specs_lib.merge_train(spec, loss, train_op, counterparts)
+
+
+_logged_full_towers = []
+
+
+def _log_full_towers_once() -> None:
+  if not _logged_full_towers:
+    _logged_full_towers.append(True)
+    logging.warning(
+        'estimator_towers: the EstimatorSpec\'s loss is not the tensor (or an '
+        'ancestor of the tensor) the model_fn asked gradients of, so each '
+        'tower\'s loss is built by a second pass of its model_fn, which costs '
+        'an extra forward pass per step on every tower but the first.')
+
