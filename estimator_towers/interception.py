@@ -18,6 +18,9 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
 - Reads of a variable outside control flow (`Operation._control_flow_context`):
   their gradients can be summed where the placement says, rather than where the
   backward pass happens to meet (next to a parameter server's variable).
+- The device of a variable seen through a function body's captures
+  (`FuncGraph.captures`), so that an op reading a variable inside a `tf.cond`
+  follows the variable rather than its tower's device.
 - The loss reduction. `tf.compat.v1.losses` and Keras' loss utilities record
   the reduction of the last loss they built on the graph
   (`Graph._last_loss_reduction`), which is how TensorFlow's own distribution
@@ -98,6 +101,30 @@ def plain_reads(variable: tf.Variable) -> list[tf.Tensor]:
   """The values of `variable` read outside any control-flow construct."""
   return [op.outputs[0] for op in variable.handle.consumers()
           if op.type == 'ReadVariableOp' and op._control_flow_context is None]  # pylint: disable=protected-access
+
+
+def resource_device(tensor: tf.Tensor) -> str | None:
+  """The device of the resource (a variable) a resource-typed tensor refers to.
+
+  Followed back through the ops that pass a handle on (Identity, Switch, Enter)
+  and through a function body's captures (a `tf.cond` or `tf.while_loop`
+  branch), to the first op with a device. None if it cannot be told.
+  """
+  for _ in range(64):
+    op = tensor.op
+    if op.device:
+      return op.device
+    if op.type == 'Placeholder':
+      captures = dict((id(internal), external) for external, internal in
+                      getattr(op.graph, 'captures', ()))
+      tensor = captures.get(id(tensor))
+      if tensor is None:
+        return None
+    elif op.inputs:
+      tensor = op.inputs[0]
+    else:
+      return None
+  return None
 
 
 def last_loss_reduction(graph: tf.Graph) -> Any:

@@ -172,7 +172,7 @@ class VariableSharing:
 
   @contextlib.contextmanager
   def reusing(self, tower: int, scope: vs.VariableScope | None = None,
-              expected: int | None = None) -> Iterator[None]:
+              expected: int | None = None, copies: bool = True) -> Iterator[None]:
     """Scope of tower `tower` > 0: creation requests return tower 0's variables.
 
     With a replica device for the tower, they return its copies of tower 0's
@@ -184,9 +184,10 @@ class VariableSharing:
       scope: the variable scope the tower starts in (default: the current one).
       expected: how many variables the tower must have asked for when the
         scope ends (default: as many as tower 0 created).
+      copies: False to hand back the variables themselves even under replicas.
     """
     position = [0]
-    device = self._replica_device(tower)
+    device = self._replica_device(tower) if copies else None
     graph = tf.compat.v1.get_default_graph()
     replicated = set()
     if device is not None:

@@ -40,7 +40,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
                        num_gpus: int | None = None, *,
                        devices: Sequence[str] | None = None,
                        variable_strategy: str = 'cpu',
-                       loss_reduction: str = 'mean',
+                       loss_reduction: str = 'auto',
                        plan: plan_lib.DevicePlan | None = None) -> Callable:
   """Turns a single-device Estimator model_fn into a towered one.
 
@@ -93,7 +93,8 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     num_gpus: number of GPU towers ('/gpu:0' .. '/gpu:N-1').
     devices: explicit tower devices, e.g. ['/cpu:0', '/cpu:1'].
     variable_strategy: a key of `estimator_towers.placement.STRATEGIES`.
-    loss_reduction: 'mean' or 'sum', how the model_fn's loss reduces the batch.
+    loss_reduction: 'auto' (the reduction the model_fn's TensorFlow loss
+      function records; a mean when none does), 'mean' or 'sum'.
     plan: a `DevicePlan` from `make_plan`, instead of the arguments above.
 
   Returns:
@@ -272,7 +273,7 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
 
   def build(k, reuse, **reuse_args):
     """Tower k's model_fn on its shard, on its device, with shared variables."""
-    with tf.device(tower_devices[k]), (
+    with tf.compat.v1.device(placement_lib.tower_device(tower_devices[k])), (
         variable_sharing.reusing(k, root_scope, **reuse_args) if reuse
         else variable_sharing.creating()):
       try:
@@ -328,21 +329,34 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
       copy_of=variable_sharing.copy_of, primary=variable_sharing.primary,
       aggregation_device=placement.aggregation_device,
       variable_count=lambda: len(variable_sharing.variables))
-  with interception.gradient_requests(broker.handle), broker.building(active[0]):
+  kept = {}
+  with interception.gradient_requests(broker.handle), broker.building(active[0]), \
+      _tower_collections(base, kept):
     spec = build(active[0], reuse=False)
   if not broker.requests:
-    raise ValueError(
-        'In TRAIN mode a towered model_fn must ask for the gradients of its '
-        'loss with respect to its variables (an optimizer\'s minimize or '
-        'compute_gradients, tf.gradients, a Keras optimizer), so that one '
-        'gradient of the whole batch can be handed back; this model_fn asked '
-        'for none (updates that are not gradient steps cannot be split across '
-        'towers). Use an optimizer, or run it without towers.')
+    # Updates that are not gradient steps (k-means' cluster updates) cannot be
+    # split across towers: the model_fn trains on the whole batch on tower 0's
+    # device, with the variables tower 0 created, and tower 0's build is unused.
+    _log_once('estimator_towers: this model_fn asked for no gradients with '
+              'respect to variables in TRAIN, so its update cannot be split '
+              'across towers; it trains on the whole batch on %s.' % tower_devices[0])
+    whole = (features, labels) if staged is None else (
+        sharding.concat(feature_shards), sharding.concat(label_shards))
+    with tf.name_scope('whole_batch'), \
+        tf.compat.v1.device(placement_lib.tower_device(tower_devices[0])), \
+        variable_sharing.reusing(0, root_scope, copies=False):
+      return run(whole[0], whole[1], mode)
+  for key in _PER_TOWER_COLLECTIONS:
+    graph.get_collection_ref(key)[:] = base[key] + kept.get(key, [])
   losses = [spec.loss]
   for k in active[1:]:
     loss_k = broker.counterpart(k, spec.loss)
     if loss_k is None:  # The loss is not what the gradients were asked of.
-      _log_full_towers_once()
+      _log_once(
+          'estimator_towers: the EstimatorSpec\'s loss is not the tensor (or an '
+          'ancestor of the tensor) the model_fn asked gradients of, so each '
+          'tower\'s loss is built by a second pass of its model_fn, which costs '
+          'an extra forward pass per step on every tower but the first.')
       with interception.gradient_requests(broker.handle):
         loss_k = build_other(k, None).loss
     losses.append(loss_k)
@@ -358,15 +372,10 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
   return specs_lib.merge_train(spec, loss, train_op, counterparts)
 
 
-_logged_full_towers = []
+_logged = set()
 
 
-def _log_full_towers_once() -> None:
-  if not _logged_full_towers:
-    _logged_full_towers.append(True)
-    logging.warning(
-        'estimator_towers: the EstimatorSpec\'s loss is not the tensor (or an '
-        'ancestor of the tensor) the model_fn asked gradients of, so each '
-        'tower\'s loss is built by a second pass of its model_fn, which costs '
-        'an extra forward pass per step on every tower but the first.')
-
+def _log_once(message: str) -> None:
+  if message not in _logged:
+    _logged.add(message)
+    logging.warning(message)

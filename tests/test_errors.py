@@ -186,17 +186,6 @@ def test_towers_whose_gradient_requests_differ():
     _build(_counting(build), features, lambda: tf.zeros([4], tf.int32))
 
 
-def test_training_without_gradients():
-  def model_fn(features, labels, mode):
-    w = tf.compat.v1.get_variable('w', [testlib.NUM_FEATURES, testlib.NUM_CLASSES])
-    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, tf.matmul(features['x'], w))
-    train_op = w.assign_add(tf.ones_like(w))
-    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
-  features = lambda: {'x': tf.zeros([4, testlib.NUM_FEATURES])}
-  with pytest.raises(ValueError, match='must ask for the gradients of its loss with respect to its variables'):
-    _build(model_fn, features, lambda: tf.zeros([4], tf.int32))
-
-
 def test_model_fn_that_returns_no_estimator_spec():
   features = lambda: {'x': tf.zeros([4, testlib.NUM_FEATURES])}
   with pytest.raises(TypeError, match=r'model_fn must return a tf.estimator.EstimatorSpec \(or a TPUEstimatorSpec\), got dict'):
