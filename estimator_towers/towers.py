@@ -59,21 +59,27 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   them (get_variable, tf.compat.v1.layers, Keras layers, tf.Variable, metrics).
   The checkpoint equals the plain model_fn's.
 
-  On reduction: the model_fn's own `optimizer.minimize` / `apply_gradients` /
-  Keras `get_updates` calls are deferred in every tower; the k-th calls of all
-  towers are combined (each tower's gradient weighted by its share of the batch
-  for loss_reduction='mean', added for 'sum') and tower 0's optimizer applies
-  them once, so `global_step` advances by one per step. EVAL reports the
-  example-weighted mean loss; metric state is shared, so metrics of
-  per-example values equal the plain ones. PREDICT concatenates predictions in
-  input order.
+  On gradients: in TRAIN, tower 0 runs the model_fn on its shard, in the
+  model_fn's own flow. When it asks for gradients with respect to variables
+  (tf.gradients, an optimizer's compute_gradients / minimize, Keras legacy
+  optimizers), it receives the gradient of the whole batch's loss, sum_k w_k *
+  loss_k, where w_k = n_k / B for a mean-reduced loss and 1 for a summed one
+  (`loss_reduction='auto'` follows what the model_fn's TensorFlow loss
+  function recorded). The other towers are built at that moment and stopped at
+  their own request, so they build their forward pass only. What the model_fn
+  then does (clipping, loss scaling, its optimizer's apply_gradients, a
+  manual global_step update) runs once. Gradients with respect to anything
+  other than variables (a gradient penalty on the inputs) stay per tower.
+  EVAL reports the weighted loss; metric state is shared, so metrics of
+  per-example values equal the plain ones. PREDICT concatenates predictions
+  in input order.
 
   On side effects: the train_op Estimator runs is tower 0's, so whatever the
   model_fn hangs on it (batch-norm moving averages in UPDATE_OPS or
   `layer.updates`, EMA, counters) runs once per step, fed by tower 0's shard,
-  which is the largest and never empty. The other towers contribute gradients
-  only: their variable updates are detached from their gradient computations.
-  Summaries come from tower 0, under their plain names.
+  which is the largest and never empty. Summaries come from tower 0, under
+  their plain names. A TRAIN model_fn that asks for no gradient (k-means)
+  trains on the whole batch on tower 0's device.
 
   On placement: tower k's ops run on device k; `variable_strategy` decides
   where variables live: 'cpu' (default) on the host CPU of the towers' worker
