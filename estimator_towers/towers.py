@@ -33,8 +33,6 @@ _MUTATING_PREFIXES = ('Assign', 'ResourceScatter', 'Scatter', 'ResourceApply',
 
 _MODEL_FN_ARGS = ('features', 'labels', 'mode', 'params', 'config')
 
-_TPU_SPEC = tf.compat.v1.estimator.tpu.TPUEstimatorSpec
-
 
 def replicate_model_fn(model_fn: Callable | int | None = None,
                        num_gpus: int | None = None, *,
@@ -148,7 +146,7 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
       if name in accepted:
         kwargs[name] = value
     spec = model_fn(**kwargs)
-    if isinstance(spec, _TPU_SPEC):  # TPU-first model_fns, run with use_tpu=False
+    if type(spec).__name__ == 'TPUEstimatorSpec':  # TPU-first model_fns (use_tpu=False)
       spec = spec.as_estimator_spec()
     if not isinstance(spec, tf.estimator.EstimatorSpec):
       raise TypeError(f'model_fn must return a tf.estimator.EstimatorSpec (or a '
