@@ -261,8 +261,9 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
     if staged is None:
       batch = sharding.batch_size(features, labels)
       sizes = sharding.shard_sizes(batch, num_towers)
-      feature_shards = sharding.split(features, sizes)
-      label_shards = sharding.split(labels, sizes)
+      borrow = mode == ModeKeys.TRAIN
+      feature_shards = sharding.split(features, sizes, borrow)
+      label_shards = sharding.split(labels, sizes, borrow)
     else:
       batch, sizes = staged.batch, staged.sizes
       feature_shards, label_shards = staged.features, staged.labels
@@ -304,12 +305,13 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
                                     [nonempty[k] for k in active])
     return specs_lib.merge_eval(tower_specs, loss)
 
-  with tf.name_scope('shard_inputs'):
-    for k in active[1:]:
-      if not isinstance(sizes[k], int):
-        with tf.device(tower_devices[k] if staged is not None else host):
-          feature_shards[k] = sharding.fill_empty(feature_shards[k], sizes[k], feature_shards[0])
-          label_shards[k] = sharding.fill_empty(label_shards[k], sizes[k], label_shards[0])
+  if staged is not None:  # split on the host already: see sharding.split(borrow=True)
+    with tf.name_scope('shard_inputs'):
+      for k in active[1:]:
+        if not isinstance(sizes[k], int):
+          with tf.device(tower_devices[k]):
+            feature_shards[k] = sharding.fill_empty(feature_shards[k], sizes[k], feature_shards[0])
+            label_shards[k] = sharding.fill_empty(label_shards[k], sizes[k], label_shards[0])
 
   def build_other(k, stop_at):
     """Tower k, in a clean context, up to its `stop_at`-th gradient request."""
