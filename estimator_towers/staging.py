@@ -29,7 +29,15 @@ Two backends, behind one interface, keyed by `staged_input_fn(backend=...)`:
   `staging_depth` shards onto each device in the background. Every batch gives
   every device one shard (possibly empty), so all devices run out together and
   the step after the last one fails in its input ops, before any compute, with
-  OutOfRangeError.
+  OutOfRangeError. The devices read one after the other, in tower order, so
+  that an input error (which MultiDeviceIterator hands to one device only,
+  ending the others' sequences) is raised as itself and never taken for the
+  end of input.
+
+Input errors: with either backend an error of the input pipeline (or of the
+host-side split, e.g. the run-time batch-size check) fails the step, or the
+session's creation when it occurs while priming, with that error; it is never
+taken for the end of input.
 """
 
 from __future__ import annotations
@@ -369,7 +377,21 @@ class StagingAreaBackend(Backend):
 
 
 class MultiDeviceIteratorBackend(Backend):
-  """tf.data's MultiDeviceIterator over a dataset of the shards, in tower order."""
+  """tf.data's MultiDeviceIterator over a dataset of the shards, in tower order.
+
+  The iterator hands the host dataset's elements to the devices strictly round
+  robin (element i to device i mod N), so shard k of every batch reaches tower
+  k, and a failure of the host pipeline reaches one device only: the one whose
+  element failed; devices whose turn comes later see an early end of their
+  sequence (OutOfRangeError), or the next batch's shards. If one of those
+  devices read first in a step, the step would fail with OutOfRangeError,
+  which MonitoredSession takes for the end of input: the failure would pass
+  silently. So the devices read in tower order, each read after the previous
+  one (control dependencies): a step reaches device k's read only after
+  devices 0..k-1 got their shards of the same batch, the failed element's
+  device raises its error before any later device reads, and OutOfRangeError
+  comes from device 0 only when every device's sequence has really ended.
+  """
 
   name = 'multi_device_iterator'
 
@@ -389,9 +411,24 @@ class MultiDeviceIteratorBackend(Backend):
       iterator = multi_device_iterator_ops.MultiDeviceIterator(
           dataset, list(self.tower_devices), max_buffer_size=self.depth,
           prefetch_buffer_size=self.depth, source_device=self.host)
-    shards = iterator.get_next()
-    gets = [tf.nest.flatten(shard, expand_composites=True)[0].op for shard in shards]
+    # Device k reads only after device k-1 has read: see the class docstring.
+    shards, gets = [], []
+    for device in self.tower_devices:
+      with tf.device(device), tf.control_dependencies(gets[-1:]):
+        shards.append(iterator.get_next(device))
+      gets.append(_iterator_read(shards[-1]))
     return shards, MultiDeviceIteratorHook(iterator.initializer, gets)
+
+
+def _iterator_read(element: Any) -> tf.Operation:
+  """The IteratorGetNext op that produced `element` (composites add ops after it)."""
+  pending = [t.op for t in tf.nest.flatten(element, expand_composites=True)]
+  while pending:
+    op = pending.pop()
+    if op.type == 'IteratorGetNext':
+      return op
+    pending.extend(t.op for t in op.inputs)
+  raise ValueError(f'No IteratorGetNext op produced {element!r}.')
 
 
 BACKENDS: dict[str, type[Backend]] = {
