@@ -9,8 +9,8 @@ builds the graph once exactly as Estimator does for one mode:
   `tf.data.Dataset` gets an initializable iterator and a hook that initializes
   it in every session (Estimator's `_DatasetInitializerHook`);
 - the model_fn called with (features, labels, mode, params, config) as
-  Estimator calls it, and the hooks of its spec (training/evaluation/prediction
-  hooks);
+  Estimator calls it (no labels in PREDICT), and the hooks of its spec
+  (training/evaluation/prediction hooks);
 
 and `run()` drives it as Estimator's loops do: a `MonitoredSession` (hooks'
 `after_create_session`, the same swallowing of OutOfRangeError as the end of
@@ -24,6 +24,8 @@ DeadlineExceededError instead of hanging the test.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import tensorflow as tf
 
@@ -93,8 +95,12 @@ class EstimatorGraph:
         hooks.append(_InitializeIterator(iterator.initializer))
         result = iterator.get_next()
       features, labels = result if isinstance(result, (tuple, list)) else (result, None)
-      spec = model_fn(features=features, labels=labels, mode=mode, params=params,
-                      config=config)
+      if mode == ModeKeys.PREDICT:
+        labels = None  # Estimator.predict gives the model_fn the features only.
+      # As Estimator: features, and whichever of the others the model_fn names.
+      given = dict(labels=labels, mode=mode, params=params, config=config)
+      names = inspect.signature(model_fn).parameters
+      spec = model_fn(features, **{k: v for k, v in given.items() if k in names})
       if mode == ModeKeys.TRAIN:
         hooks += list(spec.training_hooks) + list(spec.training_chief_hooks)
         self._fetch = [spec.train_op, spec.loss]
