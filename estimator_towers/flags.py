@@ -51,10 +51,11 @@ def _definitions() -> dict[str, Callable[[flags.FlagValues], object]]:
           'staging_depth', 1,
           'Input shards kept in flight per device (0 turns staging off).',
           flag_values=fv),
-      'staging_backend': lambda fv: flags.DEFINE_enum(
-          'staging_backend', 'staging_area', sorted(staging.BACKENDS),
-          'How staged_input_fn prefetches shards onto the devices: a '
-          'StagingArea per device, or tf.data\'s MultiDeviceIterator.',
+      # A string, not an enum: make_config's check explains a removed value.
+      'staging_backend': lambda fv: flags.DEFINE_string(
+          'staging_backend', 'staging_area',
+          f'How staged_input_fn prefetches shards onto the devices, one of '
+          f'{list(staging.BACKENDS)}: a StagingArea per device.',
           flag_values=fv),
       'loss_reduction': lambda fv: flags.DEFINE_enum(
           'loss_reduction', 'auto', list(plan_lib.LOSS_REDUCTIONS),

@@ -31,8 +31,8 @@ class DevicePlan:
       a mean when none did), 'mean' (the loss is a mean over the batch: towers
       are weighted by their share of the batch) or 'sum' (towers add up).
     staging_depth: shards kept in flight per device by the staged input_fn.
-    staging_backend: how the staged input_fn prefetches shards: a key of
-      `staging.BACKENDS` ('staging_area' or 'multi_device_iterator').
+    staging_backend: how the staged input_fn prefetches shards: one of
+      `staging.BACKENDS` ('staging_area', a StagingArea per device).
   """
   devices: tuple[str, ...] | None = None
   num_gpus: int | None = None
@@ -76,7 +76,7 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
   Raises:
     ValueError: for a count together with devices, a non-positive count,
       duplicate or malformed devices, an unknown strategy or reduction, or a
-      negative staging depth, or an unknown staging backend.
+      negative staging depth, or an unknown or removed staging backend.
   """
   if num_gpus is not None and devices is not None:
     raise ValueError(

@@ -48,6 +48,13 @@ def test_bad_staging_backend():
     make_plan(devices=['/cpu:0'], staging_backend='nccl')
 
 
+def test_removed_staging_backend():
+  with pytest.raises(ValueError, match="staging_backend='multi_device_iterator' is no longer "
+                                       "available: it was removed.*MultiDeviceIterator.*"
+                                       "Use staging_backend='staging_area'"):
+    make_plan(devices=['/cpu:0'], staging_backend='multi_device_iterator')
+
+
 def test_count_given_positionally_and_by_keyword():
   with pytest.raises(ValueError, match=r'The device count was given twice: positionally \(2\) and as num_gpus=3'):
     replicate_model_fn(2, num_gpus=3)

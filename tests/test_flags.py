@@ -161,7 +161,13 @@ def test_train_step_from_flags_matches_plain(tmp_path):
 
 
 def test_staging_backend_flag_reaches_the_plan():
-  config = config_from_flags(parsed('--staging_backend=multi_device_iterator',
-                                    '--num_cpu_devices=2'))
-  assert config.plan.staging_backend == 'multi_device_iterator'
+  config = config_from_flags(parsed('--staging_backend=staging_area', '--num_cpu_devices=2'))
+  assert config.plan.staging_backend == 'staging_area'
   assert config_from_flags(parsed('--num_cpu_devices=2')).plan.staging_backend == 'staging_area'
+
+
+def test_removed_staging_backend_flag_value():
+  # Parsing accepts any string; make_config explains why the value is gone.
+  with pytest.raises(ValueError, match="staging_backend='multi_device_iterator' is no "
+                                       "longer available.*Use staging_backend='staging_area'"):
+    config_from_flags(parsed('--staging_backend=multi_device_iterator', '--num_cpu_devices=2'))
