@@ -164,6 +164,8 @@ class WholeBatchGradients:
     primary: maps a tower's copy of a variable to the variable itself.
     aggregation_device: the device on which a variable's gradient parts meet.
     variable_count: the number of variables created so far.
+    creation_spans: (first, end) positions in the graph's op list of the ops
+      made to create variables (left out when towers' ops are matched).
   """
 
   def __init__(self, graph: tf.Graph, towers: Sequence[int], sizes: Sequence, batch: Any,
@@ -171,7 +173,8 @@ class WholeBatchGradients:
                copy_of: Callable[[tf.Variable, int], tf.Variable | None],
                primary: Callable[[tf.Variable], tf.Variable],
                aggregation_device: Callable[[tf.Variable], str],
-               variable_count: Callable[[], int]):
+               variable_count: Callable[[], int],
+               creation_spans: Sequence[tuple[int, int]] = ()):
     self._graph = graph
     self.towers = list(towers)
     self._sizes = sizes
@@ -190,6 +193,9 @@ class WholeBatchGradients:
     self.others: dict[int, dict[int, Request]] = {k: {} for k in self.towers[1:]}
     self._building: list[int] = []
     self._progress: dict[int, _Progress] = {}
+    self._creation_spans = creation_spans
+    self._starts: dict[int, int] = {}  # graph position where a tower's build began
+    self._segments: dict[int, list[tf.Operation]] = {}  # ops before request 0
 
   # -- Which tower is being built ---------------------------------------------
 
@@ -220,10 +226,18 @@ class WholeBatchGradients:
     r = len(self.requests)
     self.requests.append(request)
     self.variables_at.append(self._variable_count())
+    if r == 0:
+      self._segments[self.towers[0]] = self._segment(self.towers[0])
     tower_requests = [request]
     for k in self.towers[1:]:
-      self._build_tower(k, r)
-      tower_requests.append(self.others[k][r])
+      # A later request whose tensors tower k already built (before its first
+      # request) reuses them; otherwise tower k is rebuilt up to request r.
+      mapped = self._mapped(k, request) if r else None
+      if mapped is None:
+        self._build_tower(k, r)
+        mapped = self.others[k][r]
+      self.others[k][r] = mapped
+      tower_requests.append(mapped)
     answer = self._whole_batch(tower_requests)
     self.answers.append(answer)
     return answer
@@ -288,6 +302,8 @@ class WholeBatchGradients:
     if progress.stop_at is not None and i == progress.stop_at:
       progress.captured = request
       self.others[tower][i] = request
+      if i == 0:
+        self._segments[tower] = self._segment(tower)
       raise TowerStop()
     return self.answers[i]
 
@@ -313,10 +329,15 @@ class WholeBatchGradients:
   def counterpart(self, tower: int, tensor: tf.Tensor) -> tf.Tensor | None:
     """Tower `tower`'s tensor matching `tensor` of the primary tower, or None.
 
-    Found for tensors from which a whole-batch request was derived (the loss,
-    the logits): the path of op inputs from the request's ys to `tensor` in the
-    primary is followed from the tower's own ys, checking op types.
+    Found (1) for tensors from which a whole-batch request was derived (the
+    loss, the logits): the path of op inputs from the request's ys to `tensor`
+    in the primary is followed from the tower's own ys, checking op types; or
+    (2) for any tensor the primary built before its first request: the op made
+    at the same position of the tower's own build (variable creation left
+    out), when every op up to it has the same type.
     """
+    if not isinstance(tensor, tf.Tensor):
+      return None
     for r, request in enumerate(self.requests):
       theirs = self.others[tower].get(r)
       if theirs is None:
@@ -324,8 +345,40 @@ class WholeBatchGradients:
       for y, y_k in zip(request.ys, theirs.ys):
         path = _path(y, tensor)
         if path is not None:
-          return _follow(y_k, y, path)
-    return None
+          found = _follow(y_k, y, path)
+          if found is not None:
+            return found
+    mine, theirs = self._segments.get(self.towers[0]), self._segments.get(tower)
+    if not mine or theirs is None:
+      return None
+    position = {id(op): i for i, op in enumerate(mine)}.get(id(tensor.op))
+    if position is None or position >= len(theirs):
+      return None
+    if any(a.type != b.type for a, b in zip(mine[:position + 1], theirs)):
+      return None
+    return theirs[position].outputs[tensor.value_index]
+
+  def _mapped(self, tower: int, request: Request) -> Request | None:
+    """Tower `tower`'s counterpart of a primary request, from what it built."""
+    def each(tensors):
+      found = [None if t is None else self.counterpart(tower, t) for t in tensors]
+      return None if any(f is None and t is not None for f, t in zip(found, tensors)) else found
+    ys, grad_ys = each(request.ys), each(request.grad_ys)
+    stops = each(_as_list(request.options.get('stop_gradients') or []))
+    if ys is None or grad_ys is None or stops is None:
+      return None
+    options = dict(request.options, stop_gradients=stops or None)
+    return Request(request.kind, ys, request.xs, grad_ys, options, request.structure)
+
+  def _segment(self, tower: int) -> list[tf.Operation]:
+    """The ops a tower's build made so far, without those creating variables."""
+    start = self._starts[tower]
+    ops = self._graph.get_operations()[start:]
+    skip = set()
+    for first, end in self._creation_spans:
+      if end > start:
+        skip.update(range(max(first, start) - start, end - start))
+    return [op for i, op in enumerate(ops) if i not in skip]
 
 
   def all_counterparts(self, tensor: tf.Tensor) -> list[tf.Tensor] | None:
@@ -343,6 +396,7 @@ class _Building:
   def __enter__(self):
     if self._tower != self._broker.towers[0]:
       self._broker._start(self._tower, self._stop_at)  # pylint: disable=protected-access
+    self._broker._starts[self._tower] = self._broker._graph.version  # pylint: disable=protected-access
     self._broker._building.append(self._tower)  # pylint: disable=protected-access
     return self
 

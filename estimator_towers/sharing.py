@@ -90,6 +90,18 @@ class VariableSharing:
     self._replicas: dict[int, tuple[tf.Variable, list[tf.Variable]]] = {}  # id(original) -> copies
     self._copies: dict[tuple[int, int], tf.Variable] = {}  # (id(original), tower) -> copy
     self._suspended = 0  # > 0 while another tower is built inside tower 0
+    # (first, end) positions in the graph's op list of the ops made to create
+    # variables: tower 0 makes them, the other towers do not.
+    self.creation_spans: list[tuple[int, int]] = []
+
+  @contextlib.contextmanager
+  def _creation_span(self) -> Iterator[None]:
+    graph = tf.compat.v1.get_default_graph()
+    first = graph.version
+    try:
+      yield
+    finally:
+      self.creation_spans.append((first, graph.version))
 
   def copy_of(self, variable: tf.Variable, tower: int) -> tf.Variable | None:
     """Tower `tower`'s copy of `variable`, or None if it uses the variable itself."""
@@ -133,9 +145,9 @@ class VariableSharing:
     # The initial value is read on the original's device, outside the tower's
     # control flow and control dependencies, in the original's name scope.
     with tf.init_scope(), graph.name_scope(f'{original.op.name}/'), \
-        tf.device(original.device):
+        tf.device(original.device), self._creation_span():
       initial_value = original.read_value()
-    with graph.name_scope(None), tf.device(device):  # a plain name, not under tower_k/
+    with graph.name_scope(None), tf.device(device), self._creation_span():  # not under tower_k/
       copy = next_creator(
           initial_value=initial_value, name=f'{original.op.name}/replica_{tower}',
           trainable=original.trainable, collections=[GraphKeys.LOCAL_VARIABLES],
@@ -161,7 +173,7 @@ class VariableSharing:
       device = self._variable_device(_requested_shape(kwargs),
                                      _requested_dtype(kwargs),
                                      kwargs.get('name') or 'Variable')
-      with tf.device(device):
+      with tf.device(device), self._creation_span():
         variable = next_creator(**kwargs)
       self.variables.append(variable)
       self._requested_names.append(_base_name(kwargs.get('name')))

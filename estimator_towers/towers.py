@@ -334,7 +334,8 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
       graph, active, sizes, batch, plan.loss_reduction, build_other,
       copy_of=variable_sharing.copy_of, primary=variable_sharing.primary,
       aggregation_device=placement.aggregation_device,
-      variable_count=lambda: len(variable_sharing.variables))
+      variable_count=lambda: len(variable_sharing.variables),
+      creation_spans=variable_sharing.creation_spans)
   kept = {}
   with interception.gradient_requests(broker.handle), broker.building(active[0]), \
       _tower_collections(base, kept):
