@@ -270,7 +270,11 @@ def test_overflow_in_one_tower_skips_the_step_as_plain(num_devices):
 
   towered_states, towered_final = _record_overflow_run(
       _towered(loss_scale_model_fn, num_devices), num_devices)
-  assert len(towered_states) == len(plain_states)
+  def trace(states):
+    return [(int(s['global_step']), float(s['current_loss_scale'])) for s in states]
+  assert len(towered_states) == len(plain_states), (
+      f'(global_step, loss scale) at start and after each run: towered '
+      f'{trace(towered_states)}, plain {trace(plain_states)}')
   for step, (towered, plain) in enumerate(zip(towered_states, plain_states)):
     for name in plain:
       np.testing.assert_allclose(towered[name], plain[name], atol=1e-5, rtol=0,
