@@ -36,6 +36,7 @@ import inspect
 from typing import Any, Callable, Sequence
 
 from absl import logging
+import numpy as np
 import tensorflow as tf
 
 from estimator_towers import interception
@@ -196,6 +197,7 @@ class WholeBatchGradients:
     self._creation_spans = creation_spans
     self._starts: dict[int, int] = {}  # graph position where a tower's build began
     self._segments: dict[int, list[tf.Operation]] = {}  # ops before request 0
+    self._pending_ys: list = []
 
   # -- Which tower is being built ---------------------------------------------
 
@@ -219,9 +221,11 @@ class WholeBatchGradients:
   def _resolve_reduction(self) -> None:
     if self.reduction is None:
       self.reduction, self.weights = tower_weights(
-          self._loss_reduction, self._graph, self._sizes, self._batch, self.towers)
+          self._loss_reduction, self._graph, self._sizes, self._batch, self.towers,
+          loss=self._pending_ys[0] if self._pending_ys else None)
 
   def _answer_primary(self, request: Request) -> list:
+    self._pending_ys = request.ys
     self._resolve_reduction()
     r = len(self.requests)
     self.requests.append(request)
@@ -409,25 +413,32 @@ _logged_assumed_mean = []
 
 
 def tower_weights(loss_reduction: str, graph: tf.Graph, sizes: Sequence, batch: Any,
-                  towers: Sequence[int]) -> tuple[str, list]:
+                  towers: Sequence[int], loss: Any = None) -> tuple[str, list]:
   """The reduction ('mean' or 'sum') and each built tower's weight in the loss.
 
-  'auto' takes the reduction the model_fn's last TensorFlow loss function
-  recorded on the graph (v1 canned heads sum; tf.compat.v1.losses and Keras
-  losses otherwise average), as TensorFlow's distribution strategies do, and
-  a mean when none was recorded (logged once).
+  The rule of 'auto': the reduction the model_fn's last TensorFlow loss
+  function recorded on the graph (v1 canned heads sum; tf.compat.v1.losses and
+  Keras losses otherwise average), as TensorFlow's distribution strategies
+  read it; else, if `loss` (tower 0's) is made by a `tf.reduce_sum` or
+  `tf.reduce_mean` over the batch axis, that; else a mean (logged once).
   """
   reduction = loss_reduction
   if reduction == 'auto':
     recorded = interception.last_loss_reduction(graph)
-    if recorded is None and not _logged_assumed_mean:
-      _logged_assumed_mean.append(True)
-      logging.info(
-          'estimator_towers: no TensorFlow loss function recorded how the loss '
-          'reduces the batch; assuming a mean (towers weighted by their share '
-          'of the batch). If the loss adds up per-example losses, pass '
-          'loss_reduction=\'sum\'.')
-    reduction = 'sum' if str(recorded) in SUM_REDUCTIONS else 'mean'
+    if recorded is not None:
+      reduction = 'sum' if str(recorded) in SUM_REDUCTIONS else 'mean'
+    else:
+      reduction = _reduction_of(loss)
+      if reduction is None:
+        reduction = 'mean'
+        if not _logged_assumed_mean:
+          _logged_assumed_mean.append(True)
+          logging.warning(
+              'estimator_towers: the loss\'s reduction over the batch is not '
+              'recorded by a TensorFlow loss function nor a tf.reduce_sum / '
+              'tf.reduce_mean over the batch; assuming a mean (towers weighted '
+              'by their share of the batch). If the loss adds up per-example '
+              'losses, pass loss_reduction=\'sum\'.')
   if reduction == 'sum':  # a tower whose shard is empty at run time adds nothing
     return reduction, [1.0 if isinstance(sizes[k], int) else
                        tf.cast(sizes[k] > 0, tf.float32) for k in towers]
@@ -436,6 +447,25 @@ def tower_weights(loss_reduction: str, graph: tf.Graph, sizes: Sequence, batch: 
   with tf.device(None), tf.name_scope('tower_weights'):
     total = tf.cast(tf.maximum(batch, 1), tf.float32)
     return reduction, [tf.cast(sizes[k], tf.float32) / total for k in towers]
+
+
+def _reduction_of(loss: Any) -> str | None:
+  """'sum' or 'mean' if `loss` is a tf.reduce_sum / tf.reduce_mean over axis 0."""
+  if not isinstance(loss, tf.Tensor):
+    return None
+  op = loss.op
+  while op.type in ('Identity', 'Cast') and op.inputs:
+    op = op.inputs[0].op
+  if op.type not in ('Sum', 'Mean') or len(op.inputs) != 2 or op.inputs[0].shape.rank == 0:
+    return None
+  axes = tf.get_static_value(op.inputs[1])
+  rank = op.inputs[0].shape.rank
+  if axes is None:  # reduce over every axis (axis=None) makes a Range of them
+    if op.inputs[1].op.type != 'Range':
+      return None
+  elif rank is None or 0 not in [int(a) % rank for a in np.ravel(axes)]:
+    return None
+  return 'sum' if op.type == 'Sum' else 'mean'
 
 
 def _names(xs: Sequence) -> list[str]:

@@ -299,7 +299,8 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
       graph.get_collection_ref(key)[:] = base[key] + kept.get(key, [])
     if mode == ModeKeys.PREDICT:
       return specs_lib.merge_predict(tower_specs)
-    _, weights = gradients.tower_weights(plan.loss_reduction, graph, sizes, batch, active)
+    _, weights = gradients.tower_weights(plan.loss_reduction, graph, sizes, batch, active,
+                                         loss=tower_specs[0].loss)
     with tf.name_scope('tower_loss'):
       loss = specs_lib.weighted_sum([s.loss for s in tower_specs], weights,
                                     [nonempty[k] for k in active])
