@@ -2,12 +2,12 @@
 
 Trains the same towered MLP on the same synthetic data unstaged (staging_depth
 0: the towered model_fn splits each host batch itself) and staged with each
-backend:depth of --configs (staged_input_fn with a StagingArea per device, or
-with tf.data's MultiDeviceIterator), in interleaved rounds. It prints, per round
-and configuration, the wall-clock examples/second and the process CPU time per
-step (all threads), then per configuration the medians and the median (and
-quartiles) over rounds of the change from the unstaged run of the same round:
-paired, so that load from other processes that drifts between rounds cancels.
+backend:depth of --configs (staged_input_fn with a StagingArea per device), in
+interleaved rounds. It prints, per round and configuration, the wall-clock
+examples/second and the process CPU time per step (all threads), then per
+configuration the medians and the median (and quartiles) over rounds of the
+change from the unstaged run of the same round: paired, so that load from
+other processes that drifts between rounds cancels.
 
 --mode=estimator (default) trains a fresh Estimator per run (graph building,
 session creation, warm-up steps and the final checkpoint are not timed).
@@ -17,7 +17,7 @@ between the configurations in one process: much less run-to-run noise.
 
   python bench/staging_bench.py                       # 2 virtual CPUs
   python bench/staging_bench.py --num_cpu_devices=4 --rounds=7 \\
-      --configs=staging_area:1,multi_device_iterator:1
+      --configs=staging_area:1,staging_area:3
   python bench/staging_bench.py --mode=interleaved --rounds=60 --steps=100
 """
 
@@ -49,8 +49,7 @@ flags.DEFINE_integer('num_examples', 8192, 'Synthetic examples (repeated).')
 flags.DEFINE_integer('warmup_steps', 20, 'Untimed steps at the start of each run.')
 flags.DEFINE_integer('steps', 200, 'Timed steps per run (per chunk when interleaved).')
 flags.DEFINE_integer('rounds', 5, 'Interleaved rounds (one run per depth each).')
-flags.DEFINE_list('configs', ['staging_area:1', 'staging_area:2',
-                              'multi_device_iterator:1', 'multi_device_iterator:2'],
+flags.DEFINE_list('configs', ['staging_area:1', 'staging_area:2'],
                   'backend:staging_depth pairs to compare with the unstaged run.')
 flags.DEFINE_integer('inter_op_threads', 0, 'Session inter-op threads (0: TF default).')
 flags.DEFINE_integer('intra_op_threads', 0, 'Session intra-op threads (0: TF default).')

@@ -37,8 +37,9 @@ class TowersConfig:
       the towers are every visible GPU (the CPU when there is none).
     variable_strategy: a key of `estimator_towers.placement.STRATEGIES`.
     staging_depth: shards kept in flight per device by the staged input_fn.
-    staging_backend: the staged input_fn's backend, a key of `staging.BACKENDS`.
-    loss_reduction: 'mean' or 'sum', how the model_fn's loss reduces the batch.
+    staging_backend: the staged input_fn's backend, one of `staging.BACKENDS`
+      ('staging_area').
+    loss_reduction: 'auto', 'mean' or 'sum', how the model_fn's loss reduces the batch.
     log_device_placement: log the device of every op when the session starts.
     allow_soft_placement: let TensorFlow move ops without a kernel for their
       device (summaries on a GPU tower, say) to another device. On by default,
@@ -59,7 +60,7 @@ class TowersConfig:
   variable_strategy: str = 'cpu'
   staging_depth: int = 1
   staging_backend: str = 'staging_area'
-  loss_reduction: str = 'mean'
+  loss_reduction: str = 'auto'
   log_device_placement: bool = False
   allow_soft_placement: bool = True
   gpu_memory_fraction: float = 0.0

@@ -42,12 +42,13 @@ _COMBINED = ('num_gpus', 'devices', 'num_cpu_devices', 'visible_gpus',
 _STAGING_BACKEND_HELP = {
     'staging_area': 'a StagingArea per device, filled in the same session.run '
                     'as the step (tf_cnn_benchmarks\' scheme)',
-    'multi_device_iterator': 'tf.data\'s MultiDeviceIterator prefetches each '
-                             'tower\'s shard onto its device',
 }
 _LOSS_REDUCTION_HELP = {
-    'mean': 'the loss averages over the batch (tf.compat.v1.losses and Keras '
-            'losses do): towers are weighted by their share of the batch',
+    'auto': 'the reduction the model_fn\'s tf.compat.v1.losses / Keras loss '
+            'records (v1 canned heads sum; a loss made by tf.reduce_mean / '
+            'tf.reduce_sum over the batch is recognised; mean when none is)',
+    'mean': 'the loss averages over the batch: towers are weighted by their '
+            'share of the batch',
     'sum': 'the loss adds up per-example losses: the towers\' gradients add up',
 }
 
@@ -99,12 +100,13 @@ def _definitions() -> dict[str, Callable[[flags.FlagValues], object]]:
           'staging off (the towers split each batch themselves); 1 overlaps '
           'the copy of the next batch with the current step; more buffers more '
           'batches.', flag_values=fv),
-      'staging_backend': lambda fv: flags.DEFINE_enum(
-          'staging_backend', 'staging_area', list(backends),
-          'How staged_input_fn prefetches shards onto the devices. '
+      # A string, not an enum: make_config's check explains a removed value.
+      'staging_backend': lambda fv: flags.DEFINE_string(
+          'staging_backend', 'staging_area',
+          'How staged_input_fn prefetches shards onto the devices, one of '
           + _choices(backends) + '.', flag_values=fv),
       'loss_reduction': lambda fv: flags.DEFINE_enum(
-          'loss_reduction', 'mean', list(plan_lib.LOSS_REDUCTIONS),
+          'loss_reduction', 'auto', list(plan_lib.LOSS_REDUCTIONS),
           'How the model_fn\'s loss reduces the batch. '
           + _choices({name: _LOSS_REDUCTION_HELP.get(name, name)
                       for name in plan_lib.LOSS_REDUCTIONS}) + '.',

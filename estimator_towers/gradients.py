@@ -1,166 +1,135 @@
-"""Deferring the user's optimizer calls and applying combined gradients once.
+"""The whole-batch gradient: what the model_fn gets when it asks for gradients.
 
-While towers are built, `apply_gradients` of `tf.compat.v1.train.Optimizer` and
-of the Keras legacy `OptimizerV2` (which their `minimize` and `get_updates`
-call) is intercepted: each call records its (gradient, variable) pairs and
-returns a stand-in no-op that carries the user's control dependencies. After the
-last tower, the k-th call of every tower is combined into one call: gradients
-are weighted by their tower's share of the batch and summed on the variable's
-device, then the real `apply_gradients` of tower 0's optimizer runs once, in
-tower 0's name scope, with the user's original arguments (so `global_step`
-advances by exactly one). Tower 0's stand-in is then made to wait for the real
-update, so everything the user hung on its train_op runs in the single-device
-order.
+In TRAIN, the primary tower (tower 0) runs the user's model_fn in the model_fn's
+own flow, on its shard. When it asks for gradients with respect to variables
+(`tf.gradients`, `Optimizer.compute_gradients` / `minimize`, Keras legacy
+`get_gradients` / `minimize`, or anything built on them), the request is
+answered with the gradient of the global-batch loss instead:
 
-A tower that reads its own copies of the variables (the 'replicated' placement)
-computes gradients with respect to the copies; they are recorded against the
-variables the copies replicate, so the same variable's gradients from every
-tower are combined and applied to it.
+    sum_k  w_k * loss_k      (w_k = n_k / B for a mean-reduced loss, 1 for a sum)
+
+over the towers' matching losses. The other towers are built at that moment,
+each in a clean context on its own device, and each is stopped at its own
+matching request, where its loss is recorded: they build their forward pass
+and nothing else, so none of their updates exists. The gradient is one
+backward pass over every tower's loss (`grad_ys = w_k`), each tower's part
+colocated with its forward ops, so it runs on that tower's device; the
+contributions to a variable meet on the variable's device. Everything the
+model_fn then does with the gradients (clipping, loss scaling, summaries, its
+own optimizer's `apply_gradients`, a manual `global_step` update, a Saver) runs
+once, exactly as on one device.
+
+The rule that tells requests apart: a request made while a tower's graph is
+built (not inside a `tf.function`) whose `xs` include a `tf.Variable` is a
+*whole-batch* request. Any other request (with respect to inputs or
+activations, as in a gradient penalty) keeps its per-tower meaning and is
+passed to TensorFlow untouched. A model_fn that asks several times (a GAN's two
+optimizers, double back-prop) gets a whole-batch answer each time; for request
+r the other towers are rebuilt up to their r-th request, earlier ones answered
+with the earlier whole-batch gradients.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator, Sequence
+import inspect
+from typing import Any, Callable, Sequence
 
+from absl import logging
+import numpy as np
 import tensorflow as tf
-from tensorflow.python.training import optimizer as v1_optimizer  # pylint: disable=g-direct-tensorflow-import
 
-try:  # Keras 2.15's legacy optimizer base class.
-  from keras.src.optimizers.legacy import optimizer_v2 as _keras_optimizer_v2  # pylint: disable=g-import-not-at-top
-  _OPTIMIZER_CLASSES = (v1_optimizer.Optimizer, _keras_optimizer_v2.OptimizerV2)
-except ImportError:  # pragma: no cover - keras layout differs
-  _OPTIMIZER_CLASSES = (v1_optimizer.Optimizer,)
+from estimator_towers import interception
 
 
 class DivergentTowersError(ValueError):
-  """Towers made different optimizer calls."""
+  """Towers asked for different gradients."""
+
+
+class TowerStop(BaseException):
+  """Raised inside a non-primary tower at the request it was built for.
+
+  A BaseException, so that a model_fn's own `except Exception` cannot swallow
+  it.
+  """
+
+
+_GRAPH_SIGNATURE = inspect.signature(interception.graph_gradients)
+_TAPE_SIGNATURE = inspect.signature(interception._tape_gradient)  # pylint: disable=protected-access
+
+# Reductions recorded by tf.compat.v1.losses (Reduction.SUM) and Keras
+# (ReductionV2.SUM) that sum over the batch; every other one averages.
+SUM_REDUCTIONS = ('weighted_sum', 'sum')
 
 
 @dataclasses.dataclass
-class DeferredApply:
-  """One intercepted `apply_gradients` call of one tower."""
-  optimizer: Any
-  grads_and_vars: list
-  args: tuple
-  kwargs: dict
-  name_scope: str
-  stand_in: tf.Operation
+class Request:
+  """One gradient request, flattened.
 
-
-class GradientCollector:
-  """Intercepts `apply_gradients` while towers are built.
-
-  Args:
-    primary: maps a variable a tower computed gradients for (its own copy of a
-      replicated variable) to the variable that is updated; the identity when
-      towers share the variables.
+  Attributes:
+    kind: 'graph' (tf.gradients and everything built on it) or 'tape'.
+    ys: the tensors differentiated.
+    xs: the tensors or variables differentiated with respect to.
+    grad_ys: the user's initial gradients per y (None entries: ones).
+    options: the remaining arguments of the graph gradients function.
+    structure: for 'tape', the nest structure of the sources.
   """
+  kind: str
+  ys: list
+  xs: list
+  grad_ys: list
+  options: dict
+  structure: Any = None
 
-  def __init__(self, primary: Callable[[tf.Variable], tf.Variable] | None = None):
-    self._primary = primary or (lambda variable: variable)
-    self.calls: list[list[DeferredApply]] = []
-    self._tower: list[DeferredApply] | None = None
-
-  @contextlib.contextmanager
-  def collecting(self) -> Iterator[list[DeferredApply]]:
-    """Scope of one tower: its `apply_gradients` calls are deferred."""
-    tower: list[DeferredApply] = []
-    self.calls.append(tower)
-    self._tower = tower
-    originals = {cls: cls.__dict__['apply_gradients'] for cls in _OPTIMIZER_CLASSES}
-    for cls, original in originals.items():
-      setattr(cls, 'apply_gradients', self._intercept(original))
-    try:
-      yield tower
-    finally:
-      for cls, original in originals.items():
-        setattr(cls, 'apply_gradients', original)
-      self._tower = None
-
-  def _intercept(self, original: Callable) -> Callable:
-    collector = self
-
-    def apply_gradients(optimizer, grads_and_vars, *args, **kwargs):
-      if collector._tower is None:
-        return original(optimizer, grads_and_vars, *args, **kwargs)
-      grads_and_vars = [(g, collector._primary(v)) for g, v in grads_and_vars]
-      graph = tf.compat.v1.get_default_graph()
-      stand_in = tf.no_op(name='deferred_apply_gradients')
-      collector._tower.append(DeferredApply(
-          optimizer=optimizer, grads_and_vars=grads_and_vars, args=args,
-          kwargs=kwargs, name_scope=graph.get_name_scope(), stand_in=stand_in))
-      return stand_in
-
-    apply_gradients.__wrapped__ = original
-    return apply_gradients
-
-  def check_towers_agree(self) -> None:
-    """Raises DivergentTowersError unless every tower made the same calls."""
-    reference = self.calls[0]
-    for k, tower in enumerate(self.calls[1:], start=1):
-      if len(tower) != len(reference):
-        raise DivergentTowersError(
-            f'Tower {k} called apply_gradients/minimize {len(tower)} times but '
-            f'tower 0 called it {len(reference)} times. Every tower runs the '
-            f'same model_fn and must make the same optimizer calls; do not '
-            f'branch on the shard or device around optimizer calls.')
-      for c, (mine, ref) in enumerate(zip(tower, reference)):
-        mine_vars = [v for _, v in mine.grads_and_vars]
-        ref_vars = [v for _, v in ref.grads_and_vars]
-        if [id(v) for v in mine_vars] != [id(v) for v in ref_vars]:
-          raise DivergentTowersError(
-              f'Optimizer call #{c} of tower {k} updates variables '
-              f'{[v.name for v in mine_vars]} but the same call of tower 0 '
-              f'updates {[v.name for v in ref_vars]}. Every tower must make '
-              f'the same optimizer calls on the same variables.')
-
-  def apply(self, weights: Sequence, nonempty: Sequence,
-            aggregation_device: Callable[[tf.Variable], str]) -> list[tf.Operation]:
-    """Builds the real updates; returns them (tower 0's stand-ins now wait on them)."""
-    self.check_towers_agree()
-    graph = tf.compat.v1.get_default_graph()
-    updates = []
-    for c, first in enumerate(self.calls[0]):
-      combined = []
-      for j, (_, variable) in enumerate(first.grads_and_vars):
-        grads = [tower[c].grads_and_vars[j][0] for tower in self.calls]
-        with tf.device(aggregation_device(variable)):
-          with tf.name_scope('combine_gradients'):
-            combined.append((combine(grads, weights, nonempty), variable))
-      scope = first.name_scope + '/' if first.name_scope else ''
-      with graph.name_scope(scope), \
-          tf.control_dependencies(first.stand_in.control_inputs):
-        update = first.optimizer.apply_gradients(combined, *first.args, **first.kwargs)
-      update_op = update if isinstance(update, tf.Operation) else update.op
-      first.stand_in._add_control_input(update_op)  # pylint: disable=protected-access
-      updates.append(update_op)
-    return updates
+  @property
+  def wants_variables(self) -> bool:
+    return any(isinstance(x, tf.Variable) for x in self.xs)
 
 
-def _scale(grad: Any, weight: Any, nonempty: Any) -> Any:
-  """weight * grad, or zeros when the tower's shard is empty (its grad may be NaN)."""
-  values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
-  unit = isinstance(weight, (int, float)) and weight == 1
-  scaled = values if unit else values * tf.cast(weight, values.dtype)
-  if nonempty is not True:
-    scaled = tf.where(nonempty, scaled, tf.zeros_like(scaled))
-  if isinstance(grad, tf.IndexedSlices):
-    return tf.IndexedSlices(scaled, grad.indices, grad.dense_shape)
-  return scaled
+def _as_list(value: Any) -> list:
+  return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def combine(grads: Sequence, weights: Sequence, nonempty: Sequence) -> Any:
-  """Weighted sum of one variable's per-tower gradients (None where no tower has one).
+def parse(kind: str, args: tuple, kwargs: dict) -> Request:
+  """A Request from the arguments of an intercepted call."""
+  if kind == 'graph':
+    bound = _GRAPH_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    options = dict(bound.arguments)
+    ys, xs = _as_list(options.pop('ys')), _as_list(options.pop('xs'))
+    grad_ys = options.pop('grad_ys')
+    grad_ys = [None] * len(ys) if grad_ys is None else _as_list(grad_ys)
+    return Request(kind, ys, xs, grad_ys, options)
+  bound = _TAPE_SIGNATURE.bind(*args, **kwargs)
+  bound.apply_defaults()
+  arguments = bound.arguments
+  ys = tf.nest.flatten(arguments['target'])
+  output_gradients = arguments['output_gradients']
+  grad_ys = ([None] * len(ys) if output_gradients is None
+             else tf.nest.flatten(output_gradients))
+  options = {'unconnected_gradients': arguments['unconnected_gradients']}
+  return Request(kind, ys, tf.nest.flatten(arguments['sources']), grad_ys, options,
+                 structure=arguments['sources'])
 
-  Args:
-    grads: per-tower gradients (Tensor, IndexedSlices or None).
-    weights: per-tower weights (Python floats or scalar Tensors).
-    nonempty: per-tower booleans (Python or scalar Tensors); False drops the tower.
-  """
-  parts = [_scale(g, w, ne) for g, w, ne in zip(grads, weights, nonempty)
-           if g is not None and ne is not False]
+
+def _pack(request: Request, grads: list) -> Any:
+  if request.kind == 'tape':
+    return tf.nest.pack_sequence_as(request.structure, grads)
+  return grads
+
+
+def _weighted_grad_y(y: tf.Tensor, grad_y: Any, weight: Any) -> Any:
+  """The initial gradient of a tower's y: weight * (grad_y or ones), on y's device."""
+  if isinstance(weight, (int, float)) and weight == 1:
+    return grad_y
+  with tf.device(y.op.device):
+    base = tf.ones_like(y) if grad_y is None else grad_y
+    return base * tf.cast(weight, base.dtype)
+
+
+def _add(grads: Sequence) -> Any:
+  """Sum of one variable's gradient parts (Tensors or IndexedSlices; None skipped)."""
+  parts = [g for g in grads if g is not None]
   if not parts:
     return None
   if len(parts) == 1:
@@ -170,3 +139,365 @@ def combine(grads: Sequence, weights: Sequence, nonempty: Sequence) -> Any:
                             tf.concat([p.indices for p in parts], 0),
                             parts[0].dense_shape)
   return tf.add_n([tf.convert_to_tensor(p) for p in parts])
+
+
+@dataclasses.dataclass
+class _Progress:
+  """A non-primary tower's build: the request it stops at and what it made."""
+  stop_at: int | None
+  count: int = 0
+  captured: Request | None = None
+
+
+class WholeBatchGradients:
+  """Answers the gradient requests made while the towers of one graph are built.
+
+  Args:
+    graph: the graph being built.
+    towers: indices of the towers that are built; the first is the primary.
+    sizes: per-tower shard sizes (Python ints or scalar Tensors), by tower index.
+    batch: the global batch size (Python int or scalar Tensor).
+    loss_reduction: 'auto', 'mean' or 'sum'.
+    build_tower: `build_tower(k, stop_at)` builds tower k, stopping at its
+      `stop_at`-th whole-batch request (None: at the end of its model_fn).
+    copy_of: `copy_of(variable, k)` is tower k's own copy of `variable` (the
+      'replicated' placement) or None.
+    primary: maps a tower's copy of a variable to the variable itself.
+    aggregation_device: the device on which a variable's gradient parts meet.
+    variable_count: the number of variables created so far.
+    creation_spans: (first, end) positions in the graph's op list of the ops
+      made to create variables (left out when towers' ops are matched).
+  """
+
+  def __init__(self, graph: tf.Graph, towers: Sequence[int], sizes: Sequence, batch: Any,
+               loss_reduction: str, build_tower: Callable[[int, int | None], Any],
+               copy_of: Callable[[tf.Variable, int], tf.Variable | None],
+               primary: Callable[[tf.Variable], tf.Variable],
+               aggregation_device: Callable[[tf.Variable], str],
+               variable_count: Callable[[], int],
+               creation_spans: Sequence[tuple[int, int]] = ()):
+    self._graph = graph
+    self.towers = list(towers)
+    self._sizes = sizes
+    self._batch = batch
+    self._loss_reduction = loss_reduction
+    self._build_tower = build_tower
+    self._copy_of = copy_of
+    self._primary = primary
+    self._aggregation_device = aggregation_device
+    self._variable_count = variable_count
+    self.reduction: str | None = None   # 'mean' or 'sum', fixed at the first request
+    self.weights: list = []             # per built tower
+    self.requests: list[Request] = []   # the primary's whole-batch requests
+    self.variables_at: list[int] = []   # variables created before each request
+    self.answers: list[list] = []       # the whole-batch gradients, per request
+    self.others: dict[int, dict[int, Request]] = {k: {} for k in self.towers[1:]}
+    self._building: list[int] = []
+    self._progress: dict[int, _Progress] = {}
+    self._creation_spans = creation_spans
+    self._starts: dict[int, int] = {}  # graph position where a tower's build began
+    self._segments: dict[int, list[tf.Operation]] = {}  # ops before request 0
+    self._pending_ys: list = []
+
+  # -- Which tower is being built ---------------------------------------------
+
+  def building(self, tower: int, stop_at: int | None = None) -> '_Building':
+    return _Building(self, tower, stop_at)
+
+  def handle(self, kind: str, original: Callable, args: tuple, kwargs: dict) -> Any:
+    """The interception handler (see `interception.gradient_requests`)."""
+    if (not self._building or tf.compat.v1.get_default_graph() is not self._graph):
+      return original(*args, **kwargs)
+    request = parse(kind, args, kwargs)
+    if not request.wants_variables:  # a gradient that is part of the model
+      return original(*args, **kwargs)
+    tower = self._building[-1]
+    if tower == self.towers[0]:
+      return _pack(request, self._answer_primary(request))
+    return _pack(request, self._answer_other(tower, request))
+
+  # -- The primary's requests -------------------------------------------------
+
+  def _resolve_reduction(self) -> None:
+    if self.reduction is None:
+      self.reduction, self.weights = tower_weights(
+          self._loss_reduction, self._graph, self._sizes, self._batch, self.towers,
+          loss=self._pending_ys[0] if self._pending_ys else None)
+
+  def _answer_primary(self, request: Request) -> list:
+    self._pending_ys = request.ys
+    self._resolve_reduction()
+    r = len(self.requests)
+    self.requests.append(request)
+    self.variables_at.append(self._variable_count())
+    if r == 0:
+      self._segments[self.towers[0]] = self._segment(self.towers[0])
+    tower_requests = [request]
+    for k in self.towers[1:]:
+      # A later request whose tensors tower k already built (before its first
+      # request) reuses them; otherwise tower k is rebuilt up to request r.
+      mapped = self._mapped(k, request) if r else None
+      if mapped is None:
+        self._build_tower(k, r)
+        mapped = self.others[k][r]
+      self.others[k][r] = mapped
+      tower_requests.append(mapped)
+    answer = self._whole_batch(tower_requests)
+    self.answers.append(answer)
+    return answer
+
+  def _whole_batch(self, tower_requests: Sequence[Request]) -> list:
+    """One backward pass over every tower's loss, weighted; parts summed per variable."""
+    primary = tower_requests[0]
+    ys, grad_ys, stops = [], [], []
+    for k, request, weight in zip(self.towers, tower_requests, self.weights):
+      for y, grad_y in zip(request.ys, request.grad_ys):
+        ys.append(y)
+        grad_ys.append(_weighted_grad_y(y, grad_y, weight))
+      stops.extend(_as_list(request.options.get('stop_gradients') or []))
+    # Parts of a variable's gradient summed here rather than where the backward
+    # pass would meet: the towers' own copies ('replicated'), and each tower's
+    # reads of a variable on another task (a parameter server), whose parts
+    # are summed on the workers' CPU so that only the sum is sent.
+    xs = list(primary.xs)
+    parts = {i: [i] for i in range(len(xs))}
+    for i, x in enumerate(primary.xs):
+      if not isinstance(x, tf.Variable):
+        continue
+      for k in self.towers[1:]:
+        copy = self._copy_of(x, k)
+        if copy is not None:
+          parts[i].append(len(xs))
+          xs.append(copy)
+      if self._aggregation_device(x) != x.device:
+        reads = interception.plain_reads(x)
+        stops.extend(reads)
+        parts[i].extend(range(len(xs), len(xs) + len(reads)))
+        xs.extend(reads)
+    options = dict(primary.options)
+    options['stop_gradients'] = stops or None
+    options['colocate_gradients_with_ops'] = True
+    grads = interception.graph_gradients(ys, xs, grad_ys, **options)
+    combined = []
+    for i, x in enumerate(primary.xs):
+      if len(parts[i]) == 1:
+        combined.append(grads[i])
+        continue
+      with tf.device(self._aggregation_device(x)), tf.name_scope('combine_gradients'):
+        combined.append(_add([grads[j] for j in parts[i]]))
+    return combined
+
+  # -- The other towers' requests ---------------------------------------------
+
+  def _start(self, tower: int, stop_at: int | None) -> None:
+    self._progress[tower] = _Progress(stop_at)
+
+  def _answer_other(self, tower: int, request: Request) -> list:
+    progress = self._progress[tower]
+    i = progress.count
+    progress.count += 1
+    if i >= len(self.requests):
+      raise DivergentTowersError(
+          f'Tower {tower} asked for gradients with respect to variables more '
+          f'often than tower 0 ({i + 1} times, tower 0: {len(self.requests)}). '
+          f'Every tower runs the same model_fn and must make the same gradient '
+          f'requests; do not branch on the shard or device around them.')
+    self._check_same_variables(tower, i, request)
+    if progress.stop_at is not None and i == progress.stop_at:
+      progress.captured = request
+      self.others[tower][i] = request
+      if i == 0:
+        self._segments[tower] = self._segment(tower)
+      raise TowerStop()
+    return self.answers[i]
+
+  def _check_same_variables(self, tower: int, i: int, request: Request) -> None:
+    reference = self.requests[i].xs
+    mine = [self._primary_of(x) for x in request.xs]
+    if len(mine) != len(reference) or any(a is not b for a, b in zip(mine, reference)):
+      raise DivergentTowersError(
+          f'Gradient request #{i} of tower {tower} is with respect to '
+          f'{_names(request.xs)} but the same request of tower 0 is with '
+          f'respect to {_names(reference)}. Every tower runs the same model_fn '
+          f'and must ask for the same gradients.')
+
+  def _primary_of(self, x: Any) -> Any:
+    return self._primary(x) if isinstance(x, tf.Variable) else x
+
+  def stopped_at_expected_request(self, tower: int) -> bool:
+    progress = self._progress[tower]
+    return progress.stop_at is None or progress.captured is not None
+
+  # -- Tower k's counterpart of a tensor of tower 0 ---------------------------
+
+  def counterpart(self, tower: int, tensor: tf.Tensor) -> tf.Tensor | None:
+    """Tower `tower`'s tensor matching `tensor` of the primary tower, or None.
+
+    Found (1) for tensors from which a whole-batch request was derived (the
+    loss, the logits): the path of op inputs from the request's ys to `tensor`
+    in the primary is followed from the tower's own ys, checking op types; or
+    (2) for any tensor the primary built before its first request: the op made
+    at the same position of the tower's own build (variable creation left
+    out), when every op up to it has the same type.
+    """
+    if not isinstance(tensor, tf.Tensor):
+      return None
+    for r, request in enumerate(self.requests):
+      theirs = self.others[tower].get(r)
+      if theirs is None:
+        continue
+      for y, y_k in zip(request.ys, theirs.ys):
+        path = _path(y, tensor)
+        if path is not None:
+          found = _follow(y_k, y, path)
+          if found is not None:
+            return found
+    mine, theirs = self._segments.get(self.towers[0]), self._segments.get(tower)
+    if not mine or theirs is None:
+      return None
+    position = {id(op): i for i, op in enumerate(mine)}.get(id(tensor.op))
+    if position is None or position >= len(theirs):
+      return None
+    if any(a.type != b.type for a, b in zip(mine[:position + 1], theirs)):
+      return None
+    return theirs[position].outputs[tensor.value_index]
+
+  def _mapped(self, tower: int, request: Request) -> Request | None:
+    """Tower `tower`'s counterpart of a primary request, from what it built."""
+    def each(tensors):
+      found = [None if t is None else self.counterpart(tower, t) for t in tensors]
+      return None if any(f is None and t is not None for f, t in zip(found, tensors)) else found
+    ys, grad_ys = each(request.ys), each(request.grad_ys)
+    stops = each(_as_list(request.options.get('stop_gradients') or []))
+    if ys is None or grad_ys is None or stops is None:
+      return None
+    options = dict(request.options, stop_gradients=stops or None)
+    return Request(request.kind, ys, request.xs, grad_ys, options, request.structure)
+
+  def _segment(self, tower: int) -> list[tf.Operation]:
+    """The ops a tower's build made so far, without those creating variables."""
+    start = self._starts[tower]
+    ops = self._graph.get_operations()[start:]
+    skip = set()
+    for first, end in self._creation_spans:
+      if end > start:
+        skip.update(range(max(first, start) - start, end - start))
+    return [op for i, op in enumerate(ops) if i not in skip]
+
+
+  def all_counterparts(self, tensor: tf.Tensor) -> list[tf.Tensor] | None:
+    """`tensor` and every other tower's counterpart, or None if one is unknown."""
+    found = [tensor] + [self.counterpart(k, tensor) for k in self.towers[1:]]
+    return None if any(t is None for t in found) else found
+
+
+class _Building:
+  """Marks a tower as being built (for `WholeBatchGradients.handle`)."""
+
+  def __init__(self, broker: WholeBatchGradients, tower: int, stop_at: int | None):
+    self._broker, self._tower, self._stop_at = broker, tower, stop_at
+
+  def __enter__(self):
+    if self._tower != self._broker.towers[0]:
+      self._broker._start(self._tower, self._stop_at)  # pylint: disable=protected-access
+    self._broker._starts[self._tower] = self._broker._graph.version  # pylint: disable=protected-access
+    self._broker._building.append(self._tower)  # pylint: disable=protected-access
+    return self
+
+  def __exit__(self, *exc):
+    self._broker._building.pop()  # pylint: disable=protected-access
+    return False
+
+
+_logged_assumed_mean = []
+
+
+def tower_weights(loss_reduction: str, graph: tf.Graph, sizes: Sequence, batch: Any,
+                  towers: Sequence[int], loss: Any = None) -> tuple[str, list]:
+  """The reduction ('mean' or 'sum') and each built tower's weight in the loss.
+
+  The rule of 'auto': the reduction the model_fn's last TensorFlow loss
+  function recorded on the graph (v1 canned heads sum; tf.compat.v1.losses and
+  Keras losses otherwise average), as TensorFlow's distribution strategies
+  read it; else, if `loss` (tower 0's) is made by a `tf.reduce_sum` or
+  `tf.reduce_mean` over the batch axis, that; else a mean (logged once).
+  """
+  reduction = loss_reduction
+  if reduction == 'auto':
+    recorded = interception.last_loss_reduction(graph)
+    if recorded is not None:
+      reduction = 'sum' if str(recorded) in SUM_REDUCTIONS else 'mean'
+    else:
+      reduction = _reduction_of(loss)
+      if reduction is None:
+        reduction = 'mean'
+        if not _logged_assumed_mean:
+          _logged_assumed_mean.append(True)
+          logging.warning(
+              'estimator_towers: the loss\'s reduction over the batch is not '
+              'recorded by a TensorFlow loss function nor a tf.reduce_sum / '
+              'tf.reduce_mean over the batch; assuming a mean (towers weighted '
+              'by their share of the batch). If the loss adds up per-example '
+              'losses, pass loss_reduction=\'sum\'.')
+  if reduction == 'sum':  # a tower whose shard is empty at run time adds nothing
+    return reduction, [1.0 if isinstance(sizes[k], int) else
+                       tf.cast(sizes[k] > 0, tf.float32) for k in towers]
+  if isinstance(batch, int):
+    return reduction, [sizes[k] / max(batch, 1) for k in towers]
+  with tf.device(None), tf.name_scope('tower_weights'):
+    total = tf.cast(tf.maximum(batch, 1), tf.float32)
+    return reduction, [tf.cast(sizes[k], tf.float32) / total for k in towers]
+
+
+def _reduction_of(loss: Any) -> str | None:
+  """'sum' or 'mean' if `loss` is a tf.reduce_sum / tf.reduce_mean over axis 0."""
+  if not isinstance(loss, tf.Tensor):
+    return None
+  op = loss.op
+  while op.type in ('Identity', 'Cast') and op.inputs:
+    op = op.inputs[0].op
+  if op.type not in ('Sum', 'Mean') or len(op.inputs) != 2 or op.inputs[0].shape.rank == 0:
+    return None
+  axes = tf.get_static_value(op.inputs[1])
+  rank = op.inputs[0].shape.rank
+  if axes is None:  # reduce over every axis (axis=None) makes a Range of them
+    if op.inputs[1].op.type != 'Range':
+      return None
+  elif rank is None or 0 not in [int(a) % rank for a in np.ravel(axes)]:
+    return None
+  return 'sum' if op.type == 'Sum' else 'mean'
+
+
+def _names(xs: Sequence) -> list[str]:
+  return [getattr(x, 'name', repr(x)) for x in xs]
+
+
+def _path(start: tf.Tensor, target: tf.Tensor, limit: int = 512) -> tuple[int, ...] | None:
+  """Input indices leading from `start` back to `target`, breadth first."""
+  if not isinstance(start, tf.Tensor) or not isinstance(target, tf.Tensor):
+    return None
+  queue = [(start, ())]
+  seen = set()
+  while queue and len(seen) < limit:
+    tensor, path = queue.pop(0)
+    if tensor.op is target.op and tensor.value_index == target.value_index:
+      return path
+    if tensor.op.name in seen:
+      continue
+    seen.add(tensor.op.name)
+    queue.extend((t, path + (j,)) for j, t in enumerate(tensor.op.inputs))
+  return None
+
+
+def _follow(start: tf.Tensor, reference: tf.Tensor, path: tuple[int, ...]) -> tf.Tensor | None:
+  """The tensor reached from `start` along `path`, if its ops match the reference's."""
+  tensor = start
+  for j in path:
+    if (tensor.op.type != reference.op.type
+        or len(tensor.op.inputs) != len(reference.op.inputs)):
+      return None
+    tensor, reference = tensor.op.inputs[j], reference.op.inputs[j]
+  if (tensor.op.type != reference.op.type or tensor.value_index != reference.value_index
+      or tensor.dtype != reference.dtype):
+    return None
+  return tensor

@@ -15,6 +15,7 @@ from typing import Sequence
 import tensorflow as tf
 
 from estimator_towers import devices as devices_lib
+from estimator_towers import interception
 
 
 class Placement:
@@ -142,6 +143,35 @@ class ReplicatedPlacement(Placement):
   def describe(self):
     return (f'variables on {self.tower_devices[0]}, copied to each other tower\'s '
             f'device and refreshed after every update')
+
+
+def tower_device(device: str):
+  """The device function of a tower: its ops on `device`, except resource users.
+
+  An op that takes a variable's handle (a read, a sparse lookup, a read inside
+  a `tf.cond` branch) goes where the variable is, so that the session can
+  place the graph without soft placement: a resource and its users must share
+  a device. A control-flow op that passes a handle into its branches (a
+  `tf.cond` reading a variable) is left unpinned for the same reason, while
+  the ops inside its branches are placed by this rule.
+  """
+  def device_fn(op: tf.Operation) -> str:
+    chosen = device
+    for tensor in op.inputs:
+      if tensor.dtype == tf.resource:
+        chosen = '' if op.type in _CALL_OPS else (
+            interception.resource_device(tensor) or device)
+        break
+    if op.device:  # set by a device scope inside the tower: it takes precedence
+      return (tf.DeviceSpec.from_string(chosen)
+              .make_merged_spec(tf.DeviceSpec.from_string(op.device)).to_string())
+    return chosen
+  return device_fn
+
+
+# Ops that call a function (the lowered form of tf.cond and tf.while_loop).
+_CALL_OPS = ('If', 'StatelessIf', 'While', 'StatelessWhile', 'Case', 'StatelessCase',
+             'PartitionedCall', 'StatefulPartitionedCall')
 
 
 STRATEGIES: dict[str, type[Placement]] = {

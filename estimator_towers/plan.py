@@ -13,7 +13,7 @@ from estimator_towers import devices as devices_lib
 from estimator_towers import placement
 from estimator_towers import spelling
 
-LOSS_REDUCTIONS = ('mean', 'sum')
+LOSS_REDUCTIONS = ('auto', 'mean', 'sum')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,18 +26,20 @@ class DevicePlan:
     num_gpus: the GPU count asked for, when given as a count; 0 means one
       tower on the host CPU.
     variable_strategy: a key of `placement.STRATEGIES`.
-    loss_reduction: 'mean' (the loss is a mean over the batch: towers are
-      weighted by their share of the batch) or 'sum' (towers add up).
+    loss_reduction: 'auto' (default: the reduction the model_fn's TensorFlow
+      loss function recorded, as TensorFlow's distribution strategies read it;
+      a mean when none did), 'mean' (the loss is a mean over the batch: towers
+      are weighted by their share of the batch) or 'sum' (towers add up).
     staging_depth: shards kept in flight per device by the staged input_fn.
-    staging_backend: how the staged input_fn prefetches shards: a key of
-      `staging.BACKENDS` ('staging_area' or 'multi_device_iterator').
+    staging_backend: how the staged input_fn prefetches shards: one of
+      `staging.BACKENDS` ('staging_area', a StagingArea per device).
     allow_cpu_fallback: when num_gpus asks for more GPUs than are visible, run
       the missing towers on the host CPU (with one warning) instead of raising.
   """
   devices: tuple[str, ...] | None = None
   num_gpus: int | None = None
   variable_strategy: str = 'cpu'
-  loss_reduction: str = 'mean'
+  loss_reduction: str = 'auto'
   staging_depth: int = 1
   staging_backend: str = 'staging_area'
   allow_cpu_fallback: bool = False
@@ -63,7 +65,7 @@ class DevicePlan:
 
 
 def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
-              variable_strategy: str = 'cpu', loss_reduction: str = 'mean',
+              variable_strategy: str = 'cpu', loss_reduction: str = 'auto',
               staging_depth: int = 1,
               staging_backend: str = 'staging_area',
               allow_cpu_fallback: bool = False) -> DevicePlan:
@@ -73,7 +75,7 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
     num_gpus: towers on /gpu:0 .. /gpu:N-1; 0 trains on the host CPU.
     devices: explicit tower devices, instead of num_gpus.
     variable_strategy: a key of `placement.STRATEGIES`.
-    loss_reduction: 'mean' or 'sum'.
+    loss_reduction: 'auto', 'mean' or 'sum'.
     staging_depth: shards kept in flight per device by `staged_input_fn`.
     staging_backend: a key of `staging.BACKENDS`.
     allow_cpu_fallback: run towers on the host CPU when num_gpus asks for
@@ -82,7 +84,7 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
   Raises:
     ValueError: for a count together with devices, a negative count,
       duplicate or malformed devices, an unknown strategy or reduction, or a
-      negative staging depth, or an unknown staging backend.
+      negative staging depth, or an unknown or removed staging backend.
   """
   if num_gpus is not None and devices is not None:
     raise ValueError(
@@ -96,7 +98,8 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
   if loss_reduction not in LOSS_REDUCTIONS:
     raise ValueError(
         f'{spelling.name("loss_reduction")} must be one of {LOSS_REDUCTIONS}, '
-        f'got {spelling.value("loss_reduction", loss_reduction)}: use "mean" '
+        f'got {spelling.value("loss_reduction", loss_reduction)}: use "auto" to '
+        f'follow the reduction your TensorFlow loss function records, "mean" '
         f'when your loss averages over the batch (tf.compat.v1.losses and Keras '
         f'losses do) and "sum" when it adds up per-example losses.')
   if isinstance(staging_depth, bool) or not isinstance(staging_depth, int) or staging_depth < 0:
@@ -108,7 +111,7 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
     raise ValueError(
         f'allow_cpu_fallback must be True or False, got {allow_cpu_fallback!r}.')
   from estimator_towers import staging  # pylint: disable=g-import-not-at-top  (staging imports plan)
-  staging.validate_backend(staging_backend, what='staging_backend')
+  staging.validate_backend(staging_backend, what=spelling.name('staging_backend'))
   return DevicePlan(devices=canonical, num_gpus=num_gpus,
                     variable_strategy=variable_strategy,
                     loss_reduction=loss_reduction, staging_depth=staging_depth,

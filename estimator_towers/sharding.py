@@ -130,7 +130,7 @@ def _offsets(sizes: Sequence) -> list:
   return offsets
 
 
-def _split_leaf(t: Any, sizes: Sequence, offsets: Sequence) -> list:
+def _split_leaf(t: Any, sizes: Sequence, offsets: Sequence, overlap: bool = False) -> list:
   if isinstance(t, tf.SparseTensor):
     rest = t.dense_shape[1:]
     shards = []
@@ -145,20 +145,69 @@ def _split_leaf(t: Any, sizes: Sequence, offsets: Sequence) -> list:
     return shards
   if isinstance(t, tf.RaggedTensor):
     return [t[off:off + size] for off, size in zip(offsets, sizes)]
+  if overlap:
+    return [t[off:off + size] for off, size in zip(offsets, sizes)]
   if all(isinstance(s, int) for s in sizes):
     return tf.split(t, sizes, axis=0, num=len(sizes))
   return tf.split(t, tf.stack(sizes), axis=0, num=len(sizes))
 
 
-def split(structure: Structure | None, sizes: Sequence) -> list:
-  """Splits every leaf of `structure` along axis 0 into len(sizes) shards."""
+def _borrowing(offsets: Sequence, sizes: Sequence) -> tuple[list, list]:
+  """Bounds under which a shard that is empty at run time takes row 0 instead."""
+  new_offsets, new_sizes = [], []
+  for k, (offset, size) in enumerate(zip(offsets, sizes)):
+    if k == 0 or isinstance(size, int):
+      new_offsets.append(offset)
+      new_sizes.append(size)
+    else:
+      new_offsets.append(tf.where(size > 0, offset, tf.zeros_like(offset)))
+      new_sizes.append(tf.maximum(size, 1))
+  return new_offsets, new_sizes
+
+
+def split(structure: Structure | None, sizes: Sequence, borrow: bool = False) -> list:
+  """Splits every leaf of `structure` along axis 0 into len(sizes) shards.
+
+  Args:
+    structure: the features or labels (None gives Nones).
+    sizes: the shard sizes (Python ints or int32 scalars).
+    borrow: for training: a shard (other than the first) that turns out empty
+      at run time (a last batch smaller than the number of towers) gets the
+      batch's first example instead, to be weighted zero. Its contribution to
+      the gradient is then exactly zero, where an empty batch could give NaN
+      (batch normalisation's statistics of no rows).
+  """
   if structure is None:
     return [None] * len(sizes)
   offsets = _offsets(sizes)
+  overlap = borrow and not all(isinstance(s, int) for s in sizes)
+  if overlap:
+    offsets, sizes = _borrowing(offsets, sizes)
   flat = tf.nest.flatten(structure)
-  pieces = [_split_leaf(t, sizes, offsets) for t in flat]
+  pieces = [_split_leaf(t, sizes, offsets, overlap) for t in flat]
   return [tf.nest.pack_sequence_as(structure, [p[k] for p in pieces])
           for k in range(len(sizes))]
+
+
+def _first_row(t: Any) -> Any:
+  if isinstance(t, tf.SparseTensor):
+    rest = t.dense_shape[1:]
+    extent = tf.concat([tf.ones([1], tf.int64), rest], 0)
+    piece = tf.sparse.slice(t, tf.zeros_like(t.dense_shape), extent)
+    return tf.SparseTensor(piece.indices, piece.values, extent)
+  return t[:1]  # Tensors and RaggedTensors
+
+
+def fill_empty(shard: Structure | None, size: tf.Tensor, donor: Structure | None) -> Structure:
+  """`shard`, or the first example of `donor` when `shard` has no rows.
+
+  `split(..., borrow=True)` for shards that are already split (staged input,
+  on their devices): see there.
+  """
+  if shard is None:
+    return None
+  return tf.cond(size > 0, lambda: shard,
+                 lambda: tf.nest.map_structure(_first_row, donor))
 
 
 def _concat_leaf(parts: Sequence) -> Any:

@@ -88,6 +88,33 @@ class VariableSharing:
     self._requested_names: list[str] = []  # before the graph made them unique
     self._primaries: dict[int, tf.Variable] = {}  # id(copy) -> original
     self._replicas: dict[int, tuple[tf.Variable, list[tf.Variable]]] = {}  # id(original) -> copies
+    self._copies: dict[tuple[int, int], tf.Variable] = {}  # (id(original), tower) -> copy
+    self._suspended = 0  # > 0 while another tower is built inside tower 0
+    # (first, end) positions in the graph's op list of the ops made to create
+    # variables: tower 0 makes them, the other towers do not.
+    self.creation_spans: list[tuple[int, int]] = []
+
+  @contextlib.contextmanager
+  def _creation_span(self) -> Iterator[None]:
+    graph = tf.compat.v1.get_default_graph()
+    first = graph.version
+    try:
+      yield
+    finally:
+      self.creation_spans.append((first, graph.version))
+
+  def copy_of(self, variable: tf.Variable, tower: int) -> tf.Variable | None:
+    """Tower `tower`'s copy of `variable`, or None if it uses the variable itself."""
+    return self._copies.get((id(variable), tower))
+
+  @contextlib.contextmanager
+  def suspended(self) -> Iterator[None]:
+    """Tower 0's creator passes requests through (another tower is being built)."""
+    self._suspended += 1
+    try:
+      yield
+    finally:
+      self._suspended -= 1
 
   def primary(self, variable: tf.Variable) -> tf.Variable:
     """The variable a tower's copy replicates; any other variable itself."""
@@ -118,9 +145,9 @@ class VariableSharing:
     # The initial value is read on the original's device, outside the tower's
     # control flow and control dependencies, in the original's name scope.
     with tf.init_scope(), graph.name_scope(f'{original.op.name}/'), \
-        tf.device(original.device):
+        tf.device(original.device), self._creation_span():
       initial_value = original.read_value()
-    with graph.name_scope(None), tf.device(device):  # a plain name, not under tower_k/
+    with graph.name_scope(None), tf.device(device), self._creation_span():  # not under tower_k/
       copy = next_creator(
           initial_value=initial_value, name=f'{original.op.name}/replica_{tower}',
           trainable=original.trainable, collections=[GraphKeys.LOCAL_VARIABLES],
@@ -132,6 +159,7 @@ class VariableSharing:
       if v is original:
         trainable[i] = copy
     self._primaries[id(copy)] = original
+    self._copies[(id(original), tower)] = copy
     self._replicas.setdefault(id(original), (original, []))[1].append(copy)
     return copy
 
@@ -140,10 +168,12 @@ class VariableSharing:
     """Scope of tower 0: variables are created, placed and recorded."""
 
     def creator(next_creator, **kwargs):
+      if self._suspended:
+        return next_creator(**kwargs)
       device = self._variable_device(_requested_shape(kwargs),
                                      _requested_dtype(kwargs),
                                      kwargs.get('name') or 'Variable')
-      with tf.device(device):
+      with tf.device(device), self._creation_span():
         variable = next_creator(**kwargs)
       self.variables.append(variable)
       self._requested_names.append(_base_name(kwargs.get('name')))
@@ -153,15 +183,23 @@ class VariableSharing:
       yield
 
   @contextlib.contextmanager
-  def reusing(self, tower: int) -> Iterator[None]:
+  def reusing(self, tower: int, scope: vs.VariableScope | None = None,
+              expected: int | None = None, copies: bool = True) -> Iterator[None]:
     """Scope of tower `tower` > 0: creation requests return tower 0's variables.
 
     With a replica device for the tower, they return its copies of tower 0's
     floating-point global variables instead; copies stand in for their
     originals in TRAINABLE_VARIABLES until the scope ends.
+
+    Args:
+      tower: the tower index.
+      scope: the variable scope the tower starts in (default: the current one).
+      expected: how many variables the tower must have asked for when the
+        scope ends (default: as many as tower 0 created).
+      copies: False to hand back the variables themselves even under replicas.
     """
     position = [0]
-    device = self._replica_device(tower)
+    device = self._replica_device(tower) if copies else None
     graph = tf.compat.v1.get_default_graph()
     replicated = set()
     if device is not None:
@@ -172,7 +210,7 @@ class VariableSharing:
     def creator(next_creator, **kwargs):
       i = position[0]
       name = kwargs.get('name')
-      if i >= len(self.variables):
+      if i >= (len(self.variables) if expected is None else expected):
         raise TowerMismatchError(
             f'Tower {tower} created more variables than tower 0: its '
             f'variable #{i} ({_base_name(name)!r}) has no counterpart. All '
@@ -204,7 +242,7 @@ class VariableSharing:
     scope_stores = tf.compat.v1.get_collection_ref(vs._VARSCOPESTORE_KEY)  # pylint: disable=protected-access
     saved_scope_stores = list(scope_stores)
     fresh = vs._VariableScopeStore()  # pylint: disable=protected-access
-    fresh.current_scope = vs.get_variable_scope()
+    fresh.current_scope = scope if scope is not None else vs.get_variable_scope()
     scope_stores[:] = [fresh]
     try:
       with vs.with_variable_store(vs._VariableStore()), \
@@ -214,10 +252,11 @@ class VariableSharing:
       scope_stores[:] = saved_scope_stores
       trainable = graph.get_collection_ref(GraphKeys.TRAINABLE_VARIABLES)
       trainable[:] = [made.get(id(v), v) for v in trainable]
-    if position[0] != len(self.variables):
+    if position[0] != (len(self.variables) if expected is None else expected):
       missing = self.variables[position[0]]
       raise TowerMismatchError(
           f'Tower {tower} created fewer variables than tower 0 '
-          f'({position[0]} instead of {len(self.variables)}; the first one '
+          f'({position[0]} instead of '
+          f'{len(self.variables) if expected is None else expected}; the first one '
           f'it did not create is {missing.name!r}). All towers run the same '
           f'model_fn and must create the same variables in the same order.')

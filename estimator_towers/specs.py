@@ -25,16 +25,33 @@ def weighted_sum(values: Sequence[tf.Tensor], weights: Sequence, nonempty: Seque
   return tf.add_n(terms)
 
 
+def _join(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+  """Per-example tensors joined in input order; a known scalar is tower 0's.
+
+  Only a known scalar is per-batch; a tensor of unknown rank is taken as
+  per-example.
+  """
+  if tensors[0].shape.rank == 0:
+    return tensors[0]
+  return sharding.concat(list(tensors))
+
+
+def _join_nest(structures: Sequence) -> object:
+  flat = [tf.nest.flatten(s) for s in structures]
+  return tf.nest.pack_sequence_as(
+      structures[0], [_join([f[i] for f in flat]) for i in range(len(flat[0]))])
+
+
 def _concat_export_output(outputs: Sequence[tf.estimator.export.ExportOutput]):
   first = outputs[0]
   if isinstance(first, tf.estimator.export.ClassificationOutput):
-    scores = None if first.scores is None else sharding.concat([o.scores for o in outputs])
-    classes = None if first.classes is None else sharding.concat([o.classes for o in outputs])
+    scores = None if first.scores is None else _join([o.scores for o in outputs])
+    classes = None if first.classes is None else _join([o.classes for o in outputs])
     return tf.estimator.export.ClassificationOutput(scores=scores, classes=classes)
   if isinstance(first, tf.estimator.export.RegressionOutput):
-    return tf.estimator.export.RegressionOutput(sharding.concat([o.value for o in outputs]))
+    return tf.estimator.export.RegressionOutput(_join([o.value for o in outputs]))
   if isinstance(first, tf.estimator.export.PredictOutput):
-    return tf.estimator.export.PredictOutput(sharding.concat([o.outputs for o in outputs]))
+    return tf.estimator.export.PredictOutput(_join_nest([o.outputs for o in outputs]))
   raise TypeError(
       f'Cannot join export output {type(first).__name__} across towers; '
       f'use ClassificationOutput, RegressionOutput or PredictOutput.')
@@ -45,11 +62,7 @@ def _concat_predictions(specs):
   first = specs[0].predictions
   if first is None or (isinstance(first, dict) and not first):
     return first
-  flat = [tf.nest.flatten(s.predictions) for s in specs]
-  # Only a known scalar is per-batch; unknown rank is taken as per-example.
-  joined = [flat[0][i] if flat[0][i].shape.rank == 0 else sharding.concat([f[i] for f in flat])
-            for i in range(len(flat[0]))]
-  return tf.nest.pack_sequence_as(first, joined)
+  return _join_nest([s.predictions for s in specs])
 
 
 def _respec(spec: tf.estimator.EstimatorSpec, **changes) -> tf.estimator.EstimatorSpec:
@@ -59,10 +72,27 @@ def _respec(spec: tf.estimator.EstimatorSpec, **changes) -> tf.estimator.Estimat
   return tf.estimator.EstimatorSpec(**fields)
 
 
-def merge_train(specs, loss, train_op) -> tf.estimator.EstimatorSpec:
-  first = specs[0]
-  return _respec(first, loss=loss, train_op=train_op,
-                        predictions=_concat_predictions(specs))
+def merge_train(spec, loss, train_op, counterparts) -> tf.estimator.EstimatorSpec:
+  """Tower 0's TRAIN spec with the whole-batch loss and predictions.
+
+  Args:
+    spec: tower 0's EstimatorSpec (its train_op is the one update).
+    loss: the weighted loss over the towers.
+    train_op: the op Estimator runs.
+    counterparts: maps a tensor of tower 0 to the list of every tower's
+      matching tensor, or None where one is not known. Predictions that are not
+      all known are left out of the TRAIN spec (Estimator does not read them
+      in TRAIN) rather than reported for tower 0's shard only.
+  """
+  predictions = spec.predictions
+  if isinstance(predictions, (dict, tf.Tensor)) and tf.nest.flatten(predictions):
+    flat = tf.nest.flatten(predictions)
+    per_tower = [counterparts(t) if t.shape.rank != 0 else [t] for t in flat]
+    if any(p is None for p in per_tower):
+      predictions = {}
+    else:
+      predictions = tf.nest.pack_sequence_as(predictions, [_join(p) for p in per_tower])
+  return _respec(spec, loss=loss, train_op=train_op, predictions=predictions)
 
 
 def merge_eval(specs, loss) -> tf.estimator.EstimatorSpec:

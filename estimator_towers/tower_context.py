@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import threading
 from typing import Iterator
 
@@ -37,12 +38,23 @@ class TowerContext:
 OUTSIDE = TowerContext(index=0, num_towers=1, device=None, primary=True)
 
 _local = threading.local()
+_builds = itertools.count(1)
 
 
-def _stack() -> list[TowerContext]:
+def _stack() -> list[tuple[TowerContext, int]]:
   if not hasattr(_local, 'stack'):
     _local.stack = []
   return _local.stack
+
+
+def current_build() -> int:
+  """A number unique to the current tower build (0 outside towers).
+
+  A tower's model_fn may be built more than once (a second pass); each build
+  has its own number.
+  """
+  stack = _stack()
+  return stack[-1][1] if stack else 0
 
 
 def current_tower() -> TowerContext:
@@ -59,7 +71,7 @@ def current_tower() -> TowerContext:
         f'seen_on_tower_{tower.index}', ...)
   """
   stack = _stack()
-  return stack[-1] if stack else OUTSIDE
+  return stack[-1][0] if stack else OUTSIDE
 
 
 @contextlib.contextmanager
@@ -69,7 +81,7 @@ def entering(index: int, num_towers: int, device: str | None,
   context = TowerContext(index=index, num_towers=num_towers, device=device,
                          primary=primary)
   stack = _stack()
-  stack.append(context)
+  stack.append((context, next(_builds)))
   try:
     yield context
   finally:

@@ -32,6 +32,7 @@ _pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {n
 class _Mean:
   scope: str                      # Reserved name scope of the combined tensor.
   values: dict                    # tower index -> that tower's scalar
+  builds: dict                    # tower index -> the build that recorded it
 
 
 def _summary_device(tensor: tf.Tensor) -> contextlib.AbstractContextManager:
@@ -83,23 +84,38 @@ def global_mean(name: str, value: tf.Tensor) -> str:
     mean = means.get(name)
     if mean is None:
       with graph.name_scope(None):
-        mean = _Mean(scope=graph.unique_name(f'global_mean/{name}'), values={})
+        mean = _Mean(scope=graph.unique_name(f'global_mean/{name}'), values={},
+                     builds={})
       means[name] = mean
-    if tower.index in mean.values:
+    build = tower_context.current_build()
+    if mean.builds.get(tower.index) == build:
       raise ValueError(
           f'global_mean({name!r}, ...) was called twice for tower {tower.index}; '
           f'give each scalar its own name.')
-    mean.values[tower.index] = value
+    mean.values[tower.index] = value  # A second build of a tower replaces its first.
+    mean.builds[tower.index] = build
   if tower.num_towers == 1:
-    _complete(graph, {0: 1})
+    _complete(graph, {0: 1}, [0])
   return _combined_name(mean.scope)
 
 
-def _complete(graph: tf.Graph, sizes: dict) -> None:
-  """Builds the pending global means of `graph`, weighting tower k by sizes[k]."""
+def _complete(graph: tf.Graph, sizes: dict, built: Sequence[int]) -> None:
+  """Builds the pending global means of `graph`, weighting tower k by sizes[k].
+
+  Raises:
+    ValueError: if a tower in `built` recorded no value for a mean.
+  """
   with _lock:
     means = _pending.pop(graph, {})
   for name, mean in means.items():
+    missing = sorted(set(built) - set(mean.values))
+    if missing:
+      raise ValueError(
+          f'global_mean({name!r}, ...) was called by tower(s) '
+          f'{sorted(mean.values)} but not by tower(s) {missing}: towers other '
+          f'than tower 0 are built only up to their first gradient request, so '
+          f'call global_mean before the optimizer call (minimize, '
+          f'compute_gradients, get_updates).')
     first = mean.values[min(mean.values)]
     with graph.name_scope(mean.scope + '/'), _summary_device(first):
       if len(mean.values) == 1:
@@ -125,6 +141,10 @@ def tower_summaries(losses: Sequence[tf.Tensor | None], sizes: Sequence) -> None
       tower order; None for a tower that was not built (a statically empty
       shard).
     sizes: tower k's shard size (int or int32 scalar Tensor), in tower order.
+
+  Raises:
+    ValueError: for lists of different lengths, or a global_mean that a built
+      tower did not record (called after the optimizer call).
   """
   if len(losses) != len(sizes):
     raise ValueError(f'tower_summaries needs one loss and one size per tower, '
@@ -138,4 +158,5 @@ def tower_summaries(losses: Sequence[tf.Tensor | None], sizes: Sequence) -> None
     with _summary_device(loss):
       size = tf.cast(size, tf.float32)
     _scalar_summary(f'towers/{k}/shard_size', size)
-  _complete(graph, dict(enumerate(sizes)))
+  _complete(graph, dict(enumerate(sizes)),
+            [k for k, loss in enumerate(losses) if loss is not None])

@@ -7,10 +7,12 @@ import functools
 import inspect
 from typing import Any, Callable, Sequence
 
+from absl import logging
 import tensorflow as tf
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers import gradients
+from estimator_towers import interception
 from estimator_towers import logs
 from estimator_towers import placement as placement_lib
 from estimator_towers import plan as plan_lib
@@ -40,7 +42,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
                        num_gpus: int | None = None, *,
                        devices: Sequence[str] | None = None,
                        variable_strategy: str = 'cpu',
-                       loss_reduction: str = 'mean',
+                       loss_reduction: str = 'auto',
                        plan: plan_lib.DevicePlan | None = None) -> Callable:
   """Turns a single-device Estimator model_fn into a towered one.
 
@@ -59,21 +61,27 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   them (get_variable, tf.compat.v1.layers, Keras layers, tf.Variable, metrics).
   The checkpoint equals the plain model_fn's.
 
-  On reduction: the model_fn's own `optimizer.minimize` / `apply_gradients` /
-  Keras `get_updates` calls are deferred in every tower; the k-th calls of all
-  towers are combined (each tower's gradient weighted by its share of the batch
-  for loss_reduction='mean', added for 'sum') and tower 0's optimizer applies
-  them once, so `global_step` advances by one per step. EVAL reports the
-  example-weighted mean loss; metric state is shared, so metrics of
-  per-example values equal the plain ones. PREDICT concatenates predictions in
-  input order.
+  On gradients: in TRAIN, tower 0 runs the model_fn on its shard, in the
+  model_fn's own flow. When it asks for gradients with respect to variables
+  (tf.gradients, an optimizer's compute_gradients / minimize, Keras legacy
+  optimizers), it receives the gradient of the whole batch's loss, sum_k w_k *
+  loss_k, where w_k = n_k / B for a mean-reduced loss and 1 for a summed one
+  (`loss_reduction='auto'` follows what the model_fn's TensorFlow loss
+  function recorded). The other towers are built at that moment and stopped at
+  their own request, so they build their forward pass only. What the model_fn
+  then does (clipping, loss scaling, its optimizer's apply_gradients, a
+  manual global_step update) runs once. Gradients with respect to anything
+  other than variables (a gradient penalty on the inputs) stay per tower.
+  EVAL reports the weighted loss; metric state is shared, so metrics of
+  per-example values equal the plain ones. PREDICT concatenates predictions
+  in input order.
 
   On side effects: the train_op Estimator runs is tower 0's, so whatever the
   model_fn hangs on it (batch-norm moving averages in UPDATE_OPS or
   `layer.updates`, EMA, counters) runs once per step, fed by tower 0's shard,
-  which is the largest and never empty. The other towers contribute gradients
-  only: their variable updates are detached from their gradient computations.
-  Summaries come from tower 0, under their plain names.
+  which is the largest and never empty. Summaries come from tower 0, under
+  their plain names. A TRAIN model_fn that asks for no gradient (k-means)
+  trains on the whole batch on tower 0's device.
 
   On placement: tower k's ops run on device k; `variable_strategy` decides
   where variables live: 'cpu' (default) on the host CPU of the towers' worker
@@ -93,7 +101,8 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     num_gpus: number of GPU towers ('/gpu:0' .. '/gpu:N-1').
     devices: explicit tower devices, e.g. ['/cpu:0', '/cpu:1'].
     variable_strategy: a key of `estimator_towers.placement.STRATEGIES`.
-    loss_reduction: 'mean' or 'sum', how the model_fn's loss reduces the batch.
+    loss_reduction: 'auto' (the reduction the model_fn's TensorFlow loss
+      function records; a mean when none does), 'mean' or 'sum'.
     plan: a `DevicePlan` from `make_plan`, instead of the arguments above.
 
   Returns:
@@ -140,9 +149,11 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
       if name in accepted:
         kwargs[name] = value
     spec = model_fn(**kwargs)
+    if type(spec).__name__ == 'TPUEstimatorSpec':  # TPU-first model_fns (use_tpu=False)
+      spec = spec.as_estimator_spec()
     if not isinstance(spec, tf.estimator.EstimatorSpec):
-      raise TypeError(f'model_fn must return a tf.estimator.EstimatorSpec, got '
-                      f'{type(spec).__name__}.')
+      raise TypeError(f'model_fn must return a tf.estimator.EstimatorSpec (or a '
+                      f'TPUEstimatorSpec), got {type(spec).__name__}.')
     return spec
 
   @functools.wraps(model_fn)
@@ -205,24 +216,33 @@ def _is_serving_graph(features: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _tower_collections(saved: dict, keep: dict) -> Any:
-  """While a tower is built, per-tower collections hold only what it adds."""
+def _tower_collections(base: dict, keep: dict | None = None) -> Any:
+  """While a tower is built, per-tower collections hold only what it adds.
+
+  They start as `base` (their state before any tower); what the tower adds is
+  stored in `keep` if given. Afterwards they are as they were before, so a
+  tower built in the middle of tower 0 leaves tower 0's view untouched.
+  """
   graph = tf.compat.v1.get_default_graph()
+  before = {key: graph.get_collection(key) for key in _PER_TOWER_COLLECTIONS}
   for key in _PER_TOWER_COLLECTIONS:
-    graph.get_collection_ref(key)[:] = saved[key]
+    graph.get_collection_ref(key)[:] = base[key]
   try:
     yield
   finally:
     for key in _PER_TOWER_COLLECTIONS:
-      keep[key] = graph.get_collection(key)[len(saved[key]):]
+      if keep is not None:
+        keep[key] = graph.get_collection(key)[len(base[key]):]
+      graph.get_collection_ref(key)[:] = before[key]
 
 
 def _detach_side_effects(ops: Sequence[tf.Operation]) -> None:
   """Drops control edges from a tower's ops to its own variable updates.
 
-  A model_fn often computes gradients under `control_dependencies(update_ops)`;
-  in towers other than tower 0 that would run their batch-norm updates as well
-  (and an empty shard would write NaN statistics). Data edges are untouched.
+  A model_fn often computes its loss or gradients under
+  `control_dependencies(update_ops)`; in towers other than tower 0 that would
+  run their batch-norm updates as well (and an empty shard would write NaN
+  statistics). Data edges are untouched.
   """
   mutating = set()
   for op in ops:
@@ -239,6 +259,7 @@ def _detach_side_effects(ops: Sequence[tf.Operation]) -> None:
 
 
 def _build_towers(run, features, labels, mode, plan, placement, staged=None):
+  """Shards -> towers -> weighted loss -> whole-batch gradient -> the user's update."""
   graph = tf.compat.v1.get_default_graph()
   tower_devices = placement.tower_devices
   num_towers = len(tower_devices)
@@ -247,69 +268,139 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
     if staged is None:
       batch = sharding.batch_size(features, labels)
       sizes = sharding.shard_sizes(batch, num_towers)
-      feature_shards = sharding.split(features, sizes)
-      label_shards = sharding.split(labels, sizes)
+      borrow = mode == ModeKeys.TRAIN
+      feature_shards = sharding.split(features, sizes, borrow)
+      label_shards = sharding.split(labels, sizes, borrow)
     else:
       batch, sizes = staged.batch, staged.sizes
       feature_shards, label_shards = staged.features, staged.labels
-    nonempty = [s > 0 for s in sizes]  # Python bools when the batch is static
-    if plan.loss_reduction == 'sum':
-      weights = [1.0] * num_towers
-    elif isinstance(batch, int):
-      weights = [s / max(batch, 1) for s in sizes]
-    else:
-      total = tf.cast(tf.maximum(batch, 1), tf.float32)
-      weights = [tf.cast(s, tf.float32) / total for s in sizes]
+  nonempty = [s > 0 for s in sizes]  # Python bools when the batch is static
   # Towers whose shard is statically empty are not built at all.
   active = [k for k in range(num_towers) if nonempty[k] is not False] or [0]
-
   variable_sharing = sharing.VariableSharing(placement.variable_device,
                                              placement.replica_device)
-  collector = gradients.GradientCollector(primary=variable_sharing.primary)
-  saved = {key: graph.get_collection(key) for key in _PER_TOWER_COLLECTIONS}
-  kept = {}
-  tower_specs = []
-  for k in active:
-    first_op = len(graph.get_operations())
-    tower_kept = {}
-    scopes = contextlib.ExitStack()
-    with scopes:
-      if k != active[0]:
-        scopes.enter_context(tf.name_scope(f'tower_{k}'))
-      scopes.enter_context(tf.device(tower_devices[k]))
-      scopes.enter_context(variable_sharing.creating() if k == active[0]
-                           else variable_sharing.reusing(k))
-      scopes.enter_context(_tower_collections(saved, tower_kept))
-      scopes.enter_context(tower_context.entering(k, num_towers, tower_devices[k],
-                                                  primary=k == active[0]))
-      if mode == ModeKeys.TRAIN:
-        scopes.enter_context(collector.collecting())
-      tower_specs.append(run(feature_shards[k], label_shards[k], mode))
-    if k == active[0]:
-      kept = tower_kept
-    elif mode == ModeKeys.TRAIN:
-      _detach_side_effects(graph.get_operations()[first_op:])
-  for key in _PER_TOWER_COLLECTIONS:
-    graph.get_collection_ref(key)[:] = saved[key] + kept.get(key, [])
+  base = {key: graph.get_collection(key) for key in _PER_TOWER_COLLECTIONS}
+  root_scope = tf.compat.v1.get_variable_scope()
+  devices = interception.device_stack(graph)
 
-  weights = [weights[k] for k in active]
-  nonempty = [nonempty[k] for k in active]
-  if mode == ModeKeys.PREDICT:
-    return specs_lib.merge_predict(tower_specs)
-  with tf.name_scope('tower_loss'):
-    loss = specs_lib.weighted_sum([s.loss for s in tower_specs], weights, nonempty)
-  # towers/<k>/loss, towers/<k>/shard_size and the towers' global_mean scalars.
-  tower_losses = dict(zip(active, (s.loss for s in tower_specs)))
-  tower_summaries.tower_summaries([tower_losses.get(k) for k in range(num_towers)], sizes)
-  if mode == ModeKeys.EVAL:
+  def build(k, reuse, **reuse_args):
+    """Tower k's model_fn on its shard, on its device, with shared variables."""
+    with tf.compat.v1.device(placement_lib.tower_device(tower_devices[k])), (
+        variable_sharing.reusing(k, root_scope, **reuse_args) if reuse
+        else variable_sharing.creating()), tower_context.entering(
+            k, num_towers, tower_devices[k], primary=k == active[0]):
+      try:
+        return run(feature_shards[k], label_shards[k], mode)
+      except gradients.TowerStop:  # at the gradient request it was built for
+        return None
+
+  interception.reset_loss_reduction(graph)
+  if mode != ModeKeys.TRAIN:
+    tower_specs, kept = [], {}
+    for k in active:
+      tower_kept = {}
+      with tf.name_scope(f'tower_{k}') if k != active[0] else contextlib.nullcontext(), \
+          _tower_collections(base, tower_kept):
+        tower_specs.append(build(k, reuse=k != active[0]))
+      kept = kept or tower_kept
+    for key in _PER_TOWER_COLLECTIONS:
+      graph.get_collection_ref(key)[:] = base[key] + kept.get(key, [])
+    if mode == ModeKeys.PREDICT:
+      return specs_lib.merge_predict(tower_specs)
+    _, weights = gradients.tower_weights(plan.loss_reduction, graph, sizes, batch, active,
+                                         loss=tower_specs[0].loss)
+    with tf.name_scope('tower_loss'):
+      loss = specs_lib.weighted_sum([s.loss for s in tower_specs], weights,
+                                    [nonempty[k] for k in active])
+    _tower_summaries(active, [s.loss for s in tower_specs], sizes)
     return specs_lib.merge_eval(tower_specs, loss)
-  if not collector.calls[0]:
-    raise ValueError(
-        'In TRAIN mode a towered model_fn must update its variables through an '
-        'optimizer (tf.compat.v1.train.Optimizer or a tf.keras.optimizers.legacy '
-        'optimizer: minimize, apply_gradients or get_updates), so that the '
-        'towers\' gradients can be combined before one update; this model_fn '
-        'made no such call. Use an optimizer, or run it without towers.')
-  collector.apply(weights, nonempty, placement.aggregation_device)
-  train_op = variable_sharing.refresh(tower_specs[0].train_op)  # itself without copies
-  return specs_lib.merge_train(tower_specs, loss, train_op)
+
+  if staged is not None:  # split on the host already: see sharding.split(borrow=True)
+    with tf.name_scope('shard_inputs'):
+      for k in active[1:]:
+        if not isinstance(sizes[k], int):
+          with tf.device(tower_devices[k]):
+            feature_shards[k] = sharding.fill_empty(feature_shards[k], sizes[k], feature_shards[0])
+            label_shards[k] = sharding.fill_empty(label_shards[k], sizes[k], label_shards[0])
+
+  def build_other(k, stop_at):
+    """Tower k, in a clean context, up to its `stop_at`-th gradient request."""
+    expected = None if stop_at is None else broker.variables_at[stop_at]
+    first_op = len(graph.get_operations())
+    with interception.clean_context(graph, devices), variable_sharing.suspended(), \
+        graph.name_scope(f'tower_{k}'), _tower_collections(base), \
+        broker.building(k, stop_at):
+      spec = build(k, reuse=True, expected=expected)
+    _detach_side_effects(graph.get_operations()[first_op:])
+    if not broker.stopped_at_expected_request(k):
+      raise gradients.DivergentTowersError(
+          f'Tower {k} returned from the model_fn after {stop_at} gradient '
+          f'request(s) with respect to variables, but tower 0 made more. '
+          f'Every tower runs the same model_fn and must make the same gradient '
+          f'requests; do not branch on the shard or device around them.')
+    return spec
+
+  broker = gradients.WholeBatchGradients(
+      graph, active, sizes, batch, plan.loss_reduction, build_other,
+      copy_of=variable_sharing.copy_of, primary=variable_sharing.primary,
+      aggregation_device=placement.aggregation_device,
+      variable_count=lambda: len(variable_sharing.variables),
+      creation_spans=variable_sharing.creation_spans)
+  kept = {}
+  with interception.gradient_requests(broker.handle), broker.building(active[0]), \
+      _tower_collections(base, kept):
+    spec = build(active[0], reuse=False)
+  if not broker.requests:
+    # Updates that are not gradient steps (k-means' cluster updates) cannot be
+    # split across towers: the model_fn trains on the whole batch on tower 0's
+    # device, with the variables tower 0 created, and tower 0's build is unused.
+    _log_once('estimator_towers: this model_fn asked for no gradients with '
+              'respect to variables in TRAIN, so its update cannot be split '
+              'across towers; it trains on the whole batch on %s.' % tower_devices[0])
+    whole = (features, labels) if staged is None else (
+        sharding.concat(feature_shards), sharding.concat(label_shards))
+    with tf.name_scope('whole_batch'), \
+        tf.compat.v1.device(placement_lib.tower_device(tower_devices[0])), \
+        variable_sharing.reusing(0, root_scope, copies=False), \
+        tower_context.entering(0, 1, tower_devices[0], True):
+      return run(whole[0], whole[1], mode)
+  for key in _PER_TOWER_COLLECTIONS:
+    graph.get_collection_ref(key)[:] = base[key] + kept.get(key, [])
+  losses = [spec.loss]
+  for k in active[1:]:
+    loss_k = broker.counterpart(k, spec.loss)
+    if loss_k is None:  # The loss is not what the gradients were asked of.
+      _log_once(
+          'estimator_towers: the EstimatorSpec\'s loss is not the tensor (or an '
+          'ancestor of the tensor) the model_fn asked gradients of, so each '
+          'tower\'s loss is built by a second pass of its model_fn, which costs '
+          'an extra forward pass per step on every tower but the first.')
+      with interception.gradient_requests(broker.handle):
+        loss_k = build_other(k, None).loss
+    losses.append(loss_k)
+  with tf.name_scope('tower_loss'):
+    loss = specs_lib.weighted_sum(losses, broker.weights, [nonempty[k] for k in active])
+  _tower_summaries(active, losses, sizes)
+  train_op = variable_sharing.refresh(spec.train_op)  # itself without copies
+  def counterparts(tensor):  # without the example borrowed by an empty shard
+    found = broker.all_counterparts(tensor)
+    if found is None:
+      return None
+    return [t if isinstance(sizes[k], int) else t[:sizes[k]] for k, t in zip(active, found)]
+
+  return specs_lib.merge_train(spec, loss, train_op, counterparts)
+
+
+def _tower_summaries(active: Sequence[int], losses: Sequence, sizes: Sequence) -> None:
+  """towers/<k>/loss and towers/<k>/shard_size, and the towers' global_mean scalars."""
+  by_tower = dict(zip(active, losses))
+  tower_summaries.tower_summaries([by_tower.get(k) for k in range(len(sizes))], sizes)
+
+
+_logged = set()
+
+
+def _log_once(message: str) -> None:
+  if message not in _logged:
+    _logged.add(message)
+    logging.warning(message)

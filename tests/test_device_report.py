@@ -92,9 +92,9 @@ def test_cpu_fallback_warns_once_naming_the_cpu_and_logs_the_real_devices(
   # Once per graph, naming the devices the towers got; no GPU claimed.
   assert tower_logs(records) == [
       'estimator_towers: train graph: 2 tower(s) on /device:CPU:0, /device:CPU:0; '
-      'variables on /device:CPU:0 (variable_strategy=cpu, loss_reduction=mean).',
+      'variables on /device:CPU:0 (variable_strategy=cpu, loss_reduction=auto).',
       'estimator_towers: eval graph: 2 tower(s) on /device:CPU:0, /device:CPU:0; '
-      'variables on /device:CPU:0 (variable_strategy=cpu, loss_reduction=mean).']
+      'variables on /device:CPU:0 (variable_strategy=cpu, loss_reduction=auto).']
 
   plain = testlib.make_estimator(testlib.v1_model_fn, model_dir=str(tmp_path / 'plain'))
   plain.train(fn, steps=1)
@@ -118,7 +118,7 @@ def test_placement_log_once_per_graph_not_per_call(records, num_towers):
         towered(tf.constant(x), None, ModeKeys.PREDICT, None, None)
   devices = ', '.join(f'/device:CPU:{k}' for k in range(num_towers))
   expected = (f'estimator_towers: infer graph: {num_towers} tower(s) on {devices}; '
-              f'variables on /device:CPU:0 (variable_strategy=cpu, loss_reduction=mean).')
+              f'variables on /device:CPU:0 (variable_strategy=cpu, loss_reduction=auto).')
   assert tower_logs(records) == [expected, expected]
 
 
@@ -152,10 +152,9 @@ def test_explicit_devices_naming_missing_gpus_warn_once(no_gpus, records):
                                 'that are not visible here')
 
 
-@pytest.mark.parametrize('backend', ['staging_area', 'multi_device_iterator'])
-def test_cpu_fallback_with_staged_input(no_gpus, tmp_path, backend):
+def test_cpu_fallback_with_staged_input(no_gpus, tmp_path):
   """Fallback towers share the CPU device; staged input still feeds each its shard."""
-  plan = make_plan(num_gpus=2, allow_cpu_fallback=True, staging_backend=backend)
+  plan = make_plan(num_gpus=2, allow_cpu_fallback=True)
   x, y = testlib.data(7)
   fn = testlib.input_fn(x, y, 7)
   estimator = testlib.make_estimator(replicate_model_fn(testlib.v1_model_fn, plan=plan),

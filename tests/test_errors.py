@@ -53,6 +53,13 @@ def test_bad_staging_backend():
     make_plan(devices=['/cpu:0'], staging_backend='nccl')
 
 
+def test_removed_staging_backend():
+  with pytest.raises(ValueError, match="staging_backend='multi_device_iterator' is no longer "
+                                       "available: it was removed.*MultiDeviceIterator.*"
+                                       "Use staging_backend='staging_area'"):
+    make_plan(devices=['/cpu:0'], staging_backend='multi_device_iterator')
+
+
 def test_count_given_positionally_and_by_keyword():
   with pytest.raises(ValueError, match=r'The device count was given twice: positionally \(2\) and as num_gpus=3'):
     replicate_model_fn(2, num_gpus=3)
@@ -147,19 +154,36 @@ def test_towers_that_create_different_variables(names, message):
     _build(_model_with_variables(names), features, lambda: tf.zeros([4], tf.int32))
 
 
-def test_towers_that_make_different_optimizer_calls():
+def test_towers_that_make_fewer_gradient_requests():
+  # Tower 0 asks twice (two optimizers); tower 1 returns after one request.
+  def build(call, features, labels, mode):
+    w = tf.compat.v1.get_variable('w', [testlib.NUM_FEATURES, testlib.NUM_CLASSES])
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, tf.matmul(features['x'], w))
+    ops = [tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+           for _ in range(2 if call == 0 else 1)]
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=tf.group(*ops))
+  features = lambda: {'x': tf.zeros([4, testlib.NUM_FEATURES])}
+  with pytest.raises(ValueError, match=r'Tower 1 returned from the model_fn after 1 '
+                     r'gradient request\(s\) with respect to variables, but tower 0 made more'):
+    _build(_counting(build), features, lambda: tf.zeros([4], tf.int32))
+
+
+def test_towers_that_make_more_gradient_requests():
+  # The spec's loss is not what gradients were asked of, so the other towers
+  # run their whole model_fn; tower 1 asks once more than tower 0.
   def build(call, features, labels, mode):
     w = tf.compat.v1.get_variable('w', [testlib.NUM_FEATURES, testlib.NUM_CLASSES])
     loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, tf.matmul(features['x'], w))
     ops = [tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
            for _ in range(1 if call == 0 else 2)]
-    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=tf.group(*ops))
+    return tf.estimator.EstimatorSpec(mode, loss=tf.identity(loss), train_op=tf.group(*ops))
   features = lambda: {'x': tf.zeros([4, testlib.NUM_FEATURES])}
-  with pytest.raises(ValueError, match='Tower 1 called apply_gradients/minimize 2 times but tower 0 called it 1 times'):
+  with pytest.raises(ValueError, match=r'Tower 1 asked for gradients with respect to '
+                     r'variables more often than tower 0 \(2 times, tower 0: 1\)'):
     _build(_counting(build), features, lambda: tf.zeros([4], tf.int32))
 
 
-def test_towers_whose_optimizer_calls_update_different_variables():
+def test_towers_whose_gradient_requests_differ():
   def build(call, features, labels, mode):
     a = tf.compat.v1.get_variable('a', [testlib.NUM_FEATURES, testlib.NUM_CLASSES])
     b = tf.compat.v1.get_variable('b', [testlib.NUM_CLASSES])
@@ -169,22 +193,12 @@ def test_towers_whose_optimizer_calls_update_different_variables():
         loss, var_list=[a] if call == 0 else [b])
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
   features = lambda: {'x': tf.zeros([4, testlib.NUM_FEATURES])}
-  with pytest.raises(ValueError, match=r"Optimizer call #0 of tower 1 updates variables \['b:0'\] but the same call of tower 0 updates \['a:0'\]"):
+  with pytest.raises(ValueError, match=r"Gradient request #0 of tower 1 is with respect to "
+                     r"\['b:0'\] but the same request of tower 0 is with respect to \['a:0'\]"):
     _build(_counting(build), features, lambda: tf.zeros([4], tf.int32))
-
-
-def test_training_without_an_optimizer():
-  def model_fn(features, labels, mode):
-    w = tf.compat.v1.get_variable('w', [testlib.NUM_FEATURES, testlib.NUM_CLASSES])
-    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, tf.matmul(features['x'], w))
-    train_op = w.assign_sub(0.1 * tf.gradients(loss, w)[0])
-    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
-  features = lambda: {'x': tf.zeros([4, testlib.NUM_FEATURES])}
-  with pytest.raises(ValueError, match='must update its variables through an optimizer'):
-    _build(model_fn, features, lambda: tf.zeros([4], tf.int32))
 
 
 def test_model_fn_that_returns_no_estimator_spec():
   features = lambda: {'x': tf.zeros([4, testlib.NUM_FEATURES])}
-  with pytest.raises(TypeError, match='model_fn must return a tf.estimator.EstimatorSpec, got dict'):
+  with pytest.raises(TypeError, match=r'model_fn must return a tf.estimator.EstimatorSpec \(or a TPUEstimatorSpec\), got dict'):
     _build(lambda features, labels, mode: {'loss': 0.0}, features, None)

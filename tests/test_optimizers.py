@@ -1,5 +1,7 @@
 """The optimizers and wrappers README.md lists as supported train like one device.
 
+(More patterns, with other models, are in test_real_world.py and test_canned.py.)
+
 Each case: three steps on two towers with a batch of 7 (uneven shards), against
 the plain model_fn on one device (same data, same initial values).
 """
@@ -25,12 +27,18 @@ OPTIMIZERS = {
     'ProximalAdagrad': lambda: V1.ProximalAdagradOptimizer(0.3),
     'MixedPrecisionLossScale(fixed)': lambda: V1.experimental.MixedPrecisionLossScaleOptimizer(
         V1.GradientDescentOptimizer(0.5), 128.0),
+    'MixedPrecisionLossScale(dynamic)': lambda: V1.experimental.MixedPrecisionLossScaleOptimizer(
+        V1.GradientDescentOptimizer(0.5), 'dynamic'),
+    'clip_by_value(compute_gradients+apply_gradients)': lambda: Clipped(
+        V1.GradientDescentOptimizer(0.5)),
     'keras.SGD(momentum)': lambda: KERAS.SGD(0.3, momentum=0.9),
     'keras.Adam': lambda: KERAS.Adam(0.05),
     'keras.RMSprop': lambda: KERAS.RMSprop(0.05),
     'keras.Adagrad': lambda: KERAS.Adagrad(0.3),
     'keras.SGD(clipnorm)': lambda: KERAS.SGD(0.5, clipnorm=0.05),
     'keras.SGD(global_clipnorm)': lambda: KERAS.SGD(0.5, global_clipnorm=0.05),
+    'keras.LossScaleOptimizer(dynamic)': lambda: tf.keras.mixed_precision.LossScaleOptimizer(
+        KERAS.SGD(0.5)),
 }
 
 
@@ -45,6 +53,15 @@ class TwoCalls:
     return self.optimizer.apply_gradients(grads_and_vars, global_step)
 
 
+class Clipped(TwoCalls):
+  """Gradients clipped elementwise between compute_gradients and apply_gradients."""
+
+  def minimize(self, loss, global_step):
+    grads_and_vars = [(tf.clip_by_value(g, -0.01, 0.01), v)
+                      for g, v in self.optimizer.compute_gradients(loss)]
+    return self.optimizer.apply_gradients(grads_and_vars, global_step)
+
+
 def model_fn_with(make_optimizer):
   def model_fn(features, labels, mode, params):
     hidden = tf.compat.v1.layers.dense(
@@ -56,7 +73,7 @@ def model_fn_with(make_optimizer):
     loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
     optimizer = make_optimizer()
     global_step = tf.compat.v1.train.get_global_step()
-    if isinstance(optimizer, KERAS.Optimizer):
+    if isinstance(optimizer, (KERAS.Optimizer, tf.keras.mixed_precision.LossScaleOptimizer)):
       optimizer.iterations = global_step
       train_op = tf.group(optimizer.get_updates(loss, tf.compat.v1.trainable_variables()))
     else:

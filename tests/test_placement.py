@@ -58,8 +58,9 @@ def build_train_graph(strategy, widths, features, devices=GPUS):
 
 
 def tower_of(op):
-  """Tower index from the op's name scope: 'tower_k/...' or none for tower 0."""
-  match = re.match(r'tower_(\d+)/', op.name)
+  """Tower index from the op's name: 'tower_k/...' (its backward pass:
+  '.../gradients/tower_k/...'), or none for tower 0."""
+  match = re.search(r'(?:^|/)tower_(\d+)/', op.name)
   return int(match.group(1)) if match else 0
 
 
@@ -119,17 +120,19 @@ def test_graph_placement_on_four_gpus(strategy, features):
   for name, op in slots.items():
     assert op.device == expected[name[:-len('/Momentum')]], name
 
-  # Each variable's gradients are combined on its device: every op in the
-  # combine_gradients scope that feeds its update is on the variable's device.
+  # Each variable's gradients are combined on its device: the gradient its
+  # update applies is one sum, on the variable's device, of one part from each
+  # tower (each computed on that tower's device).
   combined = set()
   for update in (op for op in ops if op.type.startswith('ResourceApply')):
     variable = update.inputs[0].op.name
-    scopes = {t.op.name.split('/')[0] for t in update.inputs
-              if t.op.name.startswith('combine_gradients')}
-    assert len(scopes) == 1, (update.name, scopes)
-    scope = scopes.pop()
-    members = [op for op in ops if op.name.startswith(scope + '/')]
-    assert {op.device for op in members} == {expected[variable]}, (variable, scope)
+    sums = [t.op for t in update.inputs if t.op.type == 'AddN']
+    assert len(sums) == 1, (update.name, [t.op.type for t in update.inputs])
+    parts = sums[0].inputs
+    assert sums[0].device == expected[variable], (variable, sums[0].device)
+    assert sorted(tower_of(t.op) for t in parts) == [0, 1, 2, 3], variable
+    for t in parts:
+      assert t.op.device == gpu(tower_of(t.op)), t.op.name
     combined.add(variable)
   assert combined == set(expected)
 

@@ -57,7 +57,7 @@ def ids_input_fn(num_ids=NUM_IDS, batch=BATCH, drop_remainder=False):
   return fn
 
 
-GET_OPS = ('Unstage', 'IteratorGetNext')  # Per-device reads of both backends.
+GET_OPS = ('Unstage',)  # Per-device reads.
 
 
 class GraphProbe(tf.compat.v1.train.SessionRunHook):
@@ -81,13 +81,11 @@ def expected_get_devices(num_devices, depth):
 
 
 @pytest.mark.timeout(**TIMEOUT)
-@pytest.mark.parametrize('depth,backend', [
-    (0, 'staging_area'), (1, 'staging_area'), (2, 'staging_area'),
-    (1, 'multi_device_iterator'), (2, 'multi_device_iterator')])
+@pytest.mark.parametrize('depth', [0, 1, 2])
 @pytest.mark.parametrize('num_devices', [1, 2, 3, 4])
-def test_every_example_once_in_train_evaluate_predict(num_devices, depth, backend):
+def test_every_example_once_in_train_evaluate_predict(num_devices, depth):
   est, plan = counting_estimator(num_devices, depth)
-  fn = staged_input_fn(ids_input_fn(), plan, backend)
+  fn = staged_input_fn(ids_input_fn(), plan)
   probes = [GraphProbe() for _ in range(3)]
 
   est.train(fn, hooks=[probes[0]])  # steps=None: to the end of the dataset.
@@ -106,16 +104,12 @@ def test_every_example_once_in_train_evaluate_predict(num_devices, depth, backen
     assert probe.get_devices == expected_get_devices(num_devices, depth)
 
 
-BACKENDS = sorted(staging.BACKENDS)
-
-
 @pytest.mark.timeout(**TIMEOUT)
-@pytest.mark.parametrize('backend', BACKENDS)
 @pytest.mark.parametrize('num_ids', [0, 3])
-def test_empty_and_short_datasets_end(num_ids, backend):
+def test_empty_and_short_datasets_end(num_ids):
   # No batch at all, and one batch (3 examples on 4 devices) under depth 2.
   est, plan = counting_estimator(4, 2)
-  fn = staged_input_fn(ids_input_fn(num_ids), plan, backend)
+  fn = staged_input_fn(ids_input_fn(num_ids), plan)
   est.train(fn)
   expected = (np.arange(NUM_IDS) < num_ids).astype(np.float32)
   if num_ids:
@@ -149,8 +143,7 @@ def test_resume_and_train_and_evaluate():
 
 
 @functools.lru_cache(maxsize=None)
-def reference_variables(model_name, num_devices, depth, num_examples, batch,
-                        backend='staging_area'):
+def reference_variables(model_name, num_devices, depth, num_examples, batch):
   """Variables after training to the end of the data; num_devices=0: plain model_fn."""
   x, y = testlib.data(num_examples)
   fn = testlib.input_fn(x, y, batch)
@@ -161,34 +154,31 @@ def reference_variables(model_name, num_devices, depth, num_examples, batch,
   plan = make_plan(devices=testlib.cpu_devices(num_devices), staging_depth=depth)
   est = testlib.make_estimator(replicate_model_fn(testlib.MODELS[model_name], plan=plan),
                                num_cpus=num_devices)
-  est.train(staged_input_fn(fn, plan, backend))
+  est.train(staged_input_fn(fn, plan))
   return testlib.variables(est)
 
 
 @pytest.mark.timeout(**TIMEOUT)
-@pytest.mark.parametrize('model_name,num_devices,depth,reference_devices,backend', [
-    ('v1_layers', 3, 2, 0, 'staging_area'),  # Batch-separable: equals the plain model_fn.
-    ('v1_layers', 4, 1, 0, 'staging_area'),
-    ('keras_bn', 3, 2, 3, 'staging_area'),  # Shard statistics: equals unstaged towers.
-    ('keras_bn', 2, 1, 2, 'staging_area'),
-    ('keras_bn', 3, 1, 3, 'multi_device_iterator'),
+@pytest.mark.parametrize('model_name,num_devices,depth,reference_devices', [
+    ('v1_layers', 3, 2, 0),  # Batch-separable: equals the plain model_fn.
+    ('v1_layers', 4, 1, 0),
+    ('keras_bn', 3, 2, 3),  # Shard statistics: equals unstaged towers.
+    ('keras_bn', 2, 1, 2),
 ])
-def test_staged_training_matches_unstaged(model_name, num_devices, depth, reference_devices,
-                                          backend):
+def test_staged_training_matches_unstaged(model_name, num_devices, depth, reference_devices):
   # 19 examples in batches of 7: steps of 7, 7 and 5 examples.
-  staged = reference_variables(model_name, num_devices, depth, 19, 7, backend)
+  staged = reference_variables(model_name, num_devices, depth, 19, 7)
   reference = reference_variables(model_name, reference_devices, 0, 19, 7)
   testlib.assert_variables_close(staged, reference, atol=1e-5)
   assert staged['global_step'] == 3
 
 
 @pytest.mark.timeout(**TIMEOUT)
-@pytest.mark.parametrize('backend', BACKENDS)
 @pytest.mark.parametrize('batch,num_devices', [(6, 4), (2, 3)])
-def test_static_batch(batch, num_devices, backend):
+def test_static_batch(batch, num_devices):
   # drop_remainder=True gives static shard sizes (2, 3 and 0-row shards).
   est, plan = counting_estimator(num_devices, 1)
-  est.train(staged_input_fn(ids_input_fn(batch=batch, drop_remainder=True), plan, backend))
+  est.train(staged_input_fn(ids_input_fn(batch=batch, drop_remainder=True), plan))
   kept = NUM_IDS // batch * batch
   np.testing.assert_array_equal(est.get_variable_value('counts'),
                                 (np.arange(NUM_IDS) < kept).astype(np.float32))
@@ -210,13 +200,12 @@ def composite_input_fn():
 
 
 @pytest.mark.timeout(**TIMEOUT)
-@pytest.mark.parametrize('backend', BACKENDS)
-def test_sparse_and_ragged_features_predict_like_plain(backend):
+def test_sparse_and_ragged_features_predict_like_plain():
   plain = testlib.make_estimator(composite_model_fn)
   expected = list(plain.predict(composite_input_fn))
   plan = make_plan(devices=testlib.cpu_devices(3), staging_depth=2)
   est = testlib.make_estimator(replicate_model_fn(composite_model_fn, plan=plan), num_cpus=3)
-  predicted = list(est.predict(staged_input_fn(composite_input_fn, plan, backend)))
+  predicted = list(est.predict(staged_input_fn(composite_input_fn, plan)))
   assert [p['id'] for p in predicted] == list(range(NUM_IDS))
   np.testing.assert_allclose([p['total'] for p in predicted],
                              [p['total'] for p in expected], rtol=1e-6)
@@ -232,7 +221,7 @@ def test_plain_model_fn_uses_the_host_batch():
 
 
 def build_towered_graph(devices, mode=tf.estimator.ModeKeys.TRAIN, input_devices=None,
-                        twice=False, backend='staging_area'):
+                        twice=False):
   """Builds a staged, towered graph as Estimator would, without running it."""
   x, y = testlib.data(7)
   plan = make_plan(devices=devices, staging_depth=2)
@@ -242,7 +231,7 @@ def build_towered_graph(devices, mode=tf.estimator.ModeKeys.TRAIN, input_devices
   with graph.as_default():
     tf.compat.v1.train.get_or_create_global_step()
     with tf.device('/cpu:0'):  # Where Estimator calls input_fns.
-      features, labels = staged_input_fn(testlib.input_fn(x, y, 3), input_plan, backend)()
+      features, labels = staged_input_fn(testlib.input_fn(x, y, 3), input_plan)()
     spec = towered(features, labels, mode=mode)
     if twice:
       towered(features, labels, mode=mode)
@@ -275,17 +264,6 @@ def test_each_staging_area_sits_on_its_tower_device(mode, hooks_field):
   assert {op.device for op in host_ops} == {'/device:CPU:0'}
   hooks = [h for h in getattr(spec, hooks_field) if isinstance(h, staging.StagingHook)]
   assert len(hooks) == 1
-
-
-def test_multi_device_iterator_reads_on_each_tower_device():
-  graph, spec = build_towered_graph(['/gpu:0', '/gpu:1'], backend='multi_device_iterator')
-  ops = graph.get_operations()
-  gets = [op for op in ops if op.name.startswith('staged_input/')
-          and op.type == 'IteratorGetNext']
-  assert sorted(op.device for op in gets) == ['/device:GPU:0', '/device:GPU:1']
-  sources = [op for op in ops if op.type == 'MultiDeviceIterator']
-  assert [op.device for op in sources] == ['/device:CPU:0']
-  assert sum(isinstance(h, staging.MultiDeviceIteratorHook) for h in spec.training_hooks) == 1
 
 
 def test_error_plan_is_not_a_device_plan():
@@ -351,16 +329,8 @@ def test_input_fn_arguments_are_forwarded():
   assert seen == {'mode': tf.estimator.ModeKeys.PREDICT, 'params': {'p': 1}}
 
 
-def test_backend_comes_from_the_plan_by_default():
-  """make_plan(staging_backend=...) (--staging_backend) picks the backend."""
-  x, y = testlib.data(7)
-  plan = make_plan(devices=['/gpu:0', '/gpu:1'], staging_backend='multi_device_iterator')
-  with tf.Graph().as_default() as graph:
-    tf.compat.v1.train.get_or_create_global_step()
-    with tf.device('/cpu:0'):
-      features, labels = staged_input_fn(testlib.input_fn(x, y, 3), plan)()
-    spec = replicate_model_fn(testlib.v1_model_fn, plan=plan)(
-        features, labels, mode=tf.estimator.ModeKeys.TRAIN)
-  assert [op.type for op in graph.get_operations() if op.type == 'MultiDeviceIterator']
-  assert not [op for op in graph.get_operations() if op.type == 'Stage']
-  assert sum(isinstance(h, staging.MultiDeviceIteratorHook) for h in spec.training_hooks) == 1
+def test_error_removed_backend():
+  plan = make_plan(devices=['/cpu:0'])
+  with pytest.raises(ValueError, match="backend='multi_device_iterator' is no longer "
+                                       "available: it was removed.*Use backend='staging_area'"):
+    staged_input_fn(ids_input_fn(), plan, backend='multi_device_iterator')

@@ -371,7 +371,7 @@ def test_summaries_come_from_tower_zero_and_placement_is_logged(caplog):
   placement_lines = [r.getMessage() for r in caplog.records if 'estimator_towers:' in r.getMessage()]
   assert placement_lines == [  # Once per graph.
       'estimator_towers: train graph: 3 tower(s) on /device:CPU:0, /device:CPU:1, /device:CPU:2; '
-      'variables on /device:CPU:0 (variable_strategy=cpu, loss_reduction=mean).']
+      'variables on /device:CPU:0 (variable_strategy=cpu, loss_reduction=auto).']
 
 
 def _sequential_model_fn(features, labels, mode, params):

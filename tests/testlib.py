@@ -67,6 +67,9 @@ def predictions(estimator, fn, key='logits') -> np.ndarray:
 def assert_variables_close(actual: dict, expected: dict, atol: float = 1e-5):
   assert sorted(actual) == sorted(expected), (sorted(actual), sorted(expected))
   for name in expected:
+    if np.asarray(expected[name]).dtype.kind in 'SUO':  # e.g. an object graph proto
+      assert actual[name] == expected[name], f'variable {name}'
+      continue
     np.testing.assert_allclose(actual[name], expected[name], atol=atol, rtol=0,
                                err_msg=f'variable {name}')
 
@@ -133,3 +136,68 @@ def keras_model_fn(features, labels, mode, params):
 
 
 MODELS = {'v1_layers': v1_model_fn, 'keras_bn': keras_model_fn}
+
+
+# --- Towered vs plain training over several train() calls ---------------------
+
+class PlainTraining:
+  """The plain model_fn's variables after steps 1, 3 and 4.
+
+  Steps are run as train(steps=1), train(steps=2), train(steps=1), each call
+  restarting the input, so any run with the same call sequence sees the same
+  batches.
+  """
+
+  def __init__(self, model_fn, input_fn, params=None):
+    est = make_estimator(model_fn, params=params)
+    self.after = {}
+    for steps, total in ((1, 1), (2, 3), (1, 4)):
+      est.train(input_fn, steps=steps)
+      self.after[total] = variables(est)
+      assert self.after[total]['global_step'] == total, 'the plain reference must train'
+
+
+def check_towered_training(model_fn, towered_model_fn, num_devices: int, input_fn,
+                           reference: PlainTraining, params=None,
+                           atol: float = 1e-5, resume: bool = True) -> None:
+  """Towered training equals `reference`: steps 1 and 3, resume both ways.
+
+  Checks: variables and optimizer slots within `atol` after 1 and 3 steps, with
+  exactly the plain checkpoint names; global_step +1 per step; a second train()
+  call of the towered estimator; with `resume`, a checkpoint resumed
+  plain -> towered -> plain.
+  """
+  towered = make_estimator(towered_model_fn, num_cpus=num_devices, params=params)
+  towered.train(input_fn, steps=1)
+  assert_variables_close(variables(towered), reference.after[1], atol)
+  towered.train(input_fn, steps=2)  # a second train() call resumes its own checkpoint
+  assert_variables_close(variables(towered), reference.after[3], atol)
+  if not resume:
+    return
+
+  mixed_dir = make_estimator(model_fn, params=params).model_dir
+  make_estimator(model_fn, model_dir=mixed_dir, params=params).train(input_fn, steps=1)
+  mixed = make_estimator(towered_model_fn, num_cpus=num_devices, model_dir=mixed_dir,
+                         params=params)
+  mixed.train(input_fn, steps=2)  # towered, resumed from the plain checkpoint
+  assert_variables_close(variables(mixed), reference.after[3], atol)
+  plain_again = make_estimator(model_fn, model_dir=mixed_dir, params=params)
+  plain_again.train(input_fn, steps=1)  # plain, resumed from the towered checkpoint
+  assert_variables_close(variables(plain_again), reference.after[4], atol)
+
+
+class StateRecorder(tf.compat.v1.train.SessionRunHook):
+  """Records every global variable's value at session start and after each run."""
+
+  def __init__(self):
+    self.states: list[dict[str, np.ndarray]] = []
+    self._variables = None
+
+  def begin(self):
+    self._variables = {v.op.name: v for v in tf.compat.v1.global_variables()}
+
+  def after_create_session(self, session, coord):
+    self.states.append(session.run(self._variables))
+
+  def after_run(self, run_context, run_values):
+    self.states.append(run_context.session.run(self._variables))

@@ -1,0 +1,136 @@
+"""The few places where towering must reach into TensorFlow's private API.
+
+Everything here exists because TensorFlow 2.15 offers no public hook for it;
+it is kept in this one module so that the rest of the library reads as plain
+graph construction, and so that a TensorFlow upgrade has one file to check.
+
+- Gradient requests. Every graph-mode gradient a model_fn can ask for goes
+  through `gradients_util._GradientsHelper` (`tf.gradients`,
+  `tf.compat.v1.gradients`, `Optimizer.compute_gradients` / `minimize`, Keras
+  legacy `get_gradients`) or through `GradientTape.gradient` (Keras legacy
+  `minimize`). To hand the model_fn the gradient of the whole batch, both are
+  wrapped while a towered model_fn is built, and only then.
+- A clean building context. The other towers are built while the primary
+  tower is in the middle of its model_fn (at its gradient request), so the
+  primary's name scope, control dependencies, control-flow context, colocation,
+  device stack and tape recording are set aside meanwhile. Only the device
+  stack and tape recording lack a public way to do so.
+- Reads of a variable outside control flow (`Operation._control_flow_context`):
+  their gradients can be summed where the placement says, rather than where the
+  backward pass happens to meet (next to a parameter server's variable).
+- The device of a variable seen through a function body's captures
+  (`FuncGraph.captures`), so that an op reading a variable inside a `tf.cond`
+  follows the variable rather than its tower's device.
+- The loss reduction. `tf.compat.v1.losses` and Keras' loss utilities record
+  the reduction of the last loss they built on the graph
+  (`Graph._last_loss_reduction`), which is how TensorFlow's own distribution
+  strategies tell a summed loss (v1 canned heads) from an averaged one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import tensorflow as tf
+from tensorflow.python.eager import backprop  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.eager import record  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import gradients_util  # pylint: disable=g-direct-tensorflow-import
+
+# The original functions; the combined gradient is built with these.
+graph_gradients = gradients_util._GradientsHelper  # pylint: disable=protected-access
+_tape_gradient = backprop.GradientTape.gradient
+
+# Handlers receive (kind, call_original, args, kwargs) and return the result.
+Handler = Callable[[str, Callable, tuple, dict], Any]
+
+
+@contextlib.contextmanager
+def gradient_requests(handler: Handler) -> Iterator[None]:
+  """While active, every graph gradient request is passed to `handler`.
+
+  `handler(kind, original, args, kwargs)` is called with kind 'graph' for
+  `_GradientsHelper(ys, xs, grad_ys, name, colocate_gradients_with_ops,
+  gate_gradients, aggregation_method, stop_gradients, unconnected_gradients,
+  src_graph)` and kind 'tape' for `GradientTape.gradient(tape, target, sources,
+  output_gradients, unconnected_gradients)`; `original(*args, **kwargs)` does
+  what TensorFlow would have done.
+  """
+
+  def graph_request(*args, **kwargs):
+    return handler('graph', graph_gradients, args, kwargs)
+
+  def tape_request(*args, **kwargs):
+    return handler('tape', _tape_gradient, args, kwargs)
+
+  saved = (gradients_util._GradientsHelper, backprop.GradientTape.gradient)  # pylint: disable=protected-access
+  gradients_util._GradientsHelper = graph_request  # pylint: disable=protected-access
+  backprop.GradientTape.gradient = tape_request
+  try:
+    yield
+  finally:
+    gradients_util._GradientsHelper, backprop.GradientTape.gradient = saved  # pylint: disable=protected-access
+
+
+def device_stack(graph: tf.Graph) -> Any:
+  """A copy of the graph's current device-function stack."""
+  return graph._device_function_stack.copy()  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def clean_context(graph: tf.Graph, devices: Any) -> Iterator[None]:
+  """The graph as it was outside any model_fn, with the device stack `devices`.
+
+  Root name scope, no control dependencies, no control-flow context, no
+  colocation, no gradient-tape recording, and the device functions that were
+  active when the towers started (e.g. Estimator's replica_device_setter).
+  """
+  # colocate_with(None) empties the device stack, so the stack is set inside it.
+  with graph.colocate_with(None, ignore_existing=True):
+    saved = graph._device_function_stack  # pylint: disable=protected-access
+    graph._device_function_stack = devices.copy()  # pylint: disable=protected-access
+    try:
+      with graph.name_scope(None), graph.control_dependencies(None), \
+          record.stop_recording():
+        yield
+    finally:
+      graph._device_function_stack = saved  # pylint: disable=protected-access
+
+
+def plain_reads(variable: tf.Variable) -> list[tf.Tensor]:
+  """The values of `variable` read outside any control-flow construct."""
+  return [op.outputs[0] for op in variable.handle.consumers()
+          if op.type == 'ReadVariableOp' and op._control_flow_context is None]  # pylint: disable=protected-access
+
+
+def resource_device(tensor: tf.Tensor) -> str | None:
+  """The device of the resource (a variable) a resource-typed tensor refers to.
+
+  Followed back through the ops that pass a handle on (Identity, Switch, Enter)
+  and through a function body's captures (a `tf.cond` or `tf.while_loop`
+  branch), to the first op with a device. None if it cannot be told.
+  """
+  for _ in range(64):
+    op = tensor.op
+    if op.device:
+      return op.device
+    if op.type == 'Placeholder':
+      captures = dict((id(internal), external) for external, internal in
+                      getattr(op.graph, 'captures', ()))
+      tensor = captures.get(id(tensor))
+      if tensor is None:
+        return None
+    elif op.inputs:
+      tensor = op.inputs[0]
+    else:
+      return None
+  return None
+
+
+def last_loss_reduction(graph: tf.Graph) -> Any:
+  """The reduction of the last loss a TensorFlow loss function built, or None."""
+  return getattr(graph, '_last_loss_reduction', None)
+
+
+def reset_loss_reduction(graph: tf.Graph) -> None:
+  graph._last_loss_reduction = None  # pylint: disable=protected-access
