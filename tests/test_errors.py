@@ -155,12 +155,14 @@ def test_towers_that_create_different_variables(names, message):
 
 
 def test_towers_that_make_fewer_gradient_requests():
-  # Tower 0 asks twice (two optimizers); tower 1 returns after one request.
+  # Tower 0's second request is of a loss made after its first one, so tower 1
+  # is rebuilt up to its second request, and returns after one.
   def build(call, features, labels, mode):
     w = tf.compat.v1.get_variable('w', [testlib.NUM_FEATURES, testlib.NUM_CLASSES])
     loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, tf.matmul(features['x'], w))
-    ops = [tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
-           for _ in range(2 if call == 0 else 1)]
+    ops = [tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)]
+    if call == 0:
+      ops.append(tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss * 2.0))
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=tf.group(*ops))
   features = lambda: {'x': tf.zeros([4, testlib.NUM_FEATURES])}
   with pytest.raises(ValueError, match=r'Tower 1 returned from the model_fn after 1 '
