@@ -168,3 +168,49 @@ def test_throughput_hook_arguments():
     ThroughputHook('/tmp/model')
   with pytest.raises(ValueError, match='max_steps must be a positive integer or None, got 0'):
     ThroughputHook(tf.estimator.RunConfig(), max_steps=0)
+
+
+def _accuracy_and_loss(features, labels):
+  logits = tf.compat.v1.layers.dense(
+      features, testlib.NUM_CLASSES,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  correct = tf.cast(tf.equal(tf.argmax(logits, 1, output_type=tf.int32), labels), tf.float32)
+  return tf.reduce_mean(correct), loss
+
+
+def test_global_mean_after_the_optimizer_call_is_an_error():
+  def model_fn(features, labels, mode):
+    accuracy, loss = _accuracy_and_loss(features, labels)
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf.compat.v1.train.get_global_step())
+    global_mean('acc', accuracy)  # Towers other than tower 0 stop before this.
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  towered = replicate_model_fn(model_fn, devices=testlib.cpu_devices(2))
+  x, y = testlib.data(7)
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    with pytest.raises(ValueError, match=r"global_mean\('acc', \.\.\.\) was called by "
+                       r'tower\(s\) \[0\] but not by tower\(s\) \[1\].*call global_mean '
+                       r'before the optimizer call'):
+      towered(tf.constant(x), tf.constant(y), ModeKeys.TRAIN, None, None)
+
+
+def test_global_mean_of_a_tower_built_twice(tmp_path):
+  """The reported loss is made after the gradient request, so each other tower
+  is built a second time; its global_mean value is taken once."""
+  def model_fn(features, labels, mode):
+    accuracy, loss = _accuracy_and_loss(features, labels)
+    tf.compat.v1.summary.scalar('shard_accuracy', accuracy)
+    global_mean('train_accuracy', accuracy)
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss + 0.0, train_op=train_op)
+
+  x, y = testlib.data(BATCH)
+  towered = replicate_model_fn(model_fn, devices=testlib.cpu_devices(3))
+  events = train(towered, x, y, str(tmp_path / 'towered'), 3)
+  whole = train(model_fn, x, y, str(tmp_path / 'plain'))
+  np.testing.assert_allclose(first(events['train_accuracy']), first(whole['shard_accuracy']),
+                             atol=1e-6)
