@@ -309,10 +309,10 @@ def _timeout_estimator(model_fn, num_cpus):
 
 
 @pytest.mark.timeout(120)
-def test_sync_replicas_optimizer_one_update_per_step_or_clear_error():
-  """Either train() completes and equals plain, or graph construction raises a
-  ValueError naming SyncReplicasOptimizer; never a hang: steps must finish,
-  and the whole call within 60 s."""
+def test_sync_replicas_optimizer_one_update_per_step():
+  """The towers' whole-batch gradient goes through the SyncReplicasOptimizer the
+  model_fn built, once per step, as on one device: train() completes (never a
+  hang: steps must finish, the whole call within 60 s) and equals plain."""
   x, y = testlib.data(2 * BATCH)
   fn = testlib.input_fn(x, y, BATCH, epochs=2)
   plain = _timeout_estimator(sync_replicas_model_fn, 1)
@@ -321,14 +321,9 @@ def test_sync_replicas_optimizer_one_update_per_step_or_clear_error():
 
   towered = _timeout_estimator(_towered(sync_replicas_model_fn, 3), 3)
   start = time.monotonic()
-  try:
-    towered.train(fn, steps=2)
-  except ValueError as error:
-    assert 'SyncReplicasOptimizer' in str(error), error
-  else:
-    testlib.assert_variables_close(testlib.variables(towered), testlib.variables(plain))
-  finally:
-    elapsed = time.monotonic() - start
+  towered.train(fn, steps=2)
+  elapsed = time.monotonic() - start
+  testlib.assert_variables_close(testlib.variables(towered), testlib.variables(plain))
   assert elapsed < 60, f'train() took {elapsed:.0f} s'
 
 
