@@ -75,6 +75,14 @@ class BlockAt(tf.compat.v1.train.SessionRunHook):
 
   def begin(self):
     self._global_step = tf.compat.v1.train.get_global_step()
+    # An op on the global step's device (the ps in a cluster), run once the
+    # flag appears: the first contact with a restarted ps then fails in one
+    # partition only, as AbortedError, which MonitoredSession recovers from.
+    # (A full step's first contact can instead surface the chief's cancelled
+    # receives as CancelledError, which it does not recover from: TensorFlow's
+    # race, with or without towers.)
+    with tf.compat.v1.colocate_with(self._global_step):
+      self._probe = tf.no_op(name='ps_probe')
 
   def after_run(self, run_context, run_values):
     if self._done or run_context.session.run(self._global_step) != self._step:
@@ -86,6 +94,7 @@ class BlockAt(tf.compat.v1.train.SessionRunHook):
       if time.monotonic() > deadline:
         raise RuntimeError(f'{self._flag} did not appear within 300 s.')
       time.sleep(0.05)
+    run_context.session.run(self._probe)
 
 
 def train(model_dir: str, x, y, max_steps: int, checkpoint_steps: int,
