@@ -197,7 +197,6 @@ class WholeBatchGradients:
     self._creation_spans = creation_spans
     self._starts: dict[int, int] = {}  # graph position where a tower's build began
     self._segments: dict[int, list[tf.Operation]] = {}  # ops before request 0
-    self._pending_ys: list = []
 
   # -- Which tower is being built ---------------------------------------------
 
@@ -218,15 +217,11 @@ class WholeBatchGradients:
 
   # -- The primary's requests -------------------------------------------------
 
-  def _resolve_reduction(self) -> None:
-    if self.reduction is None:
+  def _answer_primary(self, request: Request) -> list:
+    if self.reduction is None:  # fixed by the first request
       self.reduction, self.weights = tower_weights(
           self._loss_reduction, self._graph, self._sizes, self._batch, self.towers,
-          loss=self._pending_ys[0] if self._pending_ys else None)
-
-  def _answer_primary(self, request: Request) -> list:
-    self._pending_ys = request.ys
-    self._resolve_reduction()
+          loss=request.ys[0] if request.ys else None)
     r = len(self.requests)
     self.requests.append(request)
     self.variables_at.append(self._variable_count())
