@@ -257,8 +257,9 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
     if staged is None:
       batch = sharding.batch_size(features, labels)
       sizes = sharding.shard_sizes(batch, num_towers)
-      feature_shards = sharding.split(features, sizes)
-      label_shards = sharding.split(labels, sizes)
+      # In training, a shard empty at run time borrows an example (weight 0).
+      shards = sharding.split((features, labels), sizes, fill_empty=mode == ModeKeys.TRAIN)
+      feature_shards, label_shards = [list(s) for s in zip(*shards)]
     else:
       batch, sizes = staged.batch, staged.sizes
       feature_shards, label_shards = staged.features, staged.labels
@@ -301,9 +302,9 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
     return specs_lib.merge_eval(tower_specs, loss)
 
   with tf.name_scope('shard_inputs'):
-    for k in active[1:]:
+    for k in active[1:] if staged is not None else ():  # (split filled the others)
       if not isinstance(sizes[k], int):
-        with tf.device(tower_devices[k] if staged is not None else host):
+        with tf.device(tower_devices[k]):
           feature_shards[k] = sharding.fill_empty(feature_shards[k], sizes[k], feature_shards[0])
           label_shards[k] = sharding.fill_empty(label_shards[k], sizes[k], label_shards[0])
 
