@@ -126,6 +126,16 @@ def _weighted_grad_y(y: tf.Tensor, grad_y: Any, weight: Any) -> Any:
     return base * tf.cast(weight, base.dtype)
 
 
+def _identity(grad: Any) -> Any:
+  """`grad` through an Identity (made in the caller's control dependencies)."""
+  if grad is None:
+    return None
+  if isinstance(grad, tf.IndexedSlices):
+    return tf.IndexedSlices(tf.identity(grad.values), tf.identity(grad.indices),
+                            grad.dense_shape)
+  return tf.identity(grad)
+
+
 def _add(grads: Sequence) -> Any:
   """Sum of one variable's gradient parts (Tensors or IndexedSlices; None skipped)."""
   parts = [g for g in grads if g is not None]
@@ -216,15 +226,22 @@ class WholeBatchGradients:
           self._loss_reduction, self._graph, self._sizes, self._batch, self.towers)
 
   def _answer_primary(self, request: Request) -> list:
-    self._resolve_reduction()
-    r = len(self.requests)
-    self.requests.append(request)
-    self.variables_at.append(self._variable_count())
-    tower_requests = [request]
-    for k in self.towers[1:]:
-      self._build_tower(k, r)
-      tower_requests.append(self.others[k][r])
-    answer = self._whole_batch(tower_requests)
+    # Built without the model_fn's control dependencies (an edge from each
+    # to every op of every tower's backward pass), which are put back on the
+    # gradients handed over, so that what the model_fn does with them still
+    # waits for its control inputs.
+    with interception.control_dependencies_set_aside(self._graph) as controlled:
+      self._resolve_reduction()
+      r = len(self.requests)
+      self.requests.append(request)
+      self.variables_at.append(self._variable_count())
+      tower_requests = [request]
+      for k in self.towers[1:]:
+        self._build_tower(k, r)
+        tower_requests.append(self.others[k][r])
+      answer = self._whole_batch(tower_requests)
+    if controlled:
+      answer = [_identity(g) for g in answer]
     self.answers.append(answer)
     return answer
 
