@@ -127,13 +127,19 @@ def _weighted_grad_y(y: tf.Tensor, grad_y: Any, weight: Any) -> Any:
 
 
 def _identity(grad: Any) -> Any:
-  """`grad` through an Identity (made in the caller's control dependencies)."""
+  """`grad` through an Identity made in the caller's control dependencies.
+
+  The Identity is colocated with the gradient (on its variable's device), so
+  that it adds no transfer between devices.
+  """
   if grad is None:
     return None
   if isinstance(grad, tf.IndexedSlices):
-    return tf.IndexedSlices(tf.identity(grad.values), tf.identity(grad.indices),
-                            grad.dense_shape)
-  return tf.identity(grad)
+    with tf.compat.v1.colocate_with(grad.values.op):
+      return tf.IndexedSlices(tf.identity(grad.values), tf.identity(grad.indices),
+                              grad.dense_shape)
+  with tf.compat.v1.colocate_with(grad.op):
+    return tf.identity(grad)
 
 
 def _add(grads: Sequence) -> Any:
