@@ -282,6 +282,10 @@ class WholeBatchGradients:
     options = dict(primary.options)
     options['stop_gradients'] = stops or None
     options['colocate_gradients_with_ops'] = True
+    # No per-op gates (Optimizer's default GATE_OP asks for them): they only
+    # order a gradient op's outputs, with the same values, and would add an
+    # Identity per input and a NoOp to every multi-input op of every tower.
+    options['gate_gradients'] = False
     grads = interception.graph_gradients(ys, xs, grad_ys, **options)
     combined = []
     for i, x in enumerate(primary.xs):
