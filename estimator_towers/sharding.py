@@ -211,11 +211,11 @@ def fill_empty(shard: Structure | None, size: tf.Tensor, donor: Structure | None
   """`shard`, or the first example of `donor` when `shard` has no rows.
 
   For shards that are not slices of one batch (staged input; `split` fills
-  slices without a `tf.cond`). For training only: a tower whose shard turns out empty at run time (a last
-  batch smaller than the number of towers) computes its loss on one borrowed
-  example instead, with weight zero. Its contribution to the gradient is then
-  exactly zero, where an empty batch could give NaN (batch normalisation's
-  statistics of no rows).
+  slices without a `tf.cond`). For training only: a tower whose shard turns
+  out empty at run time (a last batch smaller than the number of towers)
+  computes its loss on one borrowed example instead, with weight zero. Its
+  contribution to the gradient is then exactly zero, where an empty batch
+  could give NaN (batch normalisation's statistics of no rows).
   """
   if shard is None:
     return None
