@@ -127,6 +127,22 @@ def _weighted_grad_y(y: tf.Tensor, grad_y: Any, weight: Any) -> Any:
     return base * tf.cast(weight, base.dtype)
 
 
+def _identity(grad: Any) -> Any:
+  """`grad` through an Identity made in the caller's control dependencies.
+
+  The Identity is colocated with the gradient (on its variable's device), so
+  that it adds no transfer between devices.
+  """
+  if grad is None:
+    return None
+  if isinstance(grad, tf.IndexedSlices):
+    with tf.compat.v1.colocate_with(grad.values.op):
+      return tf.IndexedSlices(tf.identity(grad.values), tf.identity(grad.indices),
+                              grad.dense_shape)
+  with tf.compat.v1.colocate_with(grad.op):
+    return tf.identity(grad)
+
+
 def _add(grads: Sequence) -> Any:
   """Sum of one variable's gradient parts (Tensors or IndexedSlices; None skipped)."""
   parts = [g for g in grads if g is not None]
@@ -227,17 +243,24 @@ class WholeBatchGradients:
     self.variables_at.append(self._variable_count())
     if r == 0:
       self._segments[self.towers[0]] = self._segment(self.towers[0])
-    tower_requests = [request]
-    for k in self.towers[1:]:
-      # A later request whose tensors tower k already built (before its first
-      # request) reuses them; otherwise tower k is rebuilt up to request r.
-      mapped = self._mapped(k, request) if r else None
-      if mapped is None:
-        self._build_tower(k, r)
-        mapped = self.others[k][r]
-      self.others[k][r] = mapped
-      tower_requests.append(mapped)
-    answer = self._whole_batch(tower_requests)
+    # Built without the model_fn's control dependencies (an edge from each
+    # to every op of every tower's backward pass), which are put back on the
+    # gradients handed over, so that what the model_fn does with them still
+    # waits for its control inputs.
+    with interception.control_dependencies_set_aside(self._graph) as controlled:
+      tower_requests = [request]
+      for k in self.towers[1:]:
+        # A later request whose tensors tower k already built (before its first
+        # request) reuses them; otherwise tower k is rebuilt up to request r.
+        mapped = self._mapped(k, request) if r else None
+        if mapped is None:
+          self._build_tower(k, r)
+          mapped = self.others[k][r]
+        self.others[k][r] = mapped
+        tower_requests.append(mapped)
+      answer = self._whole_batch(tower_requests)
+    if controlled:
+      answer = [_identity(g) for g in answer]
     self.answers.append(answer)
     return answer
 
@@ -272,6 +295,10 @@ class WholeBatchGradients:
     options = dict(primary.options)
     options['stop_gradients'] = stops or None
     options['colocate_gradients_with_ops'] = True
+    # No per-op gates (Optimizer's default GATE_OP asks for them): they only
+    # order a gradient op's outputs, with the same values, and would add an
+    # Identity per input and a NoOp to every multi-input op of every tower.
+    options['gate_gradients'] = False
     grads = interception.graph_gradients(ys, xs, grad_ys, **options)
     combined = []
     for i, x in enumerate(primary.xs):

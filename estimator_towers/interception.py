@@ -15,6 +15,11 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
   primary's name scope, control dependencies, control-flow context, colocation,
   device stack and tape recording are set aside meanwhile. Only the device
   stack and tape recording lack a public way to do so.
+- The control dependencies in force where a gradient is requested
+  (`Graph._control_dependencies_stack`): the whole-batch backward pass is
+  built without them (or every op of every tower's backward pass would wait
+  for, e.g., tower 0's batch-norm updates), and they are put back on the
+  gradients handed to the model_fn.
 - Reads of a variable outside control flow (`Operation._control_flow_context`):
   their gradients can be summed where the placement says, rather than where the
   backward pass happens to meet (next to a parameter server's variable).
@@ -95,6 +100,23 @@ def clean_context(graph: tf.Graph, devices: Any) -> Iterator[None]:
         yield
     finally:
       graph._device_function_stack = saved  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def control_dependencies_set_aside(graph: tf.Graph) -> Iterator[bool]:
+  """The caller's `tf.control_dependencies` blocks are inactive meanwhile.
+
+  Unlike `graph.control_dependencies(None)`, the control-flow context is
+  kept. Yields whether any block had control inputs: the caller then
+  re-attaches them to what it hands back (an op made after this context,
+  from tensors made inside it, gets the blocks' control inputs).
+  """
+  saved = graph._control_dependencies_stack  # pylint: disable=protected-access
+  graph._control_dependencies_stack = []  # pylint: disable=protected-access
+  try:
+    yield any(block.control_inputs for block in saved)
+  finally:
+    graph._control_dependencies_stack = saved  # pylint: disable=protected-access
 
 
 def plain_reads(variable: tf.Variable) -> list[tf.Tensor]:

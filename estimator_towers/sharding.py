@@ -130,63 +130,72 @@ def _offsets(sizes: Sequence) -> list:
   return offsets
 
 
-def _split_leaf(t: Any, sizes: Sequence, offsets: Sequence, overlap: bool = False) -> list:
-  if isinstance(t, tf.SparseTensor):
-    rest = t.dense_shape[1:]
-    shards = []
-    for off, size in zip(offsets, sizes):
-      start = tf.concat([tf.reshape(tf.cast(off, tf.int64), [1]),
+class _Rows:
+  """Rows [start, start + size) of a batch (ints or int32 scalar Tensors)."""
+
+  def __init__(self, start: Any, size: Any):
+    self.start, self.size = start, size
+    self._bounds = None
+
+  def take(self, t: Any) -> Any:
+    """These rows of a leaf (None stays None)."""
+    if t is None:
+      return None
+    if isinstance(t, tf.SparseTensor):
+      rest = t.dense_shape[1:]
+      begin = tf.concat([tf.reshape(tf.cast(self.start, tf.int64), [1]),
                          tf.zeros_like(rest)], 0)
-      extent = tf.concat([tf.reshape(tf.cast(size, tf.int64), [1]), rest], 0)
-      piece = tf.sparse.slice(t, start, extent)
+      extent = tf.concat([tf.reshape(tf.cast(self.size, tf.int64), [1]), rest], 0)
+      piece = tf.sparse.slice(t, begin, extent)
       # sparse.slice clips the shape to the last stored row; restore the
       # shard's true shape so that empty trailing rows are kept.
-      shards.append(tf.SparseTensor(piece.indices, piece.values, extent))
-    return shards
-  if isinstance(t, tf.RaggedTensor):
-    return [t[off:off + size] for off, size in zip(offsets, sizes)]
-  if overlap:
-    return [t[off:off + size] for off, size in zip(offsets, sizes)]
+      return tf.SparseTensor(piece.indices, piece.values, extent)
+    if isinstance(t, tf.RaggedTensor):
+      return t[self.start:self.start + self.size]
+    if self._bounds is None:  # made once, shared by the leaves
+      self._bounds = (tf.reshape(self.start, [1]), tf.reshape(self.start + self.size, [1]),
+                      tf.ones([1], tf.int32))
+    # Leading rows: the slice shares the batch's buffer (no copy when aligned).
+    return tf.strided_slice(t, *self._bounds)
+
+
+def _split_leaf(t: Any, sizes: Sequence, offsets: Sequence) -> list:
+  if t is None or isinstance(t, (tf.SparseTensor, tf.RaggedTensor)):
+    return [_Rows(off, size).take(t) for off, size in zip(offsets, sizes)]
   if all(isinstance(s, int) for s in sizes):
     return tf.split(t, sizes, axis=0, num=len(sizes))
   return tf.split(t, tf.stack(sizes), axis=0, num=len(sizes))
 
 
-def _borrowing(offsets: Sequence, sizes: Sequence) -> tuple[list, list]:
-  """Bounds under which a shard that is empty at run time takes row 0 instead."""
-  new_offsets, new_sizes = [], []
-  for k, (offset, size) in enumerate(zip(offsets, sizes)):
-    if k == 0 or isinstance(size, int):
-      new_offsets.append(offset)
-      new_sizes.append(size)
-    else:
-      new_offsets.append(tf.where(size > 0, offset, tf.zeros_like(offset)))
-      new_sizes.append(tf.maximum(size, 1))
-  return new_offsets, new_sizes
-
-
-def split(structure: Structure | None, sizes: Sequence, borrow: bool = False) -> list:
+def split(structure: Structure | None, sizes: Sequence, fill_empty: bool = False) -> list:
   """Splits every leaf of `structure` along axis 0 into len(sizes) shards.
 
   Args:
-    structure: the features or labels (None gives Nones).
-    sizes: the shard sizes (Python ints or int32 scalars).
-    borrow: for training: a shard (other than the first) that turns out empty
-      at run time (a last batch smaller than the number of towers) gets the
-      batch's first example instead, to be weighted zero. Its contribution to
-      the gradient is then exactly zero, where an empty batch could give NaN
-      (batch normalisation's statistics of no rows).
+    structure: the batch (None leaves, such as absent labels, stay None).
+    sizes: shard sizes (Python ints or int32 scalar Tensors).
+    fill_empty: for training: a shard after the first whose size is known
+      only at run time, and turns out to be 0, holds the batch's first
+      example instead (as `fill_empty` does). These shards are slices of the
+      batch, taken without a `tf.cond`.
   """
   if structure is None:
     return [None] * len(sizes)
   offsets = _offsets(sizes)
-  overlap = borrow and not all(isinstance(s, int) for s in sizes)
-  if overlap:
-    offsets, sizes = _borrowing(offsets, sizes)
   flat = tf.nest.flatten(structure)
-  pieces = [_split_leaf(t, sizes, offsets, overlap) for t in flat]
+  if fill_empty and not all(isinstance(s, int) for s in sizes):
+    rows = [_Rows(offsets[0], sizes[0])] + [
+        _Rows(off, size) if isinstance(size, int) else _borrowing(off, size)
+        for off, size in zip(offsets[1:], sizes[1:])]
+    pieces = [[r.take(t) for r in rows] for t in flat]
+  else:
+    pieces = [_split_leaf(t, sizes, offsets) for t in flat]
   return [tf.nest.pack_sequence_as(structure, [p[k] for p in pieces])
           for k in range(len(sizes))]
+
+
+def _borrowing(offset: Any, size: tf.Tensor) -> _Rows:
+  """A shard's rows: its own, or row 0 alone when it has none."""
+  return _Rows(tf.where(size > 0, offset, 0), tf.maximum(size, 1))
 
 
 def _first_row(t: Any) -> Any:
@@ -201,8 +210,12 @@ def _first_row(t: Any) -> Any:
 def fill_empty(shard: Structure | None, size: tf.Tensor, donor: Structure | None) -> Structure:
   """`shard`, or the first example of `donor` when `shard` has no rows.
 
-  `split(..., borrow=True)` for shards that are already split (staged input,
-  on their devices): see there.
+  For shards that are not slices of one batch (staged input; `split` fills
+  slices without a `tf.cond`). For training only: a tower whose shard turns
+  out empty at run time (a last batch smaller than the number of towers)
+  computes its loss on one borrowed example instead, with weight zero. Its
+  contribution to the gradient is then exactly zero, where an empty batch
+  could give NaN (batch normalisation's statistics of no rows).
   """
   if shard is None:
     return None

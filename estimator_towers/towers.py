@@ -268,9 +268,9 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
     if staged is None:
       batch = sharding.batch_size(features, labels)
       sizes = sharding.shard_sizes(batch, num_towers)
-      borrow = mode == ModeKeys.TRAIN
-      feature_shards = sharding.split(features, sizes, borrow)
-      label_shards = sharding.split(labels, sizes, borrow)
+      # In training, a shard empty at run time borrows an example (weight 0).
+      shards = sharding.split((features, labels), sizes, fill_empty=mode == ModeKeys.TRAIN)
+      feature_shards, label_shards = [list(s) for s in zip(*shards)]
     else:
       batch, sizes = staged.batch, staged.sizes
       feature_shards, label_shards = staged.features, staged.labels

@@ -162,6 +162,32 @@ def test_two_optimizers_with_slots_over_three_steps(num_devices):
   testlib.assert_variables_close(towered, plain)
 
 
+def _controlled_gradients_model_fn(features, labels, mode, params):
+  """Gradients asked for inside a control_dependencies block, applied outside it."""
+  logits = tf.compat.v1.layers.dense(
+      features, testlib.NUM_CLASSES,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=11))
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  counter = tf.compat.v1.get_variable('counter', [], initializer=tf.zeros_initializer(),
+                                      trainable=False)
+  optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.5)
+  with tf.control_dependencies([counter.assign_add(1.0)]):
+    grads_and_vars = optimizer.compute_gradients(loss)
+  train_op = optimizer.apply_gradients(grads_and_vars, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize('num_devices', [2, 3])
+def test_gradients_keep_the_control_dependencies_they_were_asked_in(num_devices):
+  """The whole-batch gradients are built without the block's control inputs,
+  which are put back on the gradients handed over: the counter still counts."""
+  x, y = testlib.data(14)
+  fn = testlib.input_fn(x, y, 7, epochs=2)
+  plain, towered = _train_pair(_controlled_gradients_model_fn, num_devices, fn, steps=3)
+  assert plain['counter'] == 3
+  testlib.assert_variables_close(towered, plain)
+
+
 def _sum_loss_model_fn(features, labels, mode, params):
   logits = tf.compat.v1.layers.dense(
       features, testlib.NUM_CLASSES,
