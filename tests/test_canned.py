@@ -79,7 +79,7 @@ def _kmeans(config, model_dir):
   # from the batch) and its eval SCORE is metrics.mean of the batch's summed
   # distances: a batch-level value, not a per-example one.
   return tf.compat.v1.estimator.experimental.KMeans(
-      testlib.NUM_CLASSES, config=config, model_dir=model_dir)
+      testlib.NUM_CLASSES, config=config, model_dir=model_dir, seed=1)
 
 
 CANNED = {  # name: (constructor, input_fn, prediction key compared in order)
