@@ -315,7 +315,7 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
     _tower_summaries(active, [s.loss for s in tower_specs], sizes)
     return specs_lib.merge_eval(tower_specs, loss)
 
-  if staged is not None:  # split on the host already: see sharding.split(borrow=True)
+  if staged is not None:  # (unstaged shards were filled by sharding.split above)
     with tf.name_scope('shard_inputs'):
       for k in active[1:]:
         if not isinstance(sizes[k], int):
