@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 
@@ -37,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 import estimator_towers as et
+from benchlib import machine  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_integer('num_cpu_devices', 2, 'Devices (towers / replicas).')
 flags.DEFINE_integer('batch_size', 256, 'Global batch size (must divide by the devices).')
@@ -115,16 +114,6 @@ def estimator_for(kind: str, strategy) -> tuple[tf.estimator.Estimator, object]:
 def variables(estimator) -> dict[str, np.ndarray]:
   """Every checkpointed variable (slots and global_step included)."""
   return {n: estimator.get_variable_value(n) for n in estimator.get_variable_names()}
-
-
-def machine() -> str:
-  try:
-    lscpu = subprocess.run(['lscpu'], capture_output=True, text=True, check=False).stdout
-    model = next((l.split(':', 1)[1].strip() for l in lscpu.splitlines()
-                  if l.startswith('Model name')), platform.processor())
-  except OSError:
-    model = platform.processor()
-  return f'{model}, nproc={os.cpu_count()}'
 
 
 def main(argv):

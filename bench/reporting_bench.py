@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 
@@ -43,6 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 import estimator_towers as et
+from benchlib import machine  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_integer('num_cpu_devices', 2, 'Towers on this many virtual CPU devices.')
 flags.DEFINE_integer('batch_size', 256, 'Global batch size.')
@@ -78,16 +77,6 @@ def model_fn(features, labels, mode):
 def session_config() -> tf.compat.v1.ConfigProto:
   return tf.compat.v1.ConfigProto(device_count={'CPU': FLAGS.num_cpu_devices},
                                   use_per_session_threads=True)
-
-
-def machine() -> str:
-  try:
-    lscpu = subprocess.run(['lscpu'], capture_output=True, text=True, check=False).stdout
-    model = next((l.split(':', 1)[1].strip() for l in lscpu.splitlines()
-                  if l.startswith('Model name')), platform.processor())
-  except OSError:
-    model = platform.processor()
-  return f'{model}, nproc={os.cpu_count()}'
 
 
 def main(argv):

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 
@@ -37,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 import estimator_towers as et
+from benchlib import machine  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_enum('mode', 'estimator', ['estimator', 'interleaved'],
                   'estimator: a fresh Estimator per run; interleaved: one open '
@@ -170,16 +169,6 @@ class OpenSession:
       self._session.run(self._train_op)
     return (steps * FLAGS.batch_size / (time.perf_counter() - start),
             1000 * (time.process_time() - cpu_start) / steps)
-
-
-def machine() -> str:
-  try:
-    lscpu = subprocess.run(['lscpu'], capture_output=True, text=True, check=False).stdout
-    model = next((l.split(':', 1)[1].strip() for l in lscpu.splitlines()
-                  if l.startswith('Model name')), platform.processor())
-  except OSError:
-    model = platform.processor()
-  return f'{model}, nproc={os.cpu_count()}'
 
 
 def main(argv):

@@ -50,9 +50,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -66,6 +64,7 @@ import numpy as np
 import tensorflow as tf
 
 import estimator_towers as et
+from benchlib import machine  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_list('models', ['mlp', 'resnet'], 'Models to run (mlp, resnet).')
 flags.DEFINE_list('num_devices', ['2', '4', '8'], 'Device counts N.')
@@ -344,16 +343,6 @@ class OpenRun:
 
 
 # --- Report ---------------------------------------------------------------------
-
-def machine() -> str:
-  try:
-    lscpu = subprocess.run(['lscpu'], capture_output=True, text=True, check=False).stdout
-    model = next((l.split(':', 1)[1].strip() for l in lscpu.splitlines()
-                  if l.startswith('Model name')), platform.processor())
-  except OSError:
-    model = platform.processor()
-  return f'{model}, {os.cpu_count()} cores'
-
 
 def load() -> str:
   try:
