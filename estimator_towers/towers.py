@@ -98,7 +98,8 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   Args:
     model_fn: the model_fn to wrap, or a device count when used as
       `@replicate_model_fn(4)`, or None when used as a decorator factory.
-    num_gpus: number of GPU towers ('/gpu:0' .. '/gpu:N-1').
+    num_gpus: number of GPU towers ('/gpu:0' .. '/gpu:N-1'); 0 trains on the
+      CPU alone.
     devices: explicit tower devices, e.g. ['/cpu:0', '/cpu:1'].
     variable_strategy: a key of `estimator_towers.placement.STRATEGIES`.
     loss_reduction: 'auto' (the reduction the model_fn's TensorFlow loss
@@ -109,8 +110,9 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     The towered model_fn, or a decorator that makes one.
 
   Raises:
-    ValueError: for a count together with devices, a non-positive count,
-      duplicate devices, or conflicting arguments.
+    ValueError: for a count together with devices, a negative GPU count (or a
+      non-positive CPU device count), more GPUs than are visible (unless CPU
+      fallback is allowed), duplicate devices, or conflicting arguments.
   """
   if isinstance(model_fn, int) and not isinstance(model_fn, bool):
     if num_gpus is not None:
