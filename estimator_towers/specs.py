@@ -95,8 +95,34 @@ def merge_train(spec, loss, train_op, counterparts) -> tf.estimator.EstimatorSpe
   return _respec(spec, loss=loss, train_op=train_op, predictions=predictions)
 
 
+def _is_mean_of(update: object, loss: tf.Tensor) -> bool:
+  """True if `update` is the update op of `tf.compat.v1.metrics.mean(loss)`.
+
+  Matched on the graph `metrics.mean` builds: the update is a DivNoNan of the
+  running total, read after an AssignAdd of the Sum of its values.
+  """
+  if not isinstance(update, tf.Tensor) or update.op.type != 'DivNoNan':
+    return False
+  read = update.op.inputs[0].op
+  if read.type != 'ReadVariableOp':
+    return False
+  for control in read.control_inputs:
+    if control.type == 'AssignAddVariableOp' and control.inputs[1].op.type == 'Sum':
+      values = control.inputs[1].op.inputs[0]
+      while values.op.type in ('Cast', 'Identity') and values.op is not loss.op:
+        values = values.op.inputs[0]
+      return values.op is loss.op and values.value_index == loss.value_index
+  return False
+
+
 def merge_eval(specs, loss) -> tf.estimator.EstimatorSpec:
-  """Tower 0's metric values (the metric state is shared), every tower's updates."""
+  """Tower 0's metric values (the metric state is shared), every tower's updates.
+
+  A metric of the loss itself (`tf.compat.v1.metrics.mean(loss)`, as k-means'
+  score) is a metric of a batch-level value: it is rebuilt on the whole
+  batch's loss, so that it equals the plain model_fn's, rather than averaging
+  the towers' shard losses.
+  """
   first = specs[0]
   metrics = {}
   for key, (value, _) in first.eval_metric_ops.items():
@@ -107,7 +133,10 @@ def merge_eval(specs, loss) -> tf.estimator.EstimatorSpec:
             f'Tower {k} returned no eval_metric_ops[{key!r}] but tower 0 did; '
             f'every tower must return the same metrics.')
       updates.append(spec.eval_metric_ops[key][1])
-    metrics[key] = (value, tf.group(*updates))
+    if len(specs) > 1 and all(_is_mean_of(u, s.loss) for u, s in zip(updates, specs)):
+      metrics[key] = tf.compat.v1.metrics.mean(loss, name=f'whole_batch_{key}')
+    else:
+      metrics[key] = (value, tf.group(*updates))
   return _respec(first, loss=loss, eval_metric_ops=metrics,
                         predictions=_concat_predictions(specs))
 

@@ -205,12 +205,6 @@ def test_eval_metrics_on_one_checkpoint(name):
   assert sorted(metrics) == sorted(expected)
   for metric in expected:
     want = expected[metric]
-    if name == 'kmeans' and metric == 'score':
-      # README, "What differs": k-means' score is tf.compat.v1.metrics.mean of
-      # the batch's summed loss, a batch-level scalar, so the towers' updates
-      # average per-shard sums: with every batch filling every tower, exactly
-      # the plain score over the number of towers. (Its `loss` is exact.)
-      want = want / NUM_DEVICES
     np.testing.assert_allclose(metrics[metric], want, atol=1e-5, rtol=1e-6,
                                err_msg=metric)
 

@@ -97,6 +97,8 @@ def v1_model_fn(features, labels, mode, params):
     return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
         'accuracy': tf.compat.v1.metrics.accuracy(labels, classes),
         'mean_logit': tf.compat.v1.metrics.mean(logits),
+        # A metric of a batch-level value (the loss itself), as k-means' score.
+        'mean_loss': tf.compat.v1.metrics.mean(loss),
         'auc': tf.compat.v1.metrics.auc(
             tf.equal(labels, 0), tf.nn.softmax(logits)[:, 0]),
     })
