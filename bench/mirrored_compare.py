@@ -24,7 +24,6 @@ TensorFlow's device list is fixed at one CPU).
 from __future__ import annotations
 
 import datetime
-import os
 import statistics
 import tempfile
 import time

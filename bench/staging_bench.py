@@ -24,7 +24,6 @@ between the configurations in one process: much less run-to-run noise.
 from __future__ import annotations
 
 import datetime
-import os
 import statistics
 import tempfile
 import time
