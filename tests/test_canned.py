@@ -204,9 +204,7 @@ def test_eval_metrics_on_one_checkpoint(name):
   metrics = _towered(name, model_dir).evaluate(input_fn, name='towered')
   assert sorted(metrics) == sorted(expected)
   for metric in expected:
-    want = expected[metric]
-    np.testing.assert_allclose(metrics[metric], want, atol=1e-5, rtol=1e-6,
-                               err_msg=metric)
+    testlib.assert_close(metrics[metric], expected[metric], err_msg=metric)
 
 
 @pytest.mark.parametrize('name', sorted(CANNED))
@@ -223,4 +221,4 @@ def test_predictions_in_order_on_one_checkpoint(name):
       if np.asarray(ref[k]).dtype.kind in 'SUO':
         np.testing.assert_array_equal(mine[k], ref[k], err_msg=f'example {i} {k}')
       else:
-        np.testing.assert_allclose(mine[k], ref[k], atol=1e-5, err_msg=f'example {i} {k}')
+        testlib.assert_close(mine[k], ref[k], err_msg=f'example {i} {k}')

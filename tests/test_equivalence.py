@@ -86,7 +86,7 @@ def test_train_eval_predict_match_plain(model_name, batch, num_devices):
   metrics = est.evaluate(fn)
   assert sorted(metrics) == sorted(plain_metrics)
   for key in plain_metrics:
-    np.testing.assert_allclose(metrics[key], plain_metrics[key], atol=1e-6, err_msg=key)
+    testlib.assert_close(metrics[key], plain_metrics[key], err_msg=key)
   predicted = testlib.predictions(est, fn)
   assert predicted.shape == (batch, testlib.NUM_CLASSES)
-  np.testing.assert_allclose(predicted, plain_predictions, atol=1e-6)
+  testlib.assert_close(predicted, plain_predictions, err_msg='predictions')

@@ -403,7 +403,7 @@ def test_replicated_checkpoint_restores_into_plain_model_fn(model_name):
   plain_metrics, metrics = plain.evaluate(fn), est.evaluate(fn)
   assert sorted(metrics) == sorted(plain_metrics)
   for key in plain_metrics:
-    np.testing.assert_allclose(metrics[key], plain_metrics[key], atol=1e-6, err_msg=key)
+    testlib.assert_close(metrics[key], plain_metrics[key], err_msg=key)
   predicted = testlib.predictions(est, fn)
   assert predicted.shape == (batch * steps, testlib.NUM_CLASSES)
-  np.testing.assert_allclose(predicted, testlib.predictions(plain, fn), atol=1e-6)
+  testlib.assert_close(predicted, testlib.predictions(plain, fn), err_msg='predictions')

@@ -184,8 +184,7 @@ def outcome(model, input_fn, mode, num_cpus):
 def assert_same(actual, expected):
   assert sorted(actual) == sorted(expected), (sorted(actual), sorted(expected))
   for key in expected:
-    np.testing.assert_allclose(actual[key], expected[key], rtol=1e-5, atol=1e-4,
-                               err_msg=key)
+    testlib.assert_close(actual[key], expected[key], err_msg=key)
 
 
 structures = st.recursive(

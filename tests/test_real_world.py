@@ -277,8 +277,7 @@ def test_overflow_in_one_tower_skips_the_step_as_plain(num_devices):
       f'{trace(towered_states)}, plain {trace(plain_states)}')
   for step, (towered, plain) in enumerate(zip(towered_states, plain_states)):
     for name in plain:
-      np.testing.assert_allclose(towered[name], plain[name], atol=1e-5, rtol=0,
-                                 err_msg=f'{name} after run {step}')
+      testlib.assert_close(towered[name], plain[name], err_msg=f'{name} after run {step}')
   testlib.assert_variables_close(towered_final, plain_final)
 
 
@@ -385,9 +384,9 @@ def test_keras_model_to_estimator():
   expected = plain.evaluate(fn, steps=2)
   assert sorted(metrics) == sorted(expected)
   for key in expected:
-    np.testing.assert_allclose(metrics[key], expected[key], atol=1e-5, err_msg=key)
-  np.testing.assert_allclose(testlib.predictions(towered_eval, fn, 'logits'),
-                             testlib.predictions(plain, fn, 'logits'), atol=1e-5)
+    testlib.assert_close(metrics[key], expected[key], err_msg=key)
+  testlib.assert_close(testlib.predictions(towered_eval, fn, 'logits'),
+                       testlib.predictions(plain, fn, 'logits'), err_msg='logits')
 
 
 # --- 6. minimize inside a variable_scope ------------------------------------------------
@@ -548,7 +547,7 @@ def test_export_outputs_with_scalar_entries(num_devices):
     if np.asarray(value).dtype.kind in 'SUO':
       np.testing.assert_array_equal(values[key], value, err_msg=key)
     else:
-      np.testing.assert_allclose(values[key], value, atol=1e-6, err_msg=key)
+      testlib.assert_close(values[key], value, err_msg=key)
 
   # Through Estimator: predict() and export_saved_model() work and serve as plain.
   x, y = testlib.data(BATCH)
@@ -557,8 +556,8 @@ def test_export_outputs_with_scalar_entries(num_devices):
                                    num_cpus=num_devices)
   towered.train(fn, steps=1)
   plain = testlib.make_estimator(scalar_export_model_fn, model_dir=towered.model_dir)
-  np.testing.assert_allclose(testlib.predictions(towered, fn), testlib.predictions(plain, fn),
-                             atol=1e-6)
+  testlib.assert_close(testlib.predictions(towered, fn), testlib.predictions(plain, fn),
+                       err_msg='logits')
   # A parsing receiver (serialized tf.Examples), so that the classify signature
   # is valid and exported, not skipped.
   receiver = tf.estimator.export.build_parsing_serving_input_receiver_fn(
@@ -581,8 +580,8 @@ def test_export_outputs_with_scalar_entries(num_devices):
       if value.dtype == tf.string:
         np.testing.assert_array_equal(served['towered'][signature][key].numpy(), value.numpy())
       else:
-        np.testing.assert_allclose(served['towered'][signature][key].numpy(), value.numpy(),
-                                   atol=1e-6, err_msg=f'{signature}/{key}')
+        testlib.assert_close(served['towered'][signature][key].numpy(), value.numpy(),
+                             err_msg=f'{signature}/{key}')
 
 
 # --- 10. TPUEstimatorSpec under a plain Estimator ----------------------------------------
@@ -627,6 +626,6 @@ def test_tpu_estimator_spec_under_a_plain_estimator():
   expected = plain.evaluate(fn)
   assert sorted(metrics) == sorted(expected)
   for key in expected:
-    np.testing.assert_allclose(metrics[key], expected[key], atol=1e-6, err_msg=key)
-  np.testing.assert_allclose(testlib.predictions(towered, fn, 'probabilities'),
-                             testlib.predictions(plain, fn, 'probabilities'), atol=1e-6)
+    testlib.assert_close(metrics[key], expected[key], err_msg=key)
+  testlib.assert_close(testlib.predictions(towered, fn, 'probabilities'),
+                       testlib.predictions(plain, fn, 'probabilities'), err_msg='probabilities')

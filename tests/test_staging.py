@@ -96,7 +96,7 @@ def test_every_example_once_in_train_evaluate_predict(num_devices, depth):
   np.testing.assert_array_equal(metrics['seen'], np.ones(NUM_IDS))
   # Estimator's loss is the mean over batches of -(batch size).
   sizes = [min(BATCH, NUM_IDS - i) for i in range(0, NUM_IDS, BATCH)]
-  np.testing.assert_allclose(metrics['loss'], -np.mean(sizes), rtol=1e-6)
+  testlib.assert_close(metrics['loss'], -np.mean(sizes), err_msg='loss')
 
   predicted = [p['id'] for p in est.predict(fn, hooks=[probes[2]])]
   assert predicted == list(range(NUM_IDS))
@@ -131,7 +131,7 @@ def test_resume_and_train_and_evaluate():
   fn = staged_input_fn(ids_input_fn(), plan)
   est.train(fn, steps=2)
   est.train(fn)
-  testlib.assert_variables_close(testlib.variables(est), testlib.variables(plain), atol=0)
+  testlib.assert_variables_close(testlib.variables(est), testlib.variables(plain), tol=0)
 
   est, plan = counting_estimator(3, 2)
   fn = staged_input_fn(ids_input_fn(), plan)
@@ -169,7 +169,7 @@ def test_staged_training_matches_unstaged(model_name, num_devices, depth, refere
   # 19 examples in batches of 7: steps of 7, 7 and 5 examples.
   staged = reference_variables(model_name, num_devices, depth, 19, 7)
   reference = reference_variables(model_name, reference_devices, 0, 19, 7)
-  testlib.assert_variables_close(staged, reference, atol=1e-5)
+  testlib.assert_variables_close(staged, reference)
   assert staged['global_step'] == 3
 
 
@@ -207,8 +207,8 @@ def test_sparse_and_ragged_features_predict_like_plain():
   est = testlib.make_estimator(replicate_model_fn(composite_model_fn, plan=plan), num_cpus=3)
   predicted = list(est.predict(staged_input_fn(composite_input_fn, plan)))
   assert [p['id'] for p in predicted] == list(range(NUM_IDS))
-  np.testing.assert_allclose([p['total'] for p in predicted],
-                             [p['total'] for p in expected], rtol=1e-6)
+  testlib.assert_close([p['total'] for p in predicted], [p['total'] for p in expected],
+                       err_msg='total')
 
 
 @pytest.mark.timeout(**TIMEOUT)

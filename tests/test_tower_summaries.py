@@ -95,14 +95,14 @@ def test_events_hold_examples_per_sec_and_per_tower_scalars(tmp_path, num_towers
     # Tower k's loss at step 0 is the plain model's loss on shard k alone.
     shard = slice(offsets[k], offsets[k + 1])
     plain = train(accuracy_model_fn, x[shard], y[shard], str(tmp_path / f'plain{k}'))
-    np.testing.assert_allclose(first(events[f'towers/{k}/loss']), first(plain['loss']),
-                               rtol=1e-5)
+    testlib.assert_close(first(events[f'towers/{k}/loss']), first(plain['loss']),
+                         err_msg=f'towers/{k}/loss')
 
   # The accuracy over the global batch, not tower 0's shard.
   whole = train(accuracy_model_fn, x, y, str(tmp_path / 'plain'))
-  np.testing.assert_allclose(first(events['train_accuracy']), first(whole['shard_accuracy']),
-                             atol=1e-6)
-  np.testing.assert_allclose(first(events['loss']), first(whole['loss']), rtol=1e-5)
+  testlib.assert_close(first(events['train_accuracy']), first(whole['shard_accuracy']),
+                       err_msg='train_accuracy')
+  testlib.assert_close(first(events['loss']), first(whole['loss']), err_msg='loss')
 
   # examples/sec = global batch x steps/sec, measured at Estimator's cadence.
   rates = events['examples_per_sec']
@@ -212,5 +212,5 @@ def test_global_mean_of_a_tower_built_twice(tmp_path):
   towered = replicate_model_fn(model_fn, devices=testlib.cpu_devices(3))
   events = train(towered, x, y, str(tmp_path / 'towered'), 3)
   whole = train(model_fn, x, y, str(tmp_path / 'plain'))
-  np.testing.assert_allclose(first(events['train_accuracy']), first(whole['shard_accuracy']),
-                             atol=1e-6)
+  testlib.assert_close(first(events['train_accuracy']), first(whole['shard_accuracy']),
+                       err_msg='train_accuracy')

@@ -297,9 +297,10 @@ def test_sparse_features(num_devices, batch):
       num_cpus=num_devices)
   towered.train(fn, steps=2)
   testlib.assert_variables_close(testlib.variables(towered), testlib.variables(plain))
-  np.testing.assert_allclose(testlib.predictions(towered, fn), testlib.predictions(plain, fn),
-                             atol=1e-6)
-  assert towered.evaluate(fn)['accuracy'] == pytest.approx(plain.evaluate(fn)['accuracy'], abs=1e-6)
+  testlib.assert_close(testlib.predictions(towered, fn), testlib.predictions(plain, fn),
+                       err_msg='logits')
+  testlib.assert_close(towered.evaluate(fn)['accuracy'], plain.evaluate(fn)['accuracy'],
+                       err_msg='accuracy')
 
 
 # --- Checkpoints and export ------------------------------------------------------
@@ -346,7 +347,7 @@ def test_exported_saved_model_serves_on_one_cpu():
                            {signature.inputs['x'].name: x})
       devices = {n.device for n in meta.graph_def.node}
   assert devices <= {'', '/device:CPU:0', '/device:CPU:*'}  # no tower device pins
-  np.testing.assert_allclose(served, plain_predictions, atol=1e-6)
+  testlib.assert_close(served, plain_predictions, err_msg='served')
 
 
 def test_static_batch_shapes():
@@ -359,8 +360,8 @@ def test_static_batch_shapes():
       replicate_model_fn(testlib.v1_model_fn, devices=testlib.cpu_devices(3)), num_cpus=3)
   towered.train(fn, steps=2)
   testlib.assert_variables_close(testlib.variables(towered), testlib.variables(plain))
-  np.testing.assert_allclose(testlib.predictions(towered, fn), testlib.predictions(plain, fn),
-                             atol=1e-6)
+  testlib.assert_close(testlib.predictions(towered, fn), testlib.predictions(plain, fn),
+                       err_msg='logits')
 
 
 def test_train_and_evaluate():
@@ -376,7 +377,7 @@ def test_train_and_evaluate():
   expected = plain.evaluate(testlib.input_fn(x, y, 7), name='plain')
   assert metrics['global_step'] == 2
   for key in ('accuracy', 'loss', 'auc', 'mean_logit'):
-    assert metrics[key] == pytest.approx(expected[key], abs=1e-6)
+    testlib.assert_close(metrics[key], expected[key], err_msg=key)
 
 
 def test_summaries_come_from_tower_zero_and_placement_is_logged(caplog):
@@ -451,12 +452,13 @@ def test_tensor_predictions_and_scalar_train_predictions():
       replicate_model_fn(model_fn, devices=testlib.cpu_devices(3)), num_cpus=3)
   towered.train(fn, steps=1)
   plain = testlib.make_estimator(model_fn, model_dir=towered.model_dir)
-  np.testing.assert_allclose(np.stack(list(towered.predict(fn))),
-                             np.stack(list(plain.predict(fn))), atol=1e-6)
+  testlib.assert_close(np.stack(list(towered.predict(fn))), np.stack(list(plain.predict(fn))),
+                       err_msg='predictions')
   # A prediction of unknown rank is per-example: every tower's rows come back.
   towered_unknown = testlib.make_estimator(
       replicate_model_fn(unknown_rank_model_fn, devices=testlib.cpu_devices(3)),
       num_cpus=3, model_dir=towered.model_dir)
   plain_unknown = testlib.make_estimator(unknown_rank_model_fn, model_dir=towered.model_dir)
-  np.testing.assert_allclose(testlib.predictions(towered_unknown, fn, 'unknown_rank'),
-                             testlib.predictions(plain_unknown, fn, 'unknown_rank'), atol=1e-6)
+  testlib.assert_close(testlib.predictions(towered_unknown, fn, 'unknown_rank'),
+                       testlib.predictions(plain_unknown, fn, 'unknown_rank'),
+                       err_msg='unknown_rank')
