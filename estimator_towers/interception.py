@@ -30,6 +30,11 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
   the reduction of the last loss they built on the graph
   (`Graph._last_loss_reduction`), which is how TensorFlow's own distribution
   strategies tell a summed loss (v1 canned heads) from an averaged one.
+- Ordering an existing op after another (`Operation._add_control_input`) and
+  telling whether an op is inside v1 control flow: `ordering` makes a read of
+  a variable run before the updates created after it in a model_fn that
+  trains without gradients (k-means), and a control edge cannot cross into a
+  v1 cond or loop.
 """
 
 from __future__ import annotations
@@ -156,3 +161,13 @@ def last_loss_reduction(graph: tf.Graph) -> Any:
 
 def reset_loss_reduction(graph: tf.Graph) -> None:
   graph._last_loss_reduction = None  # pylint: disable=protected-access
+
+
+def in_control_flow(op: tf.Operation) -> bool:
+  """True if `op` is inside a v1 `tf.cond` or `tf.while_loop`."""
+  return op._control_flow_context is not None  # pylint: disable=protected-access
+
+
+def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
+  """Makes the existing `op` run after `control`."""
+  op._add_control_input(control)  # pylint: disable=protected-access

@@ -14,6 +14,7 @@ from tensorflow.python.util import function_utils  # pylint: disable=g-direct-te
 from estimator_towers import gradients
 from estimator_towers import interception
 from estimator_towers import logs
+from estimator_towers import ordering
 from estimator_towers import placement as placement_lib
 from estimator_towers import plan as plan_lib
 from estimator_towers import sharding
@@ -361,11 +362,15 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
               'across towers; it trains on the whole batch on %s.' % tower_devices[0])
     whole = (features, labels) if staged is None else (
         sharding.concat(feature_shards), sharding.concat(label_shards))
+    first_op = len(graph.get_operations())
     with tf.name_scope('whole_batch'), \
         tf.compat.v1.device(placement_lib.tower_device(tower_devices[0])), \
         variable_sharing.reusing(0, root_scope, copies=False), \
         tower_context.entering(0, 1, tower_devices[0], True):
-      return run(whole[0], whole[1], mode)
+      spec = run(whole[0], whole[1], mode)
+    # Reads of a variable see it as the code says: before later updates.
+    ordering.order_reads_before_writes(graph.get_operations()[first_op:])
+    return spec
   for key in _PER_TOWER_COLLECTIONS:
     graph.get_collection_ref(key)[:] = base[key] + kept.get(key, [])
   losses = [spec.loss]

@@ -169,6 +169,27 @@ def keras_model_fn(features, labels, mode, params):
 MODELS = {'v1_layers': v1_model_fn, 'keras_bn': keras_model_fn}
 
 
+def minibatch_kmeans_steps(centres, counts, batches):
+  """Mini-batch k-means (squared Euclidean distance) in float64, as
+  `clustering_ops._mini_batch_training_op` states it: each example goes to its
+  nearest centre, then c_j += (sum of its k examples - k c_j) / (n_j + k) and
+  n_j += k. The reference for TensorFlow's KMeans, whose plain graph races
+  (see tests/test_kmeans.py)."""
+  centres, counts = centres.astype(np.float64), counts.astype(np.float64)
+  for batch in batches:
+    batch = batch.astype(np.float64)
+    nearest = ((batch[:, None, :] - centres[None]) ** 2).sum(-1).argmin(1)
+    new = centres.copy()
+    for j in range(len(centres)):
+      members = batch[nearest == j]
+      k = len(members)
+      if k:
+        new[j] += (members.sum(0) - k * centres[j]) / (counts[j] + k)
+        counts[j] += k
+    centres = new
+  return centres, counts
+
+
 # --- Towered vs plain training over several train() calls ---------------------
 
 class PlainTraining:
