@@ -115,14 +115,16 @@ def _is_mean_of(update: object, loss: tf.Tensor) -> bool:
   return False
 
 
-def merge_eval(specs, loss) -> tf.estimator.EstimatorSpec:
+def merge_eval(specs, loss, built=None) -> tf.estimator.EstimatorSpec:
   """Tower 0's metric values (the metric state is shared), every tower's updates.
 
   A metric of the loss itself (`tf.compat.v1.metrics.mean(loss)`, as k-means'
   score) is a metric of a batch-level value: it is rebuilt on the whole
   batch's loss, so that it equals the plain model_fn's, rather than averaging
-  the towers' shard losses.
+  the towers' shard losses. `built` are the specs as the model_fn returned
+  them, where `specs` have fetches wrapped (empty_shards), to recognise it.
   """
+  built = built or specs
   first = specs[0]
   metrics = {}
   for key, (value, _) in first.eval_metric_ops.items():
@@ -133,7 +135,7 @@ def merge_eval(specs, loss) -> tf.estimator.EstimatorSpec:
             f'Tower {k} returned no eval_metric_ops[{key!r}] but tower 0 did; '
             f'every tower must return the same metrics.')
       updates.append(spec.eval_metric_ops[key][1])
-    if len(specs) > 1 and all(_is_mean_of(u, s.loss) for u, s in zip(updates, specs)):
+    if len(specs) > 1 and all(_is_mean_of(s.eval_metric_ops[key][1], s.loss) for s in built):
       metrics[key] = tf.compat.v1.metrics.mean(loss, name=f'whole_batch_{key}')
     else:
       metrics[key] = (value, tf.group(*updates))

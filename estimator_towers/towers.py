@@ -11,6 +11,7 @@ from absl import logging
 import tensorflow as tf
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
+from estimator_towers import empty_shards
 from estimator_towers import gradients
 from estimator_towers import interception
 from estimator_towers import logs
@@ -75,7 +76,8 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   other than variables (a gradient penalty on the inputs) stay per tower.
   EVAL reports the weighted loss; metric state is shared, so metrics of
   per-example values equal the plain ones. PREDICT concatenates predictions
-  in input order.
+  in input order. In EVAL and PREDICT a tower whose shard is empty at run
+  time runs nothing computed from it (estimator_towers.empty_shards).
 
   On side effects: the train_op Estimator runs is tower 0's, so whatever the
   model_fn hangs on it (batch-norm moving averages in UPDATE_OPS or
@@ -299,6 +301,11 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
 
   interception.reset_loss_reduction(graph)
   if mode != ModeKeys.TRAIN:
+    # A shard empty at run time feeds its tower nothing (see empty_shards).
+    gated = {k: nonempty[k] for k in active[1:] if not isinstance(nonempty[k], bool)}
+    for k, ne in gated.items():
+      feature_shards[k] = empty_shards.gate_inputs(feature_shards[k], ne)
+      label_shards[k] = empty_shards.gate_inputs(label_shards[k], ne)
     tower_specs, kept = [], {}
     for k in active:
       tower_kept = {}
@@ -308,6 +315,9 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
       kept = kept or tower_kept
     for key in _PER_TOWER_COLLECTIONS:
       graph.get_collection_ref(key)[:] = base[key] + kept.get(key, [])
+    built, tower_specs = tower_specs, [
+        empty_shards.gate_spec(s, tower_specs[0], gated[k]) if k in gated else s
+        for k, s in zip(active, tower_specs)]
     if mode == ModeKeys.PREDICT:
       return specs_lib.merge_predict(tower_specs)
     _, weights = gradients.tower_weights(plan.loss_reduction, graph, sizes, batch, active,
@@ -316,7 +326,7 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
       loss = specs_lib.weighted_sum([s.loss for s in tower_specs], weights,
                                     [nonempty[k] for k in active])
     _tower_summaries(active, [s.loss for s in tower_specs], sizes)
-    return specs_lib.merge_eval(tower_specs, loss)
+    return specs_lib.merge_eval(tower_specs, loss, built)
 
   if staged is not None:  # (unstaged shards were filled by sharding.split above)
     with tf.name_scope('shard_inputs'):
