@@ -199,9 +199,10 @@ def _borrowing(offset: Any, size: tf.Tensor) -> _Rows:
 
 
 def _first_row(t: Any) -> Any:
+  """Row 0 of a leaf, or no rows when it has none (as `t[:1]`)."""
   if isinstance(t, tf.SparseTensor):
     rest = t.dense_shape[1:]
-    extent = tf.concat([tf.ones([1], tf.int64), rest], 0)
+    extent = tf.concat([tf.minimum(t.dense_shape[:1], 1), rest], 0)
     piece = tf.sparse.slice(t, tf.zeros_like(t.dense_shape), extent)
     return tf.SparseTensor(piece.indices, piece.values, extent)
   return t[:1]  # Tensors and RaggedTensors

@@ -240,6 +240,8 @@ def check_case(features, num_towers, sizes, fault, depth, mode, seed):
               depth=1, mode=ModeKeys.EVAL, seed=2))
 @example(dict(features={'c': {'a': 'float'}}, num_towers=5, sizes=[16, 2, 1], fault=None,
               depth=2, mode=ModeKeys.TRAIN, seed=3))
+@example(dict(features={'a': 'sparse', 'b': 'int'}, num_towers=3, sizes=[0, 4], fault=None,
+              depth=1, mode=ModeKeys.TRAIN, seed=4))  # An empty staged batch, sparse.
 @given(cases())
 def test_any_structure_ends_like_the_plain_model_fn(case):
   check_case(**case)
