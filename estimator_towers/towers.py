@@ -14,6 +14,7 @@ from tensorflow.python.util import function_utils  # pylint: disable=g-direct-te
 from estimator_towers import gradients
 from estimator_towers import interception
 from estimator_towers import logs
+from estimator_towers import normalizers
 from estimator_towers import placement as placement_lib
 from estimator_towers import plan as plan_lib
 from estimator_towers import sharding
@@ -309,11 +310,14 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
       graph.get_collection_ref(key)[:] = base[key] + kept.get(key, [])
     if mode == ModeKeys.PREDICT:
       return specs_lib.merge_predict(tower_specs)
-    _, weights = gradients.tower_weights(plan.loss_reduction, graph, sizes, batch, active,
-                                         loss=tower_specs[0].loss)
-    with tf.name_scope('tower_loss'):
-      loss = specs_lib.weighted_sum([s.loss for s in tower_specs], weights,
-                                    [nonempty[k] for k in active])
+    loss = _whole_batch_loss([s.loss for s in tower_specs], active, nonempty, plan,
+                             feature_shards, label_shards)
+    if loss is None:
+      _, weights = gradients.tower_weights(plan.loss_reduction, graph, sizes, batch, active,
+                                           loss=tower_specs[0].loss)
+      with tf.name_scope('tower_loss'):
+        loss = specs_lib.weighted_sum([s.loss for s in tower_specs], weights,
+                                      [nonempty[k] for k in active])
     _tower_summaries(active, [s.loss for s in tower_specs], sizes)
     return specs_lib.merge_eval(tower_specs, loss)
 
@@ -347,7 +351,8 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
       copy_of=variable_sharing.copy_of, primary=variable_sharing.primary,
       aggregation_device=placement.aggregation_device,
       variable_count=lambda: len(variable_sharing.variables),
-      creation_spans=variable_sharing.creation_spans)
+      creation_spans=variable_sharing.creation_spans,
+      inputs=_flat_shard(feature_shards, label_shards, active[0]), nonempty=nonempty)
   kept = {}
   with interception.gradient_requests(broker.handle), broker.building(active[0]), \
       _tower_collections(base, kept):
@@ -380,8 +385,10 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
       with interception.gradient_requests(broker.handle):
         loss_k = build_other(k, None).loss
     losses.append(loss_k)
-  with tf.name_scope('tower_loss'):
-    loss = specs_lib.weighted_sum(losses, broker.weights, [nonempty[k] for k in active])
+  loss = _whole_batch_loss(losses, active, nonempty, plan, feature_shards, label_shards)
+  if loss is None:
+    with tf.name_scope('tower_loss'):
+      loss = specs_lib.weighted_sum(losses, broker.weights, [nonempty[k] for k in active])
   _tower_summaries(active, losses, sizes)
   train_op = variable_sharing.refresh(spec.train_op)  # itself without copies
   def counterparts(tensor):  # without the example borrowed by an empty shard
@@ -391,6 +398,19 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
     return [t if isinstance(sizes[k], int) else t[:sizes[k]] for k, t in zip(active, found)]
 
   return specs_lib.merge_train(spec, loss, train_op, counterparts)
+
+
+def _flat_shard(feature_shards, label_shards, k: int) -> list:
+  return tf.nest.flatten((feature_shards[k], label_shards[k]), expand_composites=True)
+
+
+def _whole_batch_loss(losses, active, nonempty, plan, feature_shards, label_shards):
+  """The reported loss of a loss with its own normaliser (`normalizers`), or None."""
+  with tf.name_scope('tower_loss'):
+    return normalizers.whole_batch_loss(
+        losses, gradients.loss_counterparts(losses),
+        _flat_shard(feature_shards, label_shards, active[0]),
+        [nonempty[k] for k in active], auto=plan.loss_reduction == 'auto')
 
 
 def _tower_summaries(active: Sequence[int], losses: Sequence, sizes: Sequence) -> None:
