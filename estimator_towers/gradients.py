@@ -471,7 +471,7 @@ def tower_weights(loss_reduction: str, graph: tf.Graph, sizes: Sequence, batch: 
     recorded = interception.last_loss_reduction(graph)
     if recorded is not None:
       reduction = 'sum' if str(recorded) in SUM_REDUCTIONS else 'mean'
-    elif normalizers.ratio_op(loss) is not None:
+    elif normalizers.divides_by_shard(loss):
       reduction = 'mean'  # normalizers weighs it, or warns that it cannot
     else:
       reduction = _reduction_of(loss)

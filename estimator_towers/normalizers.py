@@ -16,13 +16,16 @@ trained variable, down to a RealDiv / Div / DivNoNan whose numerator is a
 `Sum` (the library's reduce_sum) and whose denominator d is made of *additive
 leaves* joined by elementwise scalar ops (`+ 1e-5`, `tf.maximum(., 1)`,
 casts). A leaf is a value that adds up across shards: a scalar `Sum` or a
-`Size` of something that depends on the shard, or a tensor the model_fn
-declared with `loss_denominator`. D is d rebuilt with each leaf replaced by
+`Size` of something that depends on the shard, `tf.shape(x)[0]`, or a tensor
+the model_fn declared with `loss_denominator`. D is d rebuilt with each leaf replaced by
 the sum of the towers' leaves, so `sum(w) + 1e-5` becomes
 sum_k sum(w_k) + 1e-5: exactly the plain denominator (the constant counts
-once, not once per tower). A denominator that depends on nothing in the
-shard is a summed loss (tf.reduce_sum(l) / batch_size_param): D is tower 0's d,
-and every tower's weight is 1.
+once, not once per tower). A denominator that depends on nothing in the shard
+is a leaf itself if the towers' values differ (a static shard size folded
+into a constant); if they are equal it is not handled here: a
+hyperparameter (tf.reduce_sum(l) / params['batch_size'], a summed loss) and
+an equal static shard size (a mean) look the same, and the library's other
+rules (the recorded reduction, `loss_reduction`) decide.
 
 The whole-batch loss is then built, and differentiated, as
 
@@ -122,7 +125,7 @@ class _Ratio:
 
 
 def ratio_op(loss: Any) -> tf.Operation | None:
-  """The ratio op the loss is a chain of Identity/Cast/Mul/RealDiv away from, or None."""
+  """The ratio op the loss is a chain of Identity / Cast / Mul away from, or None."""
   if not isinstance(loss, tf.Tensor):
     return None
   op = loss.op
@@ -133,6 +136,17 @@ def ratio_op(loss: Any) -> tf.Operation | None:
       return None
     op = op.inputs[0].op if op.type != 'Mul' else _mul_side(op).op
   return None
+
+
+def divides_by_shard(loss: Any) -> bool:
+  """True if `loss` is a ratio whose denominator is not a constant (cheap check)."""
+  op = ratio_op(loss)
+  if op is None:
+    return False
+  denominator = op.inputs[1].op
+  while denominator.type in ('Identity', 'Cast') and denominator.inputs:
+    denominator = denominator.inputs[0].op
+  return denominator.type != 'Const'
 
 
 def _mul_side(op: tf.Operation) -> tf.Tensor:
@@ -213,12 +227,21 @@ def _leaves(tensor: tf.Tensor, dependence: _Dependence, found: list) -> bool:
   if not dependence.of(tensor)[0]:
     return True  # a constant part (1e-5), or a hyperparameter
   op = tensor.op
-  if op.type in _LEAVES and tensor.shape.rank == 0:
+  if (op.type in _LEAVES and tensor.shape.rank == 0) or _is_batch_size(tensor):
     found.append(tensor)
     return True
   if op.type not in _ELEMENTWISE:
     return False
   return all(_leaves(t, dependence, found) for t in op.inputs)
+
+
+def _is_batch_size(tensor: tf.Tensor) -> bool:
+  """True for tf.shape(x)[0]: a StridedSlice of element 0 of a Shape."""
+  op = tensor.op
+  if op.type != 'StridedSlice' or op.inputs[0].op.type != 'Shape' or tensor.shape.rank != 0:
+    return False
+  begin, end = tf.get_static_value(op.inputs[1]), tf.get_static_value(op.inputs[2])
+  return begin is not None and end is not None and list(begin) == [0] and list(end) == [1]
 
 
 def whole_batch_loss(losses: Sequence[tf.Tensor], counterpart, inputs: Sequence[tf.Tensor],
@@ -258,12 +281,15 @@ def whole_batch_loss(losses: Sequence[tf.Tensor], counterpart, inputs: Sequence[
       return None
     parts[t.name] = found
   if not ratio.leaves:
-    # A denominator that depends on nothing in the shard: a summed loss (D is
-    # tower 0's d), unless it is a per-tower constant (a static shard size).
+    # A denominator that depends on nothing in the shard: a per-tower constant
+    # (a static shard size) is a leaf when the towers' values differ; when
+    # they are equal a hyperparameter cannot be told from an equal shard
+    # size, so the caller's rule (the recorded reduction, loss_reduction) holds.
     found = [denominator] + [counterpart(i, denominator) for i in range(1, len(losses))]
     static = [None if f is None else tf.get_static_value(f) for f in found]
-    if all(v is not None for v in static) and any(v != static[0] for v in static):
-      parts[denominator.name] = found
+    if any(v is None for v in static) or all(v == static[0] for v in static):
+      return None
+    parts[denominator.name] = found
   with tf.device(None), tf.name_scope('whole_batch_loss'):
     total = {name: _masked_sum(found, nonempty) for name, found in parts.items()}
     whole_denominator = _rebuild(denominator, total)

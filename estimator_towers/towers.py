@@ -66,15 +66,21 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   model_fn's own flow. When it asks for gradients with respect to variables
   (tf.gradients, an optimizer's compute_gradients / minimize, Keras legacy
   optimizers), it receives the gradient of the whole batch's loss, sum_k w_k *
-  loss_k, where w_k = n_k / B for a mean-reduced loss and 1 for a summed one
+  loss_k, where w_k is tower k's share of what the loss divides by: for a
+  ratio sum(...) / d whose denominator d sums over the shard (token weights,
+  BERT's sum(w) + 1e-5, tf.compat.v1.losses' count of non-zero weights or sum
+  of weights), the whole-batch loss is sum_k numerator_k / D with D the
+  whole batch's d, and a shard with no tokens adds nothing (no NaN); declare
+  a denominator that is not recognised with `loss_denominator(d)`. Else
+  w_k = n_k / B for a mean-reduced loss and 1 for a summed one
   (`loss_reduction='auto'` follows what the model_fn's TensorFlow loss
   function recorded). The other towers are built at that moment and stopped at
   their own request, so they build their forward pass only. What the model_fn
   then does (clipping, loss scaling, its optimizer's apply_gradients, a
   manual global_step update) runs once. Gradients with respect to anything
   other than variables (a gradient penalty on the inputs) stay per tower.
-  EVAL reports the weighted loss; metric state is shared, so metrics of
-  per-example values equal the plain ones. PREDICT concatenates predictions
+  EVAL reports the whole batch's loss, weighted the same way; metric state
+  is shared, so metrics of per-example values equal the plain ones. PREDICT concatenates predictions
   in input order.
 
   On side effects: the train_op Estimator runs is tower 0's, so whatever the
@@ -103,8 +109,10 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
       CPU alone.
     devices: explicit tower devices, e.g. ['/cpu:0', '/cpu:1'].
     variable_strategy: a key of `estimator_towers.placement.STRATEGIES`.
-    loss_reduction: 'auto' (the reduction the model_fn's TensorFlow loss
-      function records; a mean when none does), 'mean' or 'sum'.
+    loss_reduction: 'auto' (the loss's own normaliser when it is a ratio the
+      library recognises, else the reduction the model_fn's TensorFlow loss
+      function records; a mean when none does), 'mean' or 'sum' (normalisers
+      are then not recognised; those declared with `loss_denominator` are).
     plan: a `DevicePlan` from `make_plan`, instead of the arguments above.
 
   Returns:

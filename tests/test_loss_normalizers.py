@@ -90,6 +90,12 @@ def _keras(labels, logits, mask, features):
   return loss(labels, logits, sample_weight=mask)
 
 
+def _per_example(labels, logits, mask, features):
+  """Token losses summed, divided by the example count tf.shape(x)[0]."""
+  examples = tf.cast(tf.shape(features['tokens'])[0], tf.float32)
+  return tf.reduce_sum(_xent(labels, logits) * mask) / examples
+
+
 def _declared(labels, logits, mask, features):
   """A token count the library cannot recognise, declared with loss_denominator."""
   count = tf.cast(tf.shape(tf.where(mask > 0))[0], tf.float32)
@@ -99,11 +105,6 @@ def _declared(labels, logits, mask, features):
 def _undeclared(labels, logits, mask, features):
   count = tf.cast(tf.shape(tf.where(mask > 0))[0], tf.float32)
   return tf.reduce_sum(_xent(labels, logits) * mask) / count
-
-
-def _summed(labels, logits, mask, features):
-  """A sum over tokens divided by a constant: a summed loss (weight 1 per tower)."""
-  return tf.reduce_sum(_xent(labels, logits) * mask) / 4.0
 
 
 def _model_fn(loss_fn, features, labels, mode):
@@ -120,7 +121,7 @@ def _model_fn(loss_fn, features, labels, mode):
 
 LOSSES = {'padded': _padded, 'bert': _bert, 'v1_losses': _v1_losses,
           'v1_weighted_mean': _v1_weighted_mean, 'keras': _keras,
-          'declared': _declared, 'summed': _summed}
+          'per_example': _per_example, 'declared': _declared}
 
 
 def _assert_rule(actual: dict, expected: dict) -> None:
