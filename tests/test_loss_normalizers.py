@@ -192,3 +192,19 @@ def test_loss_denominator_needs_a_scalar():
   with tf.Graph().as_default():
     with pytest.raises(ValueError, match=r'loss_denominator\(d\) takes the scalar Tensor'):
       et.loss_denominator(tf.ones([2]))
+
+
+@pytest.mark.parametrize('variable_strategy,staging_depth',
+                         [('gpu', 0), ('replicated', 0), ('cpu', 1)])
+def test_padded_tokens_with_other_strategies_and_staged_input(variable_strategy,
+                                                              staging_depth):
+  plain_1, plain_4, _ = _plain('padded')
+  plan = et.make_plan(devices=testlib.cpu_devices(3), variable_strategy=variable_strategy,
+                      staging_depth=staging_depth)
+  towered_fn = et.replicate_model_fn(functools.partial(_model_fn, _padded), plan=plan)
+  est = testlib.make_estimator(towered_fn, num_cpus=3)
+  input_fn = et.staged_input_fn(_input_fn, plan) if staging_depth else _input_fn
+  est.train(input_fn, steps=1)
+  _assert_rule(testlib.variables(est), plain_1)
+  est.train(input_fn, steps=3)
+  _assert_rule(testlib.variables(est), plain_4)
