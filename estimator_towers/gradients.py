@@ -8,9 +8,7 @@ answered with the gradient of the global-batch loss instead:
 
     sum_k  w_k * loss_k      (w_k = n_k / B for a mean-reduced loss, 1 for a sum)
 
-over the towers' matching losses; for a loss that divides by its own
-normaliser (a sum of token weights), w_k is the tower's share of it, and the
-whole-batch loss is built and differentiated as `normalizers` describes. The other towers are built at that moment,
+over the towers' matching losses. The other towers are built at that moment,
 each in a clean context on its own device, and each is stopped at its own
 matching request, where its loss is recorded: they build their forward pass
 and nothing else, so none of their updates exists. The gradient is one
@@ -20,6 +18,11 @@ contributions to a variable meet on the variable's device. Everything the
 model_fn then does with the gradients (clipping, loss scaling, summaries, its
 own optimizer's `apply_gradients`, a manual `global_step` update, a Saver) runs
 once, exactly as on one device.
+
+A loss that divides by its own normaliser (sum(xent * w) / sum(w) over padded
+tokens) weighs tower k by its share of that normaliser rather than of the
+examples: the whole-batch loss is then built and differentiated as
+`normalizers` describes.
 
 The rule that tells requests apart: a request made while a tower's graph is
 built (not inside a `tf.function`) whose `xs` include a `tf.Variable` is a

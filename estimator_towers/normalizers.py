@@ -25,7 +25,10 @@ is a leaf itself if the towers' values differ (a static shard size folded
 into a constant); if they are equal it is not handled here: a
 hyperparameter (tf.reduce_sum(l) / params['batch_size'], a summed loss) and
 an equal static shard size (a mean) look the same, and the library's other
-rules (the recorded reduction, `loss_reduction`) decide.
+rules (the recorded reduction, `loss_reduction`) decide. Nor is a
+denominator that is one element count (`tf.size`, `tf.shape(x)[0]`: Keras'
+SUM_OVER_BATCH_SIZE, unweighted `tf.compat.v1.losses`): it is proportional
+to the shard's examples, so the example-count rule is already exact.
 
 The whole-batch loss is then built, and differentiated, as
 
@@ -68,6 +71,7 @@ _ELEMENTWISE = {
     'Neg': lambda op, a: -a[0],
 }
 _LEAVES = ('Sum', 'Size')
+_SHAPES = ('Shape', 'ShapeN', 'Size', 'Rank')
 _SEARCH_LIMIT = 20000
 
 _lock = threading.Lock()
@@ -166,11 +170,15 @@ class _Dependence:
       self._variables.add((handle if handle is not None else v).op.name)
     self._memo: dict[str, tuple[bool, bool]] = {}
 
-  def of(self, tensor: tf.Tensor) -> tuple[bool, bool]:
-    """(depends on the shard, reads a trained variable), over the ancestors."""
-    name = tensor.op.name
-    if name in self._memo:
-      return self._memo[name]
+  def of(self, tensor: tf.Tensor, values: bool = False) -> tuple[bool, bool]:
+    """(depends on the shard, reads a trained variable), over the ancestors.
+
+    With `values`, only through the shard's values: a path through a Shape,
+    Size or Rank (the shard's shape) does not count.
+    """
+    key = (tensor.op.name, values)
+    if key in self._memo:
+      return self._memo[key]
     shard = variable = False
     pending, seen = [tensor.op], set()
     while pending and len(seen) < _SEARCH_LIMIT and not (shard and variable):
@@ -180,9 +188,10 @@ class _Dependence:
       seen.add(op.name)
       shard = shard or op.name in self._inputs
       variable = variable or op.name in self._variables
-      pending.extend(t.op for t in op.inputs)
+      if not (values and op.type in _SHAPES):
+        pending.extend(t.op for t in op.inputs)
       pending.extend(op.control_inputs)
-    self._memo[name] = (shard, variable)
+    self._memo[key] = (shard, variable)
     return shard, variable
 
 
@@ -210,6 +219,23 @@ def _recognise(loss: tf.Tensor, dependence: _Dependence, auto: bool) -> _Ratio |
   if not declared and (not auto or not _is_sum(numerator)):
     return None
   return _Ratio(chain, ratio, leaves, declared)
+
+
+def _counts_examples(ratio: _Ratio, dependence: _Dependence) -> bool:
+  """True if the denominator is one count of the shard's elements.
+
+  That is a leaf computed from the shard's shape alone: tf.size,
+  tf.shape(x)[0], or the sum of weights broadcast from a constant
+  (unweighted tf.compat.v1.losses). It is then proportional to the shard's
+  examples (every example of a batch has the same shape), so the
+  example-count rule the caller falls back to is exact, and cheaper: it sends
+  no numerator and count between devices.
+  """
+  op = ratio.ratio.inputs[1].op
+  while op.type in ('Identity', 'Cast') and op.inputs:
+    op = op.inputs[0].op
+  return (not ratio.declared and len(ratio.leaves) == 1 and ratio.leaves[0].op is op
+          and not dependence.of(ratio.leaves[0], values=True)[0])
 
 
 def _is_sum(tensor: tf.Tensor) -> bool:
@@ -268,10 +294,11 @@ def whole_batch_loss(losses: Sequence[tf.Tensor], counterpart, inputs: Sequence[
   dependence = _Dependence(inputs, variables)
   ratio = _recognise(losses[0], dependence, auto)
   if ratio is None:
-    op = ratio_op(losses[0])
-    if auto and op is not None and dependence.of(op.inputs[1])[0]:
+    if auto and divides_by_shard(losses[0]):
       _warn_once()
     return None
+  if _counts_examples(ratio, dependence):
+    return None  # the example-count rule is exact
   numerator, denominator = ratio.ratio.inputs
   parts = {}
   for t in [numerator] + ratio.leaves:
@@ -346,4 +373,5 @@ def _warn_once() -> None:
         'count of non-zero weights), so towers are weighted by their share of '
         'the batch\'s examples, which is exact only if the denominator is '
         'proportional to the example count. Declare the denominator: loss = '
-        'numerator / estimator_towers.loss_denominator(d).')
+        'numerator / estimator_towers.loss_denominator(d); or, if it is a '
+        'constant (a sum divided by a batch size), pass loss_reduction=\'sum\'.')
