@@ -6,6 +6,7 @@ from estimator_towers.config import make_run_config
 from estimator_towers.config import session_config
 from estimator_towers.flags import config_from_flags
 from estimator_towers.flags import define_flags
+from estimator_towers.normalizers import loss_denominator
 from estimator_towers.plan import DevicePlan
 from estimator_towers.plan import make_plan
 from estimator_towers.staging import staged_input_fn
@@ -24,6 +25,7 @@ __all__ = [
     'current_tower',
     'define_flags',
     'global_mean',
+    'loss_denominator',
     'make_config',
     'make_run_config',
     'session_config',

@@ -38,8 +38,10 @@ def gate_inputs(shard: Any, nonempty: tf.Tensor) -> Any:
   return tf.nest.map_structure(gate, shard, expand_composites=True)
 
 
-def _live(value: tf.Tensor, nonempty: tf.Tensor, stand_in: tf.Tensor) -> tf.Tensor:
-  """`value` when the shard is non-empty, else `stand_in`; never dead."""
+def live(value: tf.Tensor, nonempty: tf.Tensor, stand_in: tf.Tensor | None = None) -> tf.Tensor:
+  """`value` when the shard is non-empty, else `stand_in` (zeros); never dead."""
+  if stand_in is None:
+    stand_in = tf.zeros(value.shape if value.shape.is_fully_defined() else [], value.dtype)
   when_empty, _ = _switch(stand_in, nonempty)
   return tf.raw_ops.Merge(inputs=[when_empty, value])[0]
 
@@ -61,9 +63,9 @@ def _live_predictions(predictions: Any, first: Any, nonempty: tf.Tensor) -> Any:
   if predictions is None or (isinstance(predictions, dict) and not predictions):
     return predictions
   flat, first_flat = tf.nest.flatten(predictions), tf.nest.flatten(first)
-  live = [p if p.shape.rank == 0 else _live(p, nonempty, f[:0])
+  kept = [p if p.shape.rank == 0 else live(p, nonempty, f[:0])
           for p, f in zip(flat, first_flat)]
-  return tf.nest.pack_sequence_as(predictions, live)
+  return tf.nest.pack_sequence_as(predictions, kept)
 
 
 def gate_spec(spec: tf.estimator.EstimatorSpec, first: tf.estimator.EstimatorSpec,
@@ -83,8 +85,7 @@ def gate_spec(spec: tf.estimator.EstimatorSpec, first: tf.estimator.EstimatorSpe
     loss = spec.loss
     if loss is not None:
       loss = tf.convert_to_tensor(loss)
-      shape = loss.shape if loss.shape.is_fully_defined() else []
-      loss = _live(loss, nonempty, tf.zeros(shape, loss.dtype))
+      loss = live(loss, nonempty)
     metrics = spec.eval_metric_ops or {}
     if metrics:  # One Merge for all of them: Estimator runs every update at once.
       done = _live_update(tf.group(*[update for _, update in metrics.values()]), nonempty)

@@ -44,8 +44,10 @@ _STAGING_BACKEND_HELP = {
                     'as the step (tf_cnn_benchmarks\' scheme)',
 }
 _LOSS_REDUCTION_HELP = {
-    'auto': 'the reduction the model_fn\'s tf.compat.v1.losses / Keras loss '
-            'records (v1 canned heads sum; a loss made by tf.reduce_mean / '
+    'auto': 'a ratio loss\'s own normaliser when recognised (a sum of token '
+            'weights, a count of non-zero weights), else the reduction the '
+            'model_fn\'s tf.compat.v1.losses / Keras loss records (v1 canned '
+            'heads sum; a loss made by tf.reduce_mean / '
             'tf.reduce_sum over the batch is recognised; mean when none is)',
     'mean': 'the loss averages over the batch: towers are weighted by their '
             'share of the batch',

@@ -19,6 +19,11 @@ model_fn then does with the gradients (clipping, loss scaling, summaries, its
 own optimizer's `apply_gradients`, a manual `global_step` update, a Saver) runs
 once, exactly as on one device.
 
+A loss that divides by its own normaliser (sum(xent * w) / sum(w) over padded
+tokens) weighs tower k by its share of that normaliser rather than of the
+examples: the whole-batch loss is then built and differentiated as
+`normalizers` describes.
+
 The rule that tells requests apart: a request made while a tower's graph is
 built (not inside a `tf.function`) whose `xs` include a `tf.Variable` is a
 *whole-batch* request. Any other request (with respect to inputs or
@@ -40,6 +45,7 @@ import numpy as np
 import tensorflow as tf
 
 from estimator_towers import interception
+from estimator_towers import normalizers
 
 
 class DivergentTowersError(ValueError):
@@ -183,6 +189,8 @@ class WholeBatchGradients:
     variable_count: the number of variables created so far.
     creation_spans: (first, end) positions in the graph's op list of the ops
       made to create variables (left out when towers' ops are matched).
+    inputs: the primary tower's shard tensors, flattened (for `normalizers`).
+    nonempty: per tower index, whether its shard is not empty (bool or Tensor).
   """
 
   def __init__(self, graph: tf.Graph, towers: Sequence[int], sizes: Sequence, batch: Any,
@@ -191,8 +199,11 @@ class WholeBatchGradients:
                primary: Callable[[tf.Variable], tf.Variable],
                aggregation_device: Callable[[tf.Variable], str],
                variable_count: Callable[[], int],
-               creation_spans: Sequence[tuple[int, int]] = ()):
+               creation_spans: Sequence[tuple[int, int]] = (),
+               inputs: Sequence[tf.Tensor] = (), nonempty: Sequence | None = None):
     self._graph = graph
+    self._inputs = list(inputs)
+    self._nonempty = nonempty
     self.towers = list(towers)
     self._sizes = sizes
     self._batch = batch
@@ -268,8 +279,11 @@ class WholeBatchGradients:
     """One backward pass over every tower's loss, weighted; parts summed per variable."""
     primary = tower_requests[0]
     ys, grad_ys, stops = [], [], []
+    whole = self._normalised_loss(tower_requests)
+    if whole is not None:  # the loss's own normaliser (see normalizers)
+      ys, grad_ys = [whole], [primary.grad_ys[0]]
     for k, request, weight in zip(self.towers, tower_requests, self.weights):
-      for y, grad_y in zip(request.ys, request.grad_ys):
+      for y, grad_y in zip(request.ys, request.grad_ys) if whole is None else ():
         ys.append(y)
         grad_ys.append(_weighted_grad_y(y, grad_y, weight))
       stops.extend(_as_list(request.options.get('stop_gradients') or []))
@@ -308,6 +322,17 @@ class WholeBatchGradients:
       with tf.device(self._aggregation_device(x)), tf.name_scope('combine_gradients'):
         combined.append(_add([grads[j] for j in parts[i]]))
     return combined
+
+  def _normalised_loss(self, tower_requests: Sequence[Request]) -> tf.Tensor | None:
+    """The whole-batch loss of a ratio loss (`normalizers`), or None."""
+    if self._nonempty is None or any(len(r.ys) != 1 for r in tower_requests):
+      return None
+    losses = [r.ys[0] for r in tower_requests]
+    return normalizers.whole_batch_loss(
+        losses, loss_counterparts(losses), self._inputs,
+        [self._nonempty[k] for k in self.towers],
+        auto=self._loss_reduction == 'auto',
+        variables=[x for x in tower_requests[0].xs if isinstance(x, tf.Variable)])
 
   # -- The other towers' requests ---------------------------------------------
 
@@ -449,6 +474,8 @@ def tower_weights(loss_reduction: str, graph: tf.Graph, sizes: Sequence, batch: 
     recorded = interception.last_loss_reduction(graph)
     if recorded is not None:
       reduction = 'sum' if str(recorded) in SUM_REDUCTIONS else 'mean'
+    elif normalizers.divides_by_shard(loss):
+      reduction = 'mean'  # normalizers weighs it, or warns that it cannot
     else:
       reduction = _reduction_of(loss)
       if reduction is None:
@@ -488,6 +515,18 @@ def _reduction_of(loss: Any) -> str | None:
   elif rank is None or 0 not in [int(a) % rank for a in np.ravel(axes)]:
     return None
   return 'sum' if op.type == 'Sum' else 'mean'
+
+
+def loss_counterparts(losses: Sequence[tf.Tensor]) -> Callable:
+  """`find(i, tensor)`: the tensor of losses[i]'s graph matching `tensor` of losses[0]'s.
+
+  Found by following, from losses[i], the path of op inputs that leads from
+  losses[0] to `tensor`, checking op types; None if there is none.
+  """
+  def find(i: int, tensor: tf.Tensor) -> tf.Tensor | None:
+    path = _path(losses[0], tensor)
+    return None if path is None else _follow(losses[i], losses[0], path)
+  return find
 
 
 def _names(xs: Sequence) -> list[str]:

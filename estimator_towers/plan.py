@@ -26,8 +26,9 @@ class DevicePlan:
     num_gpus: the GPU count asked for, when given as a count; 0 means one
       tower on the host CPU.
     variable_strategy: a key of `placement.STRATEGIES`.
-    loss_reduction: 'auto' (default: the reduction the model_fn's TensorFlow
-      loss function recorded, as TensorFlow's distribution strategies read it;
+    loss_reduction: 'auto' (default: a ratio loss's own normaliser when it is
+      recognised, else the reduction the model_fn's TensorFlow loss function
+      recorded, as TensorFlow's distribution strategies read it;
       a mean when none did), 'mean' (the loss is a mean over the batch: towers
       are weighted by their share of the batch) or 'sum' (towers add up).
     staging_depth: shards kept in flight per device by the staged input_fn.

@@ -15,6 +15,7 @@ from estimator_towers import empty_shards
 from estimator_towers import gradients
 from estimator_towers import interception
 from estimator_towers import logs
+from estimator_towers import normalizers
 from estimator_towers import ordering
 from estimator_towers import placement as placement_lib
 from estimator_towers import plan as plan_lib
@@ -67,17 +68,24 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   model_fn's own flow. When it asks for gradients with respect to variables
   (tf.gradients, an optimizer's compute_gradients / minimize, Keras legacy
   optimizers), it receives the gradient of the whole batch's loss, sum_k w_k *
-  loss_k, where w_k = n_k / B for a mean-reduced loss and 1 for a summed one
+  loss_k, where w_k is tower k's share of what the loss divides by: for a
+  ratio sum(...) / d whose denominator d sums over the shard (token weights,
+  BERT's sum(w) + 1e-5, tf.compat.v1.losses' count of non-zero weights or sum
+  of weights), the whole-batch loss is sum_k numerator_k / D with D the
+  whole batch's d, and a shard with no tokens adds nothing (no NaN); declare
+  a denominator that is not recognised with `loss_denominator(d)`. Else
+  w_k = n_k / B for a mean-reduced loss and 1 for a summed one
   (`loss_reduction='auto'` follows what the model_fn's TensorFlow loss
   function recorded). The other towers are built at that moment and stopped at
   their own request, so they build their forward pass only. What the model_fn
   then does (clipping, loss scaling, its optimizer's apply_gradients, a
   manual global_step update) runs once. Gradients with respect to anything
   other than variables (a gradient penalty on the inputs) stay per tower.
-  EVAL reports the weighted loss; metric state is shared, so metrics of
-  per-example values equal the plain ones. PREDICT concatenates predictions
-  in input order. In EVAL and PREDICT a tower whose shard is empty at run
-  time runs nothing computed from it (estimator_towers.empty_shards).
+  EVAL reports the whole batch's loss, weighted the same way; metric state
+  is shared, so metrics of per-example values equal the plain ones. PREDICT
+  concatenates predictions in input order. In EVAL and PREDICT a tower whose
+  shard is empty at run time runs nothing computed from it
+  (estimator_towers.empty_shards).
 
   On side effects: the train_op Estimator runs is tower 0's, so whatever the
   model_fn hangs on it (batch-norm moving averages in UPDATE_OPS or
@@ -105,8 +113,10 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
       CPU alone.
     devices: explicit tower devices, e.g. ['/cpu:0', '/cpu:1'].
     variable_strategy: a key of `estimator_towers.placement.STRATEGIES`.
-    loss_reduction: 'auto' (the reduction the model_fn's TensorFlow loss
-      function records; a mean when none does), 'mean' or 'sum'.
+    loss_reduction: 'auto' (the loss's own normaliser when it is a ratio the
+      library recognises, else the reduction the model_fn's TensorFlow loss
+      function records; a mean when none does), 'mean' or 'sum' (normalisers
+      are then not recognised; those declared with `loss_denominator` are).
     plan: a `DevicePlan` from `make_plan`, instead of the arguments above.
 
   Returns:
@@ -320,11 +330,14 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
         for k, s in zip(active, tower_specs)]
     if mode == ModeKeys.PREDICT:
       return specs_lib.merge_predict(tower_specs)
-    _, weights = gradients.tower_weights(plan.loss_reduction, graph, sizes, batch, active,
-                                         loss=tower_specs[0].loss)
-    with tf.name_scope('tower_loss'):
-      loss = specs_lib.weighted_sum([s.loss for s in tower_specs], weights,
-                                    [nonempty[k] for k in active])
+    loss = _whole_batch_loss([s.loss for s in built], active, nonempty, plan,
+                             feature_shards, label_shards, gated)
+    if loss is None:
+      _, weights = gradients.tower_weights(plan.loss_reduction, graph, sizes, batch, active,
+                                           loss=tower_specs[0].loss)
+      with tf.name_scope('tower_loss'):
+        loss = specs_lib.weighted_sum([s.loss for s in tower_specs], weights,
+                                      [nonempty[k] for k in active])
     _tower_summaries(active, [s.loss for s in tower_specs], sizes)
     return specs_lib.merge_eval(tower_specs, loss, built)
 
@@ -358,7 +371,8 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
       copy_of=variable_sharing.copy_of, primary=variable_sharing.primary,
       aggregation_device=placement.aggregation_device,
       variable_count=lambda: len(variable_sharing.variables),
-      creation_spans=variable_sharing.creation_spans)
+      creation_spans=variable_sharing.creation_spans,
+      inputs=_flat_shard(feature_shards, label_shards, active[0]), nonempty=nonempty)
   kept = {}
   with interception.gradient_requests(broker.handle), broker.building(active[0]), \
       _tower_collections(base, kept):
@@ -395,8 +409,10 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
       with interception.gradient_requests(broker.handle):
         loss_k = build_other(k, None).loss
     losses.append(loss_k)
-  with tf.name_scope('tower_loss'):
-    loss = specs_lib.weighted_sum(losses, broker.weights, [nonempty[k] for k in active])
+  loss = _whole_batch_loss(losses, active, nonempty, plan, feature_shards, label_shards)
+  if loss is None:
+    with tf.name_scope('tower_loss'):
+      loss = specs_lib.weighted_sum(losses, broker.weights, [nonempty[k] for k in active])
   _tower_summaries(active, losses, sizes)
   train_op = variable_sharing.refresh(spec.train_op)  # itself without copies
   def counterparts(tensor):  # without the example borrowed by an empty shard
@@ -406,6 +422,32 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
     return [t if isinstance(sizes[k], int) else t[:sizes[k]] for k, t in zip(active, found)]
 
   return specs_lib.merge_train(spec, loss, train_op, counterparts)
+
+
+def _flat_shard(feature_shards, label_shards, k: int) -> list:
+  return tf.nest.flatten((feature_shards[k], label_shards[k]), expand_composites=True)
+
+
+def _whole_batch_loss(losses, active, nonempty, plan, feature_shards, label_shards,
+                      gated=None):
+  """The reported loss of a loss with its own normaliser (`normalizers`), or None.
+
+  `gated` (EVAL): towers whose shard may be empty at run time; the parts of
+  their loss are taken through `empty_shards.live`, 0 when the shard is empty.
+  """
+  find = gradients.loss_counterparts(losses)
+
+  def counterpart(i, tensor):
+    found = find(i, tensor)
+    if found is None or not gated or active[i] not in gated:
+      return found
+    return empty_shards.live(found, gated[active[i]])
+
+  with tf.name_scope('tower_loss'):
+    return normalizers.whole_batch_loss(
+        losses, counterpart,
+        _flat_shard(feature_shards, label_shards, active[0]),
+        [nonempty[k] for k in active], auto=plan.loss_reduction == 'auto')
 
 
 def _tower_summaries(active: Sequence[int], losses: Sequence, sizes: Sequence) -> None:
