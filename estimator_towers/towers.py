@@ -11,6 +11,7 @@ from absl import logging
 import tensorflow as tf
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
+from estimator_towers import batch_norm_sync
 from estimator_towers import gradients
 from estimator_towers import interception
 from estimator_towers import logs
@@ -43,6 +44,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
                        devices: Sequence[str] | None = None,
                        variable_strategy: str = 'cpu',
                        loss_reduction: str = 'auto',
+                       sync_batch_norm: bool = False,
                        plan: plan_lib.DevicePlan | None = None) -> Callable:
   """Turns a single-device Estimator model_fn into a towered one.
 
@@ -104,6 +106,11 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     variable_strategy: a key of `estimator_towers.placement.STRATEGIES`.
     loss_reduction: 'auto' (the reduction the model_fn's TensorFlow loss
       function records; a mean when none does), 'mean' or 'sum'.
+    sync_batch_norm: in TRAIN, every batch norm (Keras, tf.compat.v1.layers,
+      tf.compat.v1.nn.fused_batch_norm, tf.nn.moments over the batch axis)
+      normalises with the mean and variance of the global batch, so towered
+      training equals single-device training for batch-norm models. Off by
+      default: each tower uses its shard's statistics.
     plan: a `DevicePlan` from `make_plan`, instead of the arguments above.
 
   Returns:
@@ -131,7 +138,8 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   else:
     plan = plan_lib.make_plan(num_gpus=num_gpus, devices=devices,
                               variable_strategy=variable_strategy,
-                              loss_reduction=loss_reduction)
+                              loss_reduction=loss_reduction,
+                              sync_batch_norm=sync_batch_norm)
 
   def decorate(fn: Callable) -> Callable:
     return _wrap(fn, plan)
@@ -349,8 +357,9 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
       variable_count=lambda: len(variable_sharing.variables),
       creation_spans=variable_sharing.creation_spans)
   kept = {}
+  statistics = _batch_norm_statistics(plan, graph, tower_devices, active, sizes, host)
   with interception.gradient_requests(broker.handle), broker.building(active[0]), \
-      _tower_collections(base, kept):
+      _tower_collections(base, kept), statistics.syncing():
     spec = build(active[0], reuse=False)
   if not broker.requests:
     # Updates that are not gradient steps (k-means' cluster updates) cannot be
@@ -368,6 +377,7 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
       return run(whole[0], whole[1], mode)
   for key in _PER_TOWER_COLLECTIONS:
     graph.get_collection_ref(key)[:] = base[key] + kept.get(key, [])
+  statistics.check_complete()
   losses = [spec.loss]
   for k in active[1:]:
     loss_k = broker.counterpart(k, spec.loss)
@@ -377,7 +387,7 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
           'ancestor of the tensor) the model_fn asked gradients of, so each '
           'tower\'s loss is built by a second pass of its model_fn, which costs '
           'an extra forward pass per step on every tower but the first.')
-      with interception.gradient_requests(broker.handle):
+      with interception.gradient_requests(broker.handle), statistics.syncing():
         loss_k = build_other(k, None).loss
     losses.append(loss_k)
   with tf.name_scope('tower_loss'):
@@ -391,6 +401,29 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
     return [t if isinstance(sizes[k], int) else t[:sizes[k]] for k, t in zip(active, found)]
 
   return specs_lib.merge_train(spec, loss, train_op, counterparts)
+
+
+class _Unsynced:
+  """Per-tower batch statistics: nothing to synchronise."""
+
+  def syncing(self) -> Any:
+    return contextlib.nullcontext()
+
+  def check_complete(self) -> None:
+    pass
+
+
+def _batch_norm_statistics(plan: plan_lib.DevicePlan, graph: tf.Graph,
+                           tower_devices: Sequence[str], active: Sequence[int],
+                           sizes: Sequence, host: str) -> Any:
+  """The sync points of batch statistics for a TRAIN graph (sync_batch_norm)."""
+  if not plan.sync_batch_norm or len(active) < 2:
+    return _Unsynced()
+  with tf.device(host), tf.name_scope('shard_inputs'):
+    present = {k: 1.0 if isinstance(sizes[k], int) else tf.cast(sizes[k] > 0, tf.float32)
+               for k in active}
+  return batch_norm_sync.BatchNormSync(
+      graph, {k: tower_devices[k] for k in active}, present)
 
 
 def _tower_summaries(active: Sequence[int], losses: Sequence, sizes: Sequence) -> None:
