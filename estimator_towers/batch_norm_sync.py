@@ -118,11 +118,10 @@ class BatchNormSync:
              exponential_avg_factor=1, data_format='NHWC', is_training=True,
              name=None):
     tower = self._tower() if is_training else None
-    if tower is None:
+    if tower is None or not _is_batch_norm(_calling_layer()):
       return original(x, scale, offset, mean, variance, epsilon=epsilon,
                       exponential_avg_factor=exponential_avg_factor,
                       data_format=data_format, is_training=is_training, name=name)
-    _check_layer_options()
     channels_first = data_format.startswith('NC')
     with tf.name_scope(name or 'SyncBatchNorm'):
       x32 = tf.cast(x, tf.float32)
@@ -153,7 +152,7 @@ class BatchNormSync:
     batch_axis = rank is not None and 0 in [int(a) % rank for a in np.ravel(axes)]
     if tower is None or not batch_axis:
       return original(x, axes, shift=shift, name=name, keep_dims=keep)
-    _check_layer_options()
+    _is_batch_norm(_calling_layer())  # options that cannot be synchronised
     with tf.name_scope(name or 'sync_moments'):
       y = tf.cast(x, tf.float32) if x.dtype == tf.float16 else x
       axes = sorted(int(a) % rank for a in np.ravel(axes))
@@ -232,21 +231,35 @@ def _rows(x: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
   return tf.reshape(x, [-1, width])
 
 
-def _check_layer_options() -> None:
-  """Raises if the calling Keras batch-norm layer has an unsyncable option."""
-  frame = sys._getframe(2)  # pylint: disable=protected-access
-  for _ in range(12):
+def _calling_layer() -> Any:
+  """The nearest Keras layer (or tf.compat.v1.layers layer) on the call stack."""
+  frame = sys._getframe(3)  # pylint: disable=protected-access
+  for _ in range(24):
     if frame is None:
-      return
-    layer = frame.f_locals.get('self')
-    if layer is not None and all(hasattr(layer, o) for o, _ in _UNSYNCABLE):
-      for option, off in _UNSYNCABLE:
-        value = getattr(layer, option)
-        if value is not off and value != off:
-          raise BatchNormSyncError(
-              f'Batch-norm layer {getattr(layer, "name", layer)!r} has '
-              f'{option}={value!r}, which cannot be synchronised across towers '
-              f'exactly (its result depends on how the batch is split). Remove '
-              f'{option} ({option}={off!r}) or turn sync_batch_norm off.')
-      return
+      return None
+    candidate = frame.f_locals.get('self')
+    if hasattr(candidate, 'call') and hasattr(candidate, 'trainable_weights'):
+      return candidate
     frame = frame.f_back
+  return None
+
+
+def _is_batch_norm(layer: Any) -> bool:
+  """Whether the layer that asks for statistics is a batch norm.
+
+  Keras' LayerNormalization computes per-example statistics with TensorFlow's
+  fused batch-norm kernel (each example a channel): not a batch statistic.
+  """
+  if layer is None:
+    return True
+  if not all(hasattr(layer, name) for name in ('moving_mean', 'moving_variance')):
+    return False
+  for option, off in _UNSYNCABLE:
+    value = getattr(layer, option, off)
+    if value is not off and value != off:
+      raise BatchNormSyncError(
+          f'Batch-norm layer {getattr(layer, "name", layer)!r} has '
+          f'{option}={value!r}, which cannot be synchronised across towers '
+          f'exactly (its result depends on how the batch is split). Remove '
+          f'{option} ({option}={off!r}) or turn sync_batch_norm off.')
+  return True

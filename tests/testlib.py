@@ -70,8 +70,11 @@ def assert_variables_close(actual: dict, expected: dict, atol: float = 1e-5):
     if np.asarray(expected[name]).dtype.kind in 'SUO':  # e.g. an object graph proto
       assert actual[name] == expected[name], f'variable {name}'
       continue
-    np.testing.assert_allclose(actual[name], expected[name], atol=atol, rtol=0,
-                               err_msg=f'variable {name}')
+    # The project-wide rule: |d| / max(1, |plain|) <= atol.
+    scale = np.maximum(1.0, np.abs(np.asarray(expected[name], np.float64)))
+    np.testing.assert_array_less(
+        np.abs(np.asarray(actual[name], np.float64) - expected[name]) / scale, atol * (1 + 1e-9),
+        err_msg=f'variable {name}')
 
 
 # --- Reference models ---------------------------------------------------------
