@@ -135,6 +135,16 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
                        'plan already names the devices.')
     if not isinstance(plan, plan_lib.DevicePlan):
       raise TypeError(f'plan must be a DevicePlan from make_plan, got {plan!r}.')
+    overridden = {name: value for name, value, default in (
+        ('variable_strategy', variable_strategy, 'cpu'),
+        ('loss_reduction', loss_reduction, 'auto'),
+        ('sync_batch_norm', sync_batch_norm, False)) if value != default}
+    if overridden:
+      settings = ', '.join(f'{name}={value!r}' for name, value in overridden.items())
+      raise ValueError(
+          f'Give either plan or {settings}, not both: the plan already holds '
+          f'these settings. Pass them to make_plan(...) (or make_config(...)) '
+          f'instead.')
   else:
     plan = plan_lib.make_plan(num_gpus=num_gpus, devices=devices,
                               variable_strategy=variable_strategy,

@@ -10,6 +10,7 @@ global batch's.
 """
 
 import os
+import tempfile
 import sys
 
 import numpy as np
@@ -159,6 +160,47 @@ def test_layer_norm_is_exact_with_and_without_sync(sync):
   model_fn, input_fn, params, reference = _case('layer_norm', 10, False)
   testlib.check_towered_training(model_fn, _towered(model_fn, sync_batch_norm=sync), NUM_TOWERS,
                                  input_fn, reference, params=params, resume=False)
+
+
+def _keras_model_to_estimator():
+  """model_to_estimator's model_fn (a Keras model with BatchNormalization) and its warm start."""
+  inputs = tf.keras.Input(shape=(testlib.NUM_FEATURES,), name='x')
+  hidden = tf.keras.layers.Dense(6, kernel_initializer=tf.keras.initializers.GlorotUniform(4))(
+      inputs)
+  hidden = tf.keras.layers.BatchNormalization(momentum=0.8)(hidden)
+  outputs = tf.keras.layers.Dense(
+      3, kernel_initializer=tf.keras.initializers.GlorotUniform(5))(tf.nn.relu(hidden))
+  model = tf.keras.Model(inputs, outputs)
+  model.compile(optimizer=tf.keras.optimizers.legacy.SGD(0.3, momentum=0.9),
+                loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  est = tf.keras.estimator.model_to_estimator(keras_model=model, config=testlib.run_config(1))
+  return est.model_fn, est._warm_start_settings  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize('sync', [True, False])
+def test_model_to_estimator(sync):
+  model_fn, warm_start = _keras_model_to_estimator()
+  x, y = _vectors(10)
+
+  def input_fn():
+    return tf.data.Dataset.from_tensor_slices(({'x': x}, y)).repeat(4).batch(10)
+
+  def run(fn, num_cpus):
+    est = tf.estimator.Estimator(fn, model_dir=tempfile.mkdtemp(prefix='et_'),
+                                 config=testlib.run_config(num_cpus), warm_start_from=warm_start)
+    est.train(input_fn, steps=1)
+    after_1 = testlib.variables(est)
+    est.train(input_fn, steps=2)
+    return after_1, testlib.variables(est)
+
+  plain = run(model_fn, 1)
+  towered = run(_towered(model_fn, sync_batch_norm=sync), NUM_TOWERS)
+  assert any('moving_variance' in name for name in plain[1])
+  if sync:
+    testlib.assert_variables_close(towered[0], plain[0])
+    testlib.assert_variables_close(towered[1], plain[1])
+  else:
+    assert _relative_difference(towered[0], plain[0]) > 1e-3
 
 
 @pytest.mark.parametrize('strategy', ['gpu', 'replicated'])
