@@ -52,6 +52,10 @@ _UNSYNCABLE = (('renorm', False), ('virtual_batch_size', None), ('adjustment', N
 # one); group keys identify a set of devices.
 _next_instance_key: 'weakref.WeakKeyDictionary[tf.Graph, int]' = weakref.WeakKeyDictionary()
 _GROUP_KEY_BASE = 0x5B00
+# A tower waits at most this long for the others at a sync point, then its
+# step fails with DeadlineExceededError (e.g. a session.run that fetches one
+# tower's batch-normalised tensors without the train_op), instead of hanging.
+COLLECTIVE_TIMEOUT_SECONDS = 300.0
 
 
 class BatchNormSyncError(ValueError):
@@ -205,10 +209,12 @@ class BatchNormSync:
 
     @tf.custom_gradient
     def reduce(value):
-      total = collective_ops.all_reduce(value, size, group, forward_key, 'Add', 'Id')
+      total = collective_ops.all_reduce(value, size, group, forward_key, 'Add', 'Id',
+                                        timeout=COLLECTIVE_TIMEOUT_SECONDS)
 
       def grad(upstream):
-        return collective_ops.all_reduce(upstream, size, group, backward_key, 'Add', 'Id')
+        return collective_ops.all_reduce(upstream, size, group, backward_key, 'Add', 'Id',
+                                         timeout=COLLECTIVE_TIMEOUT_SECONDS)
       return total, grad
     return reduce(t)
 

@@ -60,7 +60,7 @@ def _head(h, labels, mode):
 
 def resnet_model_fn(features, labels, mode, params):
   """The example's ResNet (tf.compat.v1.layers fused batch norm), depth 8."""
-  params = {'resnet_depth': 8, 'num_classes': 3, 'learning_rate': 0.5, 'batch_size': 128,
+  params = {'resnet_depth': 8, 'num_classes': 3, 'learning_rate': 0.1, 'batch_size': 128,
             'log_every_n_steps': 1000, **(params or {})}
   return cifar_model.model_fn(features, labels, mode, params)
 
@@ -299,3 +299,25 @@ def test_error_tower_rebuilt():
 def test_error_sync_batch_norm_not_a_bool():
   with pytest.raises(ValueError, match='sync_batch_norm must be True or False'):
     et.make_plan(devices=['/cpu:0'], sync_batch_norm='yes')
+
+
+def test_a_run_of_one_tower_alone_fails_instead_of_hanging(monkeypatch):
+  """Fetching tower 0's normalised tensor without the train_op: no peer ever comes."""
+  monkeypatch.setattr(batch_norm_sync, 'COLLECTIVE_TIMEOUT_SECONDS', 2.0)
+
+  def model_fn(features, labels, mode):
+    h = tf.keras.layers.BatchNormalization()(tf.keras.layers.Dense(4)(features), training=True)
+    tf.compat.v1.add_to_collection('normalised', h)
+    return _train_spec(mode, _head(h, labels, mode))
+
+  x, y = _vectors(4)
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.create_global_step()
+    spec = _towered(model_fn, num_towers=2, sync_batch_norm=True)(
+        tf.constant(x), tf.constant(y), ModeKeys.TRAIN, config=None)
+    tower_0 = graph.get_collection('normalised')[0]
+    with tf.compat.v1.Session(config=testlib.run_config(2).session_config) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      session.run(spec.train_op)  # every tower: the collectives meet
+      with pytest.raises(tf.errors.DeadlineExceededError):
+        session.run(tower_0)
