@@ -7,6 +7,9 @@ The same model at the same global batch (--batch_size, 256), in one process:
 - mirrored: the unchanged model_fn with
   `RunConfig(train_distribute=tf.distribute.MirroredStrategy(devices))`, its
   input_fn batching global / N examples (each replica takes one batch);
+- synced: towered with `sync_batch_norm=True` (batch norms normalise with
+  the global batch's statistics; run it with --contenders=plain,towered,synced
+  --models=resnet);
 - handwritten: a reference, not a contender: the towers' scheme written by
   hand for these two models (`handwritten_model_fn`), to tell the scheme's own
   cost on a shared CPU from the library's.
@@ -68,7 +71,7 @@ from benchlib import machine  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_list('models', ['mlp', 'resnet'], 'Models to run (mlp, resnet).')
 flags.DEFINE_list('num_devices', ['2', '4', '8'], 'Device counts N.')
-flags.DEFINE_list('contenders', ['plain', 'towered', 'mirrored', 'handwritten'],
+flags.DEFINE_list('contenders', ['plain', 'towered', 'mirrored', 'handwritten'],  # and 'synced'
                   'Contenders to run.')
 flags.DEFINE_integer('batch_size', 256, 'Global batch size.')
 flags.DEFINE_integer('rounds', 30, 'Steady-state rounds (one chunk per configuration each).')
@@ -86,8 +89,9 @@ FLAGS = flags.FLAGS
 MAX_DEVICES = 8
 NUM_CLASSES = 10
 IMAGE_SHAPE = (32, 32, 3)   # CIFAR-shaped; the MLP sees it flattened (3072).
-CONTENDERS = ('plain', 'towered', 'mirrored', 'handwritten')
-RATIOS = (('towered', 'plain'), ('towered', 'mirrored'), ('towered', 'handwritten'))
+CONTENDERS = ('plain', 'towered', 'synced', 'mirrored', 'handwritten')
+RATIOS = (('towered', 'plain'), ('towered', 'mirrored'), ('towered', 'handwritten'),
+          ('synced', 'towered'), ('synced', 'plain'))
 
 
 # --- Models ---------------------------------------------------------------------
@@ -232,10 +236,11 @@ def make_estimator(model: str, contender: str, n: int, strategies: dict,
   distribute = None
   if contender == 'handwritten':
     model_fn = handwritten_model_fn(LOGITS[model], n)
-  elif contender == 'towered':
+  elif contender in ('towered', 'synced'):
     model_fn = et.replicate_model_fn(
         model_fn, devices=devices,
-        variable_strategy=variable_strategy or FLAGS.variable_strategy)
+        variable_strategy=variable_strategy or FLAGS.variable_strategy,
+        sync_batch_norm=contender == 'synced')
   elif contender == 'mirrored':
     distribute = strategies[n]
     batch = FLAGS.batch_size // n  # each replica takes one batch of the input_fn
@@ -413,7 +418,8 @@ def plot(table: list[dict], models, path: str, title: str) -> bool:
   matplotlib.use('Agg')
   from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
   figure, axes = pyplot.subplots(2, len(models), figsize=(5.5 * len(models), 8), squeeze=False)
-  styles = {'plain': ('k', '--'), 'towered': ('tab:blue', '-'), 'mirrored': ('tab:orange', '-'),
+  styles = {'plain': ('k', '--'), 'towered': ('tab:blue', '-'), 'synced': ('tab:green', '-'),
+            'mirrored': ('tab:orange', '-'),
             'handwritten': ('tab:gray', ':')}
   for j, model in enumerate(models):
     rows = [r for r in table if r['model'] == model]

@@ -25,7 +25,13 @@ Everything above the bound is listed: scalars (each tower's loss weight
 and loss, optimizer hyperparameters sent to a variable's device, ...) and
 anything else by tensor.
 
+- synced: the cpu strategy with `sync_batch_norm=True`: its bound is cpu's;
+  on top, every batch-norm layer exchanges its statistics with collective
+  all-reduces (forward: C + 1 and C floats for C channels; backward the same
+  again), reported per layer and as the ring traffic they make.
+
   python bench/towers_bytes.py                # mlp and resnet, N = 2, 4, 8
+  python bench/towers_bytes.py --models=resnet --strategies=cpu,synced  # sync_batch_norm
   python bench/towers_bytes.py --quick        # mlp, N = 2
 """
 
@@ -44,8 +50,9 @@ from estimator_towers import traffic
 import towers_bench as bench
 
 flags.DEFINE_list('strategies', ['cpu', 'gpu', 'replicated', 'mirrored', 'mirrored_one'],
-                  'Variable strategies of the towers, and mirrored (MirroredStrategy, '
-                  'default cross-device ops) / mirrored_one (ReductionToOneDevice).')
+                  'Variable strategies of the towers, synced (cpu with sync_batch_norm), '
+                  'and mirrored (MirroredStrategy, default cross-device ops) / '
+                  'mirrored_one (ReductionToOneDevice).')
 flags.DEFINE_string('bytes_out', 'towers_bytes.json', 'JSON results file.')
 FLAGS = flags.FLAGS
 
@@ -141,6 +148,8 @@ def lower_bound(strategy: str, n: int, variables: list) -> tuple[int, int]:
 def measure(model: str, strategy: str, n: int, strategies: dict) -> dict:
   if strategy.startswith('mirrored'):
     estimator, input_fn = bench.make_estimator(model, 'mirrored', n, strategies[strategy])
+  elif strategy == 'synced':
+    estimator, input_fn = bench.make_estimator(model, 'synced', n, {}, variable_strategy='cpu')
   else:
     estimator, input_fn = bench.make_estimator(model, 'towered', n, {}, variable_strategy=strategy)
   sent, variables, collectives = traffic.TransferHook(step=2), Variables(), Collectives()
@@ -150,7 +159,7 @@ def measure(model: str, strategy: str, n: int, strategies: dict) -> dict:
   ring = 0
   if collectives.payload:  # what a ring all-reduce of that payload moves
     ring = int(sum(2 * (n - 1) / n * b for b in collectives.payload.values()))
-  params, inputs = lower_bound(strategy, n, variables.found)
+  params, inputs = lower_bound('cpu' if strategy == 'synced' else strategy, n, variables.found)
   extras = collections.Counter()
   for t in found:
     extras[kind(t, variables)] += t.bytes or 0
@@ -161,7 +170,19 @@ def measure(model: str, strategy: str, n: int, strategies: dict) -> dict:
       'bound_parameters': params, 'bound_inputs': inputs, 'transfers': len(found),
       'parameters_gradients_inputs': core,
       'extras': {k: b for k, b in extras.items() if k},
+      **_sync_points(variables.graph, collectives, n),
   }
+
+
+def _sync_points(graph: tf.Graph, collectives: Collectives, n: int) -> dict:
+  """sync_batch_norm's exchanges: per batch-norm layer (4 all-reduces each)."""
+  reduces = [op for op in graph.get_operations() if op.type == 'CollectiveReduce']
+  layers = len(reduces) // (4 * n)  # two forward and two backward per tower
+  if not layers or not collectives.payload:
+    return {}
+  per_device = max(collectives.payload.values())
+  return {'sync_layers': layers, 'sync_payload_per_device': per_device,
+          'sync_payload_per_layer': per_device // layers}
 
 
 def _excess_note(row: dict) -> str:
@@ -204,7 +225,10 @@ def main(argv):
         print(f'{model:6s} N={n} {strategy:12s} measured {row["measured"]:>12,}  bound '
               f'{row["bound"]:>12,}  excess {_excess_note(row)}'
               + (f'  [all-reduce via collectives: {row["collective_ring"]:,} B of the '
-                 f'measured, as a ring moves it]' if row['collective_ring'] else ''),
+                 f'measured, as a ring moves it]' if row['collective_ring'] else '')
+              + (f'  [sync_batch_norm: {row["sync_layers"]} layers, '
+                 f'{row["sync_payload_per_layer"]:,} B reduced per layer and device]'
+                 if 'sync_layers' in row else ''),
               flush=True)
   print('\n| model | N | strategy | bytes/step | lower bound | excess |')
   print('|---|---|---|---|---|---|')

@@ -53,6 +53,7 @@ class TowersConfig:
     inter_op_threads: ops run in parallel; 0 lets TensorFlow choose.
     allow_cpu_fallback: when num_gpus asks for more GPUs than are visible, run
       the missing towers on the host CPU with one warning, instead of raising.
+    sync_batch_norm: in TRAIN, batch norms use the global batch's statistics.
   """
   num_gpus: int | None = None
   devices: tuple[str, ...] | None = None
@@ -69,6 +70,7 @@ class TowersConfig:
   intra_op_threads: int = 0
   inter_op_threads: int = 0
   allow_cpu_fallback: bool = False
+  sync_batch_norm: bool = False
 
   @property
   def plan(self) -> plan_lib.DevicePlan:
@@ -81,7 +83,8 @@ class TowersConfig:
                               loss_reduction=self.loss_reduction,
                               staging_depth=self.staging_depth,
                               staging_backend=self.staging_backend,
-                              allow_cpu_fallback=self.allow_cpu_fallback)
+                              allow_cpu_fallback=self.allow_cpu_fallback,
+                              sync_batch_norm=self.sync_batch_norm)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TowersConfig))
@@ -138,7 +141,7 @@ def _make_config(kwargs: dict[str, Any], resolve: bool) -> TowersConfig:
   if kwargs.get('devices') is not None:
     kwargs['devices'] = devices_lib.validate_devices(kwargs['devices'])
   for name in ('log_device_placement', 'allow_soft_placement', 'allow_growth',
-               'allow_cpu_fallback'):
+               'allow_cpu_fallback', 'sync_batch_norm'):
     _check_bool(name, kwargs.get(name, False))
   for name in ('intra_op_threads', 'inter_op_threads'):
     _check_threads(name, kwargs.get(name, 0))

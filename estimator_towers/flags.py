@@ -113,6 +113,13 @@ def _definitions() -> dict[str, Callable[[flags.FlagValues], object]]:
           + _choices({name: _LOSS_REDUCTION_HELP.get(name, name)
                       for name in plan_lib.LOSS_REDUCTIONS}) + '.',
           flag_values=fv),
+      'sync_batch_norm': lambda fv: flags.DEFINE_bool(
+          'sync_batch_norm', False,
+          'In training, normalise every batch norm with the mean and variance '
+          'of the global batch (all towers\' shards, exchanged with a '
+          'collective all-reduce) instead of each tower\'s shard, so a '
+          'towered step equals the single-device step. Costs two small '
+          'all-reduces per batch-norm layer and step.', flag_values=fv),
       'log_device_placement': lambda fv: flags.DEFINE_bool(
           'log_device_placement', False,
           'Log the device of every op when the session starts (very verbose).',

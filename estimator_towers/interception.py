@@ -26,6 +26,12 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
 - The device of a variable seen through a function body's captures
   (`FuncGraph.captures`), so that an op reading a variable inside a `tf.cond`
   follows the variable rather than its tower's device.
+- Batch statistics (`sync_batch_norm`). Every batch norm reaches TensorFlow
+  through `gen_nn_ops.fused_batch_norm_v3` (Keras and `tf.compat.v1.layers`
+  fused, `tf.compat.v1.nn.fused_batch_norm`) or `nn_impl.moments` (Keras
+  non-fused, `tf.nn.moments`, `tf.compat.v1.nn.moments`); there is no public
+  hook to replace batch statistics with global ones, so both are wrapped while
+  the towers of a TRAIN graph are built with sync on, and only then.
 - The loss reduction. `tf.compat.v1.losses` and Keras' loss utilities record
   the reduction of the last loss they built on the graph
   (`Graph._last_loss_reduction`), which is how TensorFlow's own distribution
@@ -45,7 +51,9 @@ from typing import Any, Callable, Iterator
 import tensorflow as tf
 from tensorflow.python.eager import backprop  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.eager import record  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import gen_nn_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import gradients_util  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import nn_impl  # pylint: disable=g-direct-tensorflow-import
 
 # The original functions; the combined gradient is built with these.
 graph_gradients = gradients_util._GradientsHelper  # pylint: disable=protected-access
@@ -80,6 +88,33 @@ def gradient_requests(handler: Handler) -> Iterator[None]:
     yield
   finally:
     gradients_util._GradientsHelper, backprop.GradientTape.gradient = saved  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def batch_norm_calls(fused: Callable, moments: Callable) -> Iterator[None]:
+  """While active, batch-norm statistics are built by the given handlers.
+
+  `fused(original, *args, **kwargs)` receives the calls of
+  `gen_nn_ops.fused_batch_norm_v3` and `moments(original, *args, **kwargs)`
+  those of `nn_impl.moments` (v1 signature; `tf.nn.moments` calls it);
+  `original` does what TensorFlow would have done.
+  """
+  v1_nn = tf.compat.v1.nn
+  saved = (gen_nn_ops.fused_batch_norm_v3, nn_impl.moments, v1_nn.moments)
+  original_fused, original_moments = saved[0], saved[1]
+
+  def fused_call(*args, **kwargs):
+    return fused(original_fused, *args, **kwargs)
+
+  def moments_call(*args, **kwargs):
+    return moments(original_moments, *args, **kwargs)
+
+  gen_nn_ops.fused_batch_norm_v3 = fused_call
+  nn_impl.moments = v1_nn.moments = moments_call
+  try:
+    yield
+  finally:
+    gen_nn_ops.fused_batch_norm_v3, nn_impl.moments, v1_nn.moments = saved
 
 
 def device_stack(graph: tf.Graph) -> Any:

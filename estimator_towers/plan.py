@@ -36,6 +36,9 @@ class DevicePlan:
       `staging.BACKENDS` ('staging_area', a StagingArea per device).
     allow_cpu_fallback: when num_gpus asks for more GPUs than are visible, run
       the missing towers on the host CPU (with one warning) instead of raising.
+    sync_batch_norm: in TRAIN, every batch normalisation uses the statistics
+      of the global batch (all towers' shards) instead of its tower's shard
+      (see `batch_norm_sync`). Off by default.
   """
   devices: tuple[str, ...] | None = None
   num_gpus: int | None = None
@@ -44,6 +47,7 @@ class DevicePlan:
   staging_depth: int = 1
   staging_backend: str = 'staging_area'
   allow_cpu_fallback: bool = False
+  sync_batch_norm: bool = False
 
   def resolve(self) -> tuple[str, ...]:
     """The devices the towers really get on this machine.
@@ -69,7 +73,8 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
               variable_strategy: str = 'cpu', loss_reduction: str = 'auto',
               staging_depth: int = 1,
               staging_backend: str = 'staging_area',
-              allow_cpu_fallback: bool = False) -> DevicePlan:
+              allow_cpu_fallback: bool = False,
+              sync_batch_norm: bool = False) -> DevicePlan:
   """Validates arguments and returns a DevicePlan.
 
   Args:
@@ -81,6 +86,7 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
     staging_backend: a key of `staging.BACKENDS`.
     allow_cpu_fallback: run towers on the host CPU when num_gpus asks for
       more GPUs than are visible, instead of raising at graph construction.
+    sync_batch_norm: batch norms in TRAIN use the global batch's statistics.
 
   Raises:
     ValueError: for a count together with devices, a negative count,
@@ -108,13 +114,16 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
         f'{spelling.name("staging_depth")} must be a non-negative integer '
         f'(shards kept in flight per device; 0 turns staging off), got '
         f'{spelling.value("staging_depth", staging_depth)}.')
-  if not isinstance(allow_cpu_fallback, bool):
-    raise ValueError(
-        f'allow_cpu_fallback must be True or False, got {allow_cpu_fallback!r}.')
+  for option, value in (('allow_cpu_fallback', allow_cpu_fallback),
+                        ('sync_batch_norm', sync_batch_norm)):
+    if not isinstance(value, bool):
+      raise ValueError(f'{spelling.name(option)} must be True or False, got '
+                       f'{spelling.value(option, value)}.')
   from estimator_towers import staging  # pylint: disable=g-import-not-at-top  (staging imports plan)
   staging.validate_backend(staging_backend, what=spelling.name('staging_backend'))
   return DevicePlan(devices=canonical, num_gpus=num_gpus,
                     variable_strategy=variable_strategy,
                     loss_reduction=loss_reduction, staging_depth=staging_depth,
                     staging_backend=staging_backend,
-                    allow_cpu_fallback=allow_cpu_fallback)
+                    allow_cpu_fallback=allow_cpu_fallback,
+                    sync_batch_norm=sync_batch_norm)

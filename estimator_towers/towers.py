@@ -11,6 +11,7 @@ from absl import logging
 import tensorflow as tf
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
+from estimator_towers import batch_norm_sync
 from estimator_towers import empty_shards
 from estimator_towers import gradients
 from estimator_towers import interception
@@ -46,6 +47,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
                        devices: Sequence[str] | None = None,
                        variable_strategy: str = 'cpu',
                        loss_reduction: str = 'auto',
+                       sync_batch_norm: bool = False,
                        plan: plan_lib.DevicePlan | None = None) -> Callable:
   """Turns a single-device Estimator model_fn into a towered one.
 
@@ -117,6 +119,11 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
       library recognises, else the reduction the model_fn's TensorFlow loss
       function records; a mean when none does), 'mean' or 'sum' (normalisers
       are then not recognised; those declared with `loss_denominator` are).
+    sync_batch_norm: in TRAIN, every batch norm (Keras, tf.compat.v1.layers,
+      tf.compat.v1.nn.fused_batch_norm, tf.nn.moments over the batch axis)
+      normalises with the mean and variance of the global batch, so towered
+      training equals single-device training for batch-norm models. Off by
+      default: each tower uses its shard's statistics.
     plan: a `DevicePlan` from `make_plan`, instead of the arguments above.
 
   Returns:
@@ -141,10 +148,21 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
                        'plan already names the devices.')
     if not isinstance(plan, plan_lib.DevicePlan):
       raise TypeError(f'plan must be a DevicePlan from make_plan, got {plan!r}.')
+    overridden = {name: value for name, value, default in (
+        ('variable_strategy', variable_strategy, 'cpu'),
+        ('loss_reduction', loss_reduction, 'auto'),
+        ('sync_batch_norm', sync_batch_norm, False)) if value != default}
+    if overridden:
+      settings = ', '.join(f'{name}={value!r}' for name, value in overridden.items())
+      raise ValueError(
+          f'Give either plan or {settings}, not both: the plan already holds '
+          f'these settings. Pass them to make_plan(...) (or make_config(...)) '
+          f'instead.')
   else:
     plan = plan_lib.make_plan(num_gpus=num_gpus, devices=devices,
                               variable_strategy=variable_strategy,
-                              loss_reduction=loss_reduction)
+                              loss_reduction=loss_reduction,
+                              sync_batch_norm=sync_batch_norm)
 
   def decorate(fn: Callable) -> Callable:
     return _wrap(fn, plan)
@@ -374,8 +392,9 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
       creation_spans=variable_sharing.creation_spans,
       inputs=_flat_shard(feature_shards, label_shards, active[0]), nonempty=nonempty)
   kept = {}
+  statistics = _batch_norm_statistics(plan, graph, tower_devices, active, sizes, host)
   with interception.gradient_requests(broker.handle), broker.building(active[0]), \
-      _tower_collections(base, kept):
+      _tower_collections(base, kept), statistics.syncing():
     spec = build(active[0], reuse=False)
   if not broker.requests:
     # Updates that are not gradient steps (k-means' cluster updates) cannot be
@@ -397,6 +416,7 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
     return spec
   for key in _PER_TOWER_COLLECTIONS:
     graph.get_collection_ref(key)[:] = base[key] + kept.get(key, [])
+  statistics.check_complete()
   losses = [spec.loss]
   for k in active[1:]:
     loss_k = broker.counterpart(k, spec.loss)
@@ -406,7 +426,7 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
           'ancestor of the tensor) the model_fn asked gradients of, so each '
           'tower\'s loss is built by a second pass of its model_fn, which costs '
           'an extra forward pass per step on every tower but the first.')
-      with interception.gradient_requests(broker.handle):
+      with interception.gradient_requests(broker.handle), statistics.syncing():
         loss_k = build_other(k, None).loss
     losses.append(loss_k)
   loss = _whole_batch_loss(losses, active, nonempty, plan, feature_shards, label_shards)
@@ -448,6 +468,29 @@ def _whole_batch_loss(losses, active, nonempty, plan, feature_shards, label_shar
         losses, counterpart,
         _flat_shard(feature_shards, label_shards, active[0]),
         [nonempty[k] for k in active], auto=plan.loss_reduction == 'auto')
+
+
+class _Unsynced:
+  """Per-tower batch statistics: nothing to synchronise."""
+
+  def syncing(self) -> Any:
+    return contextlib.nullcontext()
+
+  def check_complete(self) -> None:
+    pass
+
+
+def _batch_norm_statistics(plan: plan_lib.DevicePlan, graph: tf.Graph,
+                           tower_devices: Sequence[str], active: Sequence[int],
+                           sizes: Sequence, host: str) -> Any:
+  """The sync points of batch statistics for a TRAIN graph (sync_batch_norm)."""
+  if not plan.sync_batch_norm or len(active) < 2:
+    return _Unsynced()
+  with tf.device(host), tf.name_scope('shard_inputs'):
+    present = {k: 1.0 if isinstance(sizes[k], int) else tf.cast(sizes[k] > 0, tf.float32)
+               for k in active}
+  return batch_norm_sync.BatchNormSync(
+      graph, {k: tower_devices[k] for k in active}, present)
 
 
 def _tower_summaries(active: Sequence[int], losses: Sequence, sizes: Sequence) -> None:

@@ -65,6 +65,13 @@ def test_count_given_positionally_and_by_keyword():
     replicate_model_fn(2, num_gpus=3)
 
 
+def test_plan_and_a_plan_setting_together():
+  plan = make_plan(devices=['/cpu:0', '/cpu:1'])
+  with pytest.raises(ValueError, match=r'Give either plan or sync_batch_norm=True, not both.*'
+                                       r'make_plan'):
+    replicate_model_fn(lambda features: None, plan=plan, sync_batch_norm=True)
+
+
 def test_plan_and_devices_together():
   with pytest.raises(ValueError, match='Give either plan or num_gpus/devices, not both'):
     replicate_model_fn(testlib.v1_model_fn, devices=['/cpu:0'], plan=make_plan(num_gpus=1))

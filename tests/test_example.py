@@ -213,6 +213,19 @@ def test_trainer_runs_and_checkpoints_plain_variables(tmp_path, num_devices):
   assert all(v in {i / 8 for i in range(9)} for v in tags['train_accuracy'])  # Of 8, not a shard.
 
 
+def test_trainer_with_sync_batch_norm(tmp_path):
+  """--sync_batch_norm (a library flag) trains with global batch-norm statistics."""
+  metrics = run_trainer(str(tmp_path), 3, '--sync_batch_norm')
+  assert metrics['global_step'] == 3
+  assert np.isfinite(metrics['loss'])
+  graph_files = glob.glob(os.path.join(str(tmp_path), 'graph.pbtxt'))
+  graph = tf.compat.v1.GraphDef()
+  from google.protobuf import text_format  # pylint: disable=g-import-not-at-top
+  text_format.Parse(open(graph_files[0]).read(), graph)
+  reduces = [node for node in graph.node if node.op == 'CollectiveReduce']
+  assert len({node.device for node in reduces}) == 3  # one per tower device
+
+
 def test_num_gpus_zero_trains_on_the_cpu(tmp_path):
   metrics = run_trainer(str(tmp_path), None, '--num_gpus=0')
   assert metrics['global_step'] == 3
