@@ -12,6 +12,7 @@ from typing import Sequence
 from estimator_towers import devices as devices_lib
 from estimator_towers import placement
 from estimator_towers import spelling
+from estimator_towers import staging_backends
 
 LOSS_REDUCTIONS = ('auto', 'mean', 'sum')
 
@@ -32,7 +33,7 @@ class DevicePlan:
       are weighted by their share of the batch) or 'sum' (towers add up).
     staging_depth: shards kept in flight per device by the staged input_fn.
     staging_backend: how the staged input_fn prefetches shards: one of
-      `staging.BACKENDS` ('staging_area', a StagingArea per device).
+      `staging_backends.BACKENDS` ('staging_area', a StagingArea per device).
     allow_cpu_fallback: when num_gpus asks for more GPUs than are visible, run
       the missing towers on the host CPU (with one warning) instead of raising.
   """
@@ -77,7 +78,7 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
     variable_strategy: a key of `placement.STRATEGIES`.
     loss_reduction: 'auto', 'mean' or 'sum'.
     staging_depth: shards kept in flight per device by `staged_input_fn`.
-    staging_backend: a key of `staging.BACKENDS`.
+    staging_backend: a key of `staging_backends.BACKENDS`.
     allow_cpu_fallback: run towers on the host CPU when num_gpus asks for
       more GPUs than are visible, instead of raising at graph construction.
 
@@ -110,8 +111,7 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
   if not isinstance(allow_cpu_fallback, bool):
     raise ValueError(
         f'allow_cpu_fallback must be True or False, got {allow_cpu_fallback!r}.')
-  from estimator_towers import staging  # pylint: disable=g-import-not-at-top  (staging imports plan)
-  staging.validate_backend(staging_backend, what=spelling.name('staging_backend'))
+  staging_backends.validate_backend(staging_backend, what=spelling.name('staging_backend'))
   return DevicePlan(devices=canonical, num_gpus=num_gpus,
                     variable_strategy=variable_strategy,
                     loss_reduction=loss_reduction, staging_depth=staging_depth,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 from typing import Any, Callable, Sequence
@@ -260,79 +261,152 @@ def _detach_side_effects(ops: Sequence[tf.Operation]) -> None:
       op._add_control_inputs(keep)  # pylint: disable=protected-access
 
 
-def _build_towers(run, features, labels, mode, plan, placement, staged=None):
-  """Shards -> towers -> weighted loss -> whole-batch gradient -> the user's update."""
-  graph = tf.compat.v1.get_default_graph()
-  tower_devices = placement.tower_devices
+@dataclasses.dataclass
+class _Shards:
+  """The shards of one global batch, one per tower.
+
+  Attributes:
+    features: tower k's features.
+    labels: tower k's labels (None entries when there are none).
+    sizes: shard sizes (Python ints when the batch is static, else int32 scalars).
+    batch: the global batch size.
+    active: the towers that are built: those whose shard is not statically
+      empty (tower 0 at least); the first is the primary.
+    nonempty: per built tower, whether its shard has rows (a Python bool when
+      static, else a bool Tensor).
+  """
+  features: list
+  labels: list
+  sizes: list
+  batch: Any
+  active: list
+  nonempty: list
+
+
+def _make_shards(features, labels, mode, tower_devices, staged) -> _Shards:
+  """Splits the global batch (or takes the staged shards) into one shard per tower.
+
+  In training, a shard whose size is known only at run time and turns out
+  empty borrows an example (weight 0), so that no tower runs on no rows.
+  """
   num_towers = len(tower_devices)
   host = getattr(tf.nest.flatten(features, expand_composites=True)[0], 'device', '') or '/cpu:0'
   with tf.device(host), tf.name_scope('shard_inputs'):
     if staged is None:
       batch = sharding.batch_size(features, labels)
       sizes = sharding.shard_sizes(batch, num_towers)
-      # In training, a shard empty at run time borrows an example (weight 0).
       shards = sharding.split((features, labels), sizes, fill_empty=mode == ModeKeys.TRAIN)
       feature_shards, label_shards = [list(s) for s in zip(*shards)]
     else:
-      batch, sizes = staged.batch, staged.sizes
-      feature_shards, label_shards = staged.features, staged.labels
+      batch, sizes = staged.batch, list(staged.sizes)
+      feature_shards, label_shards = list(staged.features), list(staged.labels)
   nonempty = [s > 0 for s in sizes]  # Python bools when the batch is static
   # Towers whose shard is statically empty are not built at all.
   active = [k for k in range(num_towers) if nonempty[k] is not False] or [0]
-  variable_sharing = sharing.VariableSharing(placement.variable_device,
-                                             placement.replica_device)
-  base = {key: graph.get_collection(key) for key in _PER_TOWER_COLLECTIONS}
-  root_scope = tf.compat.v1.get_variable_scope()
-  devices = interception.device_stack(graph)
-
-  def build(k, reuse, **reuse_args):
-    """Tower k's model_fn on its shard, on its device, with shared variables."""
-    with tf.compat.v1.device(placement_lib.tower_device(tower_devices[k])), (
-        variable_sharing.reusing(k, root_scope, **reuse_args) if reuse
-        else variable_sharing.creating()), tower_context.entering(
-            k, num_towers, tower_devices[k], primary=k == active[0]):
-      try:
-        return run(feature_shards[k], label_shards[k], mode)
-      except gradients.TowerStop:  # at the gradient request it was built for
-        return None
-
-  interception.reset_loss_reduction(graph)
-  if mode != ModeKeys.TRAIN:
-    tower_specs, kept = [], {}
-    for k in active:
-      tower_kept = {}
-      with tf.name_scope(f'tower_{k}') if k != active[0] else contextlib.nullcontext(), \
-          _tower_collections(base, tower_kept):
-        tower_specs.append(build(k, reuse=k != active[0]))
-      kept = kept or tower_kept
-    for key in _PER_TOWER_COLLECTIONS:
-      graph.get_collection_ref(key)[:] = base[key] + kept.get(key, [])
-    if mode == ModeKeys.PREDICT:
-      return specs_lib.merge_predict(tower_specs)
-    _, weights = gradients.tower_weights(plan.loss_reduction, graph, sizes, batch, active,
-                                         loss=tower_specs[0].loss)
-    with tf.name_scope('tower_loss'):
-      loss = specs_lib.weighted_sum([s.loss for s in tower_specs], weights,
-                                    [nonempty[k] for k in active])
-    _tower_summaries(active, [s.loss for s in tower_specs], sizes)
-    return specs_lib.merge_eval(tower_specs, loss)
-
-  if staged is not None:  # (unstaged shards were filled by sharding.split above)
+  if staged is not None and mode == ModeKeys.TRAIN:
     with tf.name_scope('shard_inputs'):
       for k in active[1:]:
         if not isinstance(sizes[k], int):
           with tf.device(tower_devices[k]):
             feature_shards[k] = sharding.fill_empty(feature_shards[k], sizes[k], feature_shards[0])
             label_shards[k] = sharding.fill_empty(label_shards[k], sizes[k], label_shards[0])
+  return _Shards(feature_shards, label_shards, sizes, batch, active,
+                 [nonempty[k] for k in active])
+
+
+class _TowerBuilder:
+  """Builds one tower: the model_fn on its shard, on its device, with shared variables.
+
+  Args:
+    run: `run(features, labels, mode)` calls the user's model_fn.
+    mode: the Estimator mode.
+    shards: the shards of the global batch.
+    placement: the variable placement over the tower devices.
+  """
+
+  def __init__(self, run: Callable, mode: str, shards: _Shards,
+               placement: placement_lib.Placement):
+    self.run = run
+    self.mode = mode
+    self.shards = shards
+    self.placement = placement
+    self.graph = tf.compat.v1.get_default_graph()
+    self.tower_devices = placement.tower_devices
+    self.variable_sharing = sharing.VariableSharing(placement.variable_device,
+                                                    placement.replica_device)
+    # Per-tower collections as they were before any tower was built.
+    self.base = {key: self.graph.get_collection(key) for key in _PER_TOWER_COLLECTIONS}
+    self.root_scope = tf.compat.v1.get_variable_scope()
+    self.devices = interception.device_stack(self.graph)
+    interception.reset_loss_reduction(self.graph)
+
+  @property
+  def primary(self) -> int:
+    return self.shards.active[0]
+
+  def build(self, k: int, reuse: bool, **reuse_args) -> Any:
+    """Tower k's model_fn on its shard; None if it stopped at a gradient request."""
+    device = self.tower_devices[k]
+    with tf.compat.v1.device(placement_lib.tower_device(device)), (
+        self.variable_sharing.reusing(k, self.root_scope, **reuse_args) if reuse
+        else self.variable_sharing.creating()), tower_context.entering(
+            k, len(self.tower_devices), device, primary=k == self.primary):
+      try:
+        return self.run(self.shards.features[k], self.shards.labels[k], self.mode)
+      except gradients.TowerStop:  # at the gradient request it was built for
+        return None
+
+  def keep_collections(self, kept: dict) -> None:
+    """Per-tower collections: as before the towers, plus the primary's additions."""
+    for key in _PER_TOWER_COLLECTIONS:
+      self.graph.get_collection_ref(key)[:] = self.base[key] + kept.get(key, [])
+
+
+def _build_towers(run, features, labels, mode, plan, placement, staged=None):
+  """Shards -> towers -> the merged EstimatorSpec of `mode`."""
+  shards = _make_shards(features, labels, mode, placement.tower_devices, staged)
+  builder = _TowerBuilder(run, mode, shards, placement)
+  if mode == ModeKeys.TRAIN:
+    return _build_train(builder, plan, features, labels, staged)
+  return _build_eval_predict(builder, plan)
+
+
+def _build_eval_predict(builder: _TowerBuilder, plan: plan_lib.DevicePlan
+                        ) -> tf.estimator.EstimatorSpec:
+  """EVAL / PREDICT: every tower's full model_fn; losses weighted, predictions joined."""
+  shards, graph = builder.shards, builder.graph
+  tower_specs, kept = [], {}
+  for k in shards.active:
+    tower_kept = {}
+    with tf.name_scope(f'tower_{k}') if k != builder.primary else contextlib.nullcontext(), \
+        _tower_collections(builder.base, tower_kept):
+      tower_specs.append(builder.build(k, reuse=k != builder.primary))
+    kept = kept or tower_kept
+  builder.keep_collections(kept)
+  if builder.mode == ModeKeys.PREDICT:
+    return specs_lib.merge_predict(tower_specs)
+  _, weights = gradients.tower_weights(plan.loss_reduction, graph, shards.sizes,
+                                       shards.batch, shards.active,
+                                       loss=tower_specs[0].loss)
+  with tf.name_scope('tower_loss'):
+    loss = specs_lib.weighted_sum([s.loss for s in tower_specs], weights, shards.nonempty)
+  _tower_summaries(shards.active, [s.loss for s in tower_specs], shards.sizes)
+  return specs_lib.merge_eval(tower_specs, loss)
+
+
+def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, labels,
+                 staged) -> tf.estimator.EstimatorSpec:
+  """TRAIN: the primary in the model_fn's own flow, the whole-batch gradient, one update."""
+  shards, graph, variable_sharing = builder.shards, builder.graph, builder.variable_sharing
 
   def build_other(k, stop_at):
     """Tower k, in a clean context, up to its `stop_at`-th gradient request."""
     expected = None if stop_at is None else broker.variables_at[stop_at]
     first_op = len(graph.get_operations())
-    with interception.clean_context(graph, devices), variable_sharing.suspended(), \
-        graph.name_scope(f'tower_{k}'), _tower_collections(base), \
+    with interception.clean_context(graph, builder.devices), variable_sharing.suspended(), \
+        graph.name_scope(f'tower_{k}'), _tower_collections(builder.base), \
         broker.building(k, stop_at):
-      spec = build(k, reuse=True, expected=expected)
+      spec = builder.build(k, reuse=True, expected=expected)
     _detach_side_effects(graph.get_operations()[first_op:])
     if not broker.stopped_at_expected_request(k):
       raise gradients.DivergentTowersError(
@@ -343,54 +417,71 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
     return spec
 
   broker = gradients.WholeBatchGradients(
-      graph, active, sizes, batch, plan.loss_reduction, build_other,
+      graph, shards.active, shards.sizes, shards.batch, plan.loss_reduction, build_other,
       copy_of=variable_sharing.copy_of, primary=variable_sharing.primary,
-      aggregation_device=placement.aggregation_device,
+      aggregation_device=builder.placement.aggregation_device,
       variable_count=lambda: len(variable_sharing.variables),
       creation_spans=variable_sharing.creation_spans)
   kept = {}
-  with interception.gradient_requests(broker.handle), broker.building(active[0]), \
-      _tower_collections(base, kept):
-    spec = build(active[0], reuse=False)
+  with interception.gradient_requests(broker.handle), broker.building(builder.primary), \
+      _tower_collections(builder.base, kept):
+    spec = builder.build(builder.primary, reuse=False)
   if not broker.requests:
-    # Updates that are not gradient steps (k-means' cluster updates) cannot be
-    # split across towers: the model_fn trains on the whole batch on tower 0's
-    # device, with the variables tower 0 created, and tower 0's build is unused.
-    _log_once('estimator_towers: this model_fn asked for no gradients with '
-              'respect to variables in TRAIN, so its update cannot be split '
-              'across towers; it trains on the whole batch on %s.' % tower_devices[0])
-    whole = (features, labels) if staged is None else (
-        sharding.concat(feature_shards), sharding.concat(label_shards))
-    with tf.name_scope('whole_batch'), \
-        tf.compat.v1.device(placement_lib.tower_device(tower_devices[0])), \
-        variable_sharing.reusing(0, root_scope, copies=False), \
-        tower_context.entering(0, 1, tower_devices[0], True):
-      return run(whole[0], whole[1], mode)
-  for key in _PER_TOWER_COLLECTIONS:
-    graph.get_collection_ref(key)[:] = base[key] + kept.get(key, [])
-  losses = [spec.loss]
-  for k in active[1:]:
-    loss_k = broker.counterpart(k, spec.loss)
-    if loss_k is None:  # The loss is not what the gradients were asked of.
-      _log_once(
-          'estimator_towers: the EstimatorSpec\'s loss is not the tensor (or an '
-          'ancestor of the tensor) the model_fn asked gradients of, so each '
-          'tower\'s loss is built by a second pass of its model_fn, which costs '
-          'an extra forward pass per step on every tower but the first.')
-      with interception.gradient_requests(broker.handle):
-        loss_k = build_other(k, None).loss
-    losses.append(loss_k)
+    return _train_without_gradients(builder, features, labels, staged)
+  builder.keep_collections(kept)
+  losses = [spec.loss] + [_tower_loss(broker, build_other, k, spec.loss)
+                          for k in shards.active[1:]]
   with tf.name_scope('tower_loss'):
-    loss = specs_lib.weighted_sum(losses, broker.weights, [nonempty[k] for k in active])
-  _tower_summaries(active, losses, sizes)
+    loss = specs_lib.weighted_sum(losses, broker.weights, shards.nonempty)
+  _tower_summaries(shards.active, losses, shards.sizes)
   train_op = variable_sharing.refresh(spec.train_op)  # itself without copies
+  sizes = shards.sizes
+
   def counterparts(tensor):  # without the example borrowed by an empty shard
     found = broker.all_counterparts(tensor)
     if found is None:
       return None
-    return [t if isinstance(sizes[k], int) else t[:sizes[k]] for k, t in zip(active, found)]
+    return [t if isinstance(sizes[k], int) else t[:sizes[k]]
+            for k, t in zip(shards.active, found)]
 
   return specs_lib.merge_train(spec, loss, train_op, counterparts)
+
+
+def _tower_loss(broker: gradients.WholeBatchGradients, build_other: Callable, k: int,
+                loss: tf.Tensor) -> tf.Tensor:
+  """Tower k's counterpart of the primary's loss (a second pass when there is none)."""
+  loss_k = broker.counterpart(k, loss)
+  if loss_k is None:  # The loss is not what the gradients were asked of.
+    _log_once(
+        'estimator_towers: the EstimatorSpec\'s loss is not the tensor (or an '
+        'ancestor of the tensor) the model_fn asked gradients of, so each '
+        'tower\'s loss is built by a second pass of its model_fn, which costs '
+        'an extra forward pass per step on every tower but the first.')
+    with interception.gradient_requests(broker.handle):
+      loss_k = build_other(k, None).loss
+  return loss_k
+
+
+def _train_without_gradients(builder: _TowerBuilder, features, labels, staged
+                             ) -> tf.estimator.EstimatorSpec:
+  """A TRAIN model_fn that asks for no gradients (k-means) on the whole batch.
+
+  Updates that are not gradient steps (k-means' cluster updates) cannot be
+  split across towers: the model_fn trains on the whole batch on tower 0's
+  device, with the variables tower 0 created, and tower 0's build is unused.
+  """
+  device = builder.tower_devices[0]
+  _log_once('estimator_towers: this model_fn asked for no gradients with '
+            'respect to variables in TRAIN, so its update cannot be split '
+            'across towers; it trains on the whole batch on %s.' % device)
+  shards = builder.shards
+  whole = (features, labels) if staged is None else (
+      sharding.concat(shards.features), sharding.concat(shards.labels))
+  with tf.name_scope('whole_batch'), \
+      tf.compat.v1.device(placement_lib.tower_device(device)), \
+      builder.variable_sharing.reusing(0, builder.root_scope, copies=False), \
+      tower_context.entering(0, 1, device, True):
+    return builder.run(whole[0], whole[1], builder.mode)
 
 
 def _tower_summaries(active: Sequence[int], losses: Sequence, sizes: Sequence) -> None:
