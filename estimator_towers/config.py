@@ -53,6 +53,7 @@ class TowersConfig:
     inter_op_threads: ops run in parallel; 0 lets TensorFlow choose.
     allow_cpu_fallback: when num_gpus asks for more GPUs than are visible, run
       the missing towers on the host CPU with one warning, instead of raising.
+    micro_batches: micro-batches per device and step (1: none).
   """
   num_gpus: int | None = None
   devices: tuple[str, ...] | None = None
@@ -69,6 +70,7 @@ class TowersConfig:
   intra_op_threads: int = 0
   inter_op_threads: int = 0
   allow_cpu_fallback: bool = False
+  micro_batches: int = 1
 
   @property
   def plan(self) -> plan_lib.DevicePlan:
@@ -81,7 +83,8 @@ class TowersConfig:
                               loss_reduction=self.loss_reduction,
                               staging_depth=self.staging_depth,
                               staging_backend=self.staging_backend,
-                              allow_cpu_fallback=self.allow_cpu_fallback)
+                              allow_cpu_fallback=self.allow_cpu_fallback,
+                              micro_batches=self.micro_batches)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TowersConfig))

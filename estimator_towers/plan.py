@@ -10,6 +10,7 @@ import dataclasses
 from typing import Sequence
 
 from estimator_towers import devices as devices_lib
+from estimator_towers import micro_batches as micro_batches_lib
 from estimator_towers import placement
 from estimator_towers import spelling
 from estimator_towers import staging_backends
@@ -36,6 +37,8 @@ class DevicePlan:
       `staging_backends.BACKENDS` ('staging_area', a StagingArea per device).
     allow_cpu_fallback: when num_gpus asks for more GPUs than are visible, run
       the missing towers on the host CPU (with one warning) instead of raising.
+    micro_batches: k, the micro-batches each device splits its shard into and
+      runs one after another within a step (1: none); see `micro_batches`.
   """
   devices: tuple[str, ...] | None = None
   num_gpus: int | None = None
@@ -44,6 +47,7 @@ class DevicePlan:
   staging_depth: int = 1
   staging_backend: str = 'staging_area'
   allow_cpu_fallback: bool = False
+  micro_batches: int = 1
 
   def resolve(self) -> tuple[str, ...]:
     """The devices the towers really get on this machine.
@@ -69,7 +73,8 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
               variable_strategy: str = 'cpu', loss_reduction: str = 'auto',
               staging_depth: int = 1,
               staging_backend: str = 'staging_area',
-              allow_cpu_fallback: bool = False) -> DevicePlan:
+              allow_cpu_fallback: bool = False,
+              micro_batches: int = 1) -> DevicePlan:
   """Validates arguments and returns a DevicePlan.
 
   Args:
@@ -81,11 +86,14 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
     staging_backend: a key of `staging_backends.BACKENDS`.
     allow_cpu_fallback: run towers on the host CPU when num_gpus asks for
       more GPUs than are visible, instead of raising at graph construction.
+    micro_batches: k >= 1: each device's shard is split into k micro-batches
+      that run one after another on that device, within one step.
 
   Raises:
     ValueError: for a count together with devices, a negative count,
       duplicate or malformed devices, an unknown strategy or reduction, or a
-      negative staging depth, or an unknown or removed staging backend.
+      negative staging depth, an unknown or removed staging backend, or
+      micro_batches that is not a positive integer.
   """
   if num_gpus is not None and devices is not None:
     raise ValueError(
@@ -112,8 +120,10 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
     raise ValueError(
         f'allow_cpu_fallback must be True or False, got {allow_cpu_fallback!r}.')
   staging_backends.validate_backend(staging_backend, what=spelling.name('staging_backend'))
+  micro_batches_lib.validate(micro_batches)
   return DevicePlan(devices=canonical, num_gpus=num_gpus,
                     variable_strategy=variable_strategy,
                     loss_reduction=loss_reduction, staging_depth=staging_depth,
                     staging_backend=staging_backend,
-                    allow_cpu_fallback=allow_cpu_fallback)
+                    allow_cpu_fallback=allow_cpu_fallback,
+                    micro_batches=micro_batches)

@@ -15,6 +15,7 @@ from tensorflow.python.util import function_utils  # pylint: disable=g-direct-te
 from estimator_towers import gradients
 from estimator_towers import interception
 from estimator_towers import logs
+from estimator_towers import micro_batches as micro_batches_lib
 from estimator_towers import placement as placement_lib
 from estimator_towers import plan as plan_lib
 from estimator_towers import sharding
@@ -44,6 +45,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
                        devices: Sequence[str] | None = None,
                        variable_strategy: str = 'cpu',
                        loss_reduction: str = 'auto',
+                       micro_batches: int = 1,
                        plan: plan_lib.DevicePlan | None = None) -> Callable:
   """Turns a single-device Estimator model_fn into a towered one.
 
@@ -105,6 +107,10 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     variable_strategy: a key of `estimator_towers.placement.STRATEGIES`.
     loss_reduction: 'auto' (the reduction the model_fn's TensorFlow loss
       function records; a mean when none does), 'mean' or 'sum'.
+    micro_batches: k >= 1: each device's shard is split into k micro-batches
+      (by the same rule) that run one after another on that device within
+      the step; the model_fn still receives the whole batch's gradient and
+      updates once per global batch (see README, "Micro-batches").
     plan: a `DevicePlan` from `make_plan`, instead of the arguments above.
 
   Returns:
@@ -127,12 +133,17 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     if num_gpus is not None or devices is not None:
       raise ValueError('Give either plan or num_gpus/devices, not both; the '
                        'plan already names the devices.')
+    if micro_batches != 1:
+      raise ValueError(f'Give micro_batches to make_plan, not next to a plan (got '
+                       f'micro_batches={micro_batches!r} and plan={plan!r}): write '
+                       f'make_plan(..., micro_batches={micro_batches!r}).')
     if not isinstance(plan, plan_lib.DevicePlan):
       raise TypeError(f'plan must be a DevicePlan from make_plan, got {plan!r}.')
   else:
     plan = plan_lib.make_plan(num_gpus=num_gpus, devices=devices,
                               variable_strategy=variable_strategy,
-                              loss_reduction=loss_reduction)
+                              loss_reduction=loss_reduction,
+                              micro_batches=micro_batches)
 
   def decorate(fn: Callable) -> Callable:
     return _wrap(fn, plan)
@@ -163,26 +174,27 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
   def towered_model_fn(features, labels=None, mode=None, params=None, config=None):
     tower_devices = plan.resolve()
     placement = placement_lib.make_placement(plan.variable_strategy, tower_devices)
-    serving = (mode == ModeKeys.PREDICT and len(tower_devices) > 1
-               and _is_serving_graph(features))
+    single = len(tower_devices) == 1 and plan.micro_batches == 1
+    serving = (mode == ModeKeys.PREDICT and not single and _is_serving_graph(features))
     logs.info_once_per_graph(
         f'estimator_towers: {mode} graph: the plain model_fn, without towers or '
         f'device pins (a serving graph).' if serving else
         f'estimator_towers: {mode} graph: {len(tower_devices)} tower(s) on '
         f'{", ".join(tower_devices)}; {placement.describe()} (variable_strategy='
-        f'{placement.name}, loss_reduction={plan.loss_reduction}).')
+        f'{placement.name}, loss_reduction={plan.loss_reduction}, '
+        f'micro_batches={plan.micro_batches}).')
     run = functools.partial(call_user, params=params, config=config)
     staged = staging.staged_shards(features, labels, plan, tower_devices)
     if mode == ModeKeys.TRAIN:  # For ThroughputHook's examples/sec.
       throughput.record_global_batch(staged.batch if staged is not None
                                      else throughput.first_leaf_rows(features))
     if staged is not None:  # Towers read prefetched shards from staging areas.
-      if len(tower_devices) == 1:
+      if single:
         with tf.device(tower_devices[0]), tower_context.entering(0, 1, tower_devices[0], True):
           return staged.attach_hook(run(staged.features[0], staged.labels[0], mode))
       return staged.attach_hook(
           _build_towers(run, features, labels, mode, plan, placement, staged))
-    if len(tower_devices) == 1:
+    if single:
       with tf.device(tower_devices[0]), tower_context.entering(0, 1, tower_devices[0], True):
         return run(features, labels, mode)
     if serving:
@@ -263,46 +275,52 @@ def _detach_side_effects(ops: Sequence[tf.Operation]) -> None:
 
 @dataclasses.dataclass
 class _Shards:
-  """The shards of one global batch, one per tower.
+  """The shards of one global batch: one per (device, micro-batch) pair.
 
   Attributes:
-    features: tower k's features.
-    labels: tower k's labels (None entries when there are none).
+    layout: which device and micro-batch each shard is.
+    features: shard s's features.
+    labels: shard s's labels (None entries when there are none).
     sizes: shard sizes (Python ints when the batch is static, else int32 scalars).
     batch: the global batch size.
-    active: the towers that are built: those whose shard is not statically
-      empty (tower 0 at least); the first is the primary.
-    nonempty: per built tower, whether its shard has rows (a Python bool when
+    active: the shards that are built: those not statically empty (shard 0
+      at least); the first is the primary.
+    nonempty: per built shard, whether it has rows (a Python bool when
       static, else a bool Tensor).
+    gates: per shard after the first of its device, the Identity ops its
+      inputs pass through, to be ordered after the previous micro-batch.
   """
+  layout: micro_batches_lib.Layout
   features: list
   labels: list
   sizes: list
   batch: Any
   active: list
   nonempty: list
+  gates: dict
 
 
-def _make_shards(features, labels, mode, tower_devices, staged) -> _Shards:
-  """Splits the global batch (or takes the staged shards) into one shard per tower.
+def _make_shards(features, labels, mode, tower_devices, staged,
+                 layout: micro_batches_lib.Layout) -> _Shards:
+  """Splits the global batch (or the staged device shards) into the plan's shards.
 
   In training, a shard whose size is known only at run time and turns out
   empty borrows an example (weight 0), so that no tower runs on no rows.
   """
-  num_towers = len(tower_devices)
+  num_devices = len(tower_devices)
   host = getattr(tf.nest.flatten(features, expand_composites=True)[0], 'device', '') or '/cpu:0'
   with tf.device(host), tf.name_scope('shard_inputs'):
     if staged is None:
       batch = sharding.batch_size(features, labels)
-      sizes = sharding.shard_sizes(batch, num_towers)
+      sizes = layout.sizes(sharding.shard_sizes(batch, num_devices))
       shards = sharding.split((features, labels), sizes, fill_empty=mode == ModeKeys.TRAIN)
       feature_shards, label_shards = [list(s) for s in zip(*shards)]
     else:
       batch, sizes = staged.batch, list(staged.sizes)
       feature_shards, label_shards = list(staged.features), list(staged.labels)
   nonempty = [s > 0 for s in sizes]  # Python bools when the batch is static
-  # Towers whose shard is statically empty are not built at all.
-  active = [k for k in range(num_towers) if nonempty[k] is not False] or [0]
+  # Devices (or micro-batches) whose shard is statically empty are not built at all.
+  active = [k for k in range(len(sizes)) if nonempty[k] is not False] or [0]
   if staged is not None and mode == ModeKeys.TRAIN:
     with tf.name_scope('shard_inputs'):
       for k in active[1:]:
@@ -310,8 +328,45 @@ def _make_shards(features, labels, mode, tower_devices, staged) -> _Shards:
           with tf.device(tower_devices[k]):
             feature_shards[k] = sharding.fill_empty(feature_shards[k], sizes[k], feature_shards[0])
             label_shards[k] = sharding.fill_empty(label_shards[k], sizes[k], label_shards[0])
-  return _Shards(feature_shards, label_shards, sizes, batch, active,
-                 [nonempty[k] for k in active])
+  shards = _Shards(layout, feature_shards, label_shards, sizes, batch, active,
+                   [nonempty[k] for k in active], {})
+  if layout.micro_batches > 1:
+    if staged is not None:
+      _split_staged(shards, mode, tower_devices)
+    _gate(shards, tower_devices)
+  return shards
+
+
+def _split_staged(shards: _Shards, mode: str, tower_devices: Sequence[str]) -> None:
+  """Staged device shards -> their micro-batches, split on each device."""
+  layout, train = shards.layout, mode == ModeKeys.TRAIN
+  features, labels, sizes = [], [], []
+  with tf.name_scope('micro_batches'):
+    for d, device in enumerate(tower_devices):
+      with tf.device(device):
+        micro_sizes = layout.sizes([shards.sizes[d]])
+        borrow_first = d > 0 and d in shards.active
+        features.extend(micro_batches_lib.split_device_shard(
+            shards.features[d], micro_sizes, train, borrow_first))
+        labels.extend(micro_batches_lib.split_device_shard(
+            shards.labels[d], micro_sizes, train, borrow_first))
+      sizes.extend(micro_sizes)
+  nonempty = [s > 0 for s in sizes]
+  shards.features, shards.labels, shards.sizes = features, labels, sizes
+  shards.active = [k for k in range(len(sizes)) if nonempty[k] is not False] or [0]
+  shards.nonempty = [nonempty[k] for k in shards.active]
+
+
+def _gate(shards: _Shards, tower_devices: Sequence[str]) -> None:
+  """Every built micro-batch after a device's first reads its inputs through gates."""
+  with tf.name_scope('micro_batch_gates'):
+    for s in shards.active:
+      if shards.layout.previous(s) is None:
+        continue
+      device = tower_devices[shards.layout.device_of(s)]
+      shards.features[s], feature_ops = micro_batches_lib.gate(shards.features[s], device)
+      shards.labels[s], label_ops = micro_batches_lib.gate(shards.labels[s], device)
+      shards.gates[s] = feature_ops + label_ops
 
 
 class _TowerBuilder:
@@ -345,12 +400,18 @@ class _TowerBuilder:
     return self.shards.active[0]
 
   def build(self, k: int, reuse: bool, **reuse_args) -> Any:
-    """Tower k's model_fn on its shard; None if it stopped at a gradient request."""
-    device = self.tower_devices[k]
+    """Shard k's model_fn on its device; None if it stopped at a gradient request.
+
+    Variables are per device: the shards of the primary's device use the
+    variables themselves, those of device d its copies when there are any.
+    """
+    d = self.shards.layout.device_of(k)
+    device = self.tower_devices[d]
+    reuse_args.setdefault('copies', d != self.shards.layout.device_of(self.primary))
     with tf.compat.v1.device(placement_lib.tower_device(device)), (
-        self.variable_sharing.reusing(k, self.root_scope, **reuse_args) if reuse
+        self.variable_sharing.reusing(d, self.root_scope, **reuse_args) if reuse
         else self.variable_sharing.creating()), tower_context.entering(
-            k, len(self.tower_devices), device, primary=k == self.primary):
+            k, len(self.shards.sizes), device, primary=k == self.primary):
       try:
         return self.run(self.shards.features[k], self.shards.labels[k], self.mode)
       except gradients.TowerStop:  # at the gradient request it was built for
@@ -364,7 +425,8 @@ class _TowerBuilder:
 
 def _build_towers(run, features, labels, mode, plan, placement, staged=None):
   """Shards -> towers -> the merged EstimatorSpec of `mode`."""
-  shards = _make_shards(features, labels, mode, placement.tower_devices, staged)
+  layout = micro_batches_lib.Layout(len(placement.tower_devices), plan.micro_batches)
+  shards = _make_shards(features, labels, mode, placement.tower_devices, staged, layout)
   builder = _TowerBuilder(run, mode, shards, placement)
   if mode == ModeKeys.TRAIN:
     return _build_train(builder, plan, features, labels, staged)
@@ -382,6 +444,8 @@ def _build_eval_predict(builder: _TowerBuilder, plan: plan_lib.DevicePlan
         _tower_collections(builder.base, tower_kept):
       tower_specs.append(builder.build(k, reuse=k != builder.primary))
     kept = kept or tower_kept
+  for k, spec in zip(shards.active, tower_specs):  # micro-batches in turn
+    _order_next(shards, k, [spec.loss, spec.predictions])
   builder.keep_collections(kept)
   if builder.mode == ModeKeys.PREDICT:
     return specs_lib.merge_predict(tower_specs)
@@ -416,12 +480,17 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
           f'requests; do not branch on the shard or device around them.')
     return spec
 
+  layout = shards.layout
+  micro = layout.micro_batches > 1
   broker = gradients.WholeBatchGradients(
       graph, shards.active, shards.sizes, shards.batch, plan.loss_reduction, build_other,
-      copy_of=variable_sharing.copy_of, primary=variable_sharing.primary,
+      copy_of=lambda variable, k: variable_sharing.copy_of(variable, layout.device_of(k)),
+      primary=variable_sharing.primary,
       aggregation_device=builder.placement.aggregation_device,
       variable_count=lambda: len(variable_sharing.variables),
-      creation_spans=variable_sharing.creation_spans)
+      creation_spans=variable_sharing.creation_spans,
+      device_of=(lambda k: builder.tower_devices[layout.device_of(k)]) if micro else None,
+      after_backward=functools.partial(_order_next, shards) if micro else None)
   kept = {}
   with interception.gradient_requests(broker.handle), broker.building(builder.primary), \
       _tower_collections(builder.base, kept):
@@ -445,6 +514,13 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
             for k, t in zip(shards.active, found)]
 
   return specs_lib.merge_train(spec, loss, train_op, counterparts)
+
+
+def _order_next(shards: _Shards, k: int, done: Any) -> None:
+  """The next micro-batch of shard k's device waits for `done` (shard k's last ops)."""
+  following = k + 1
+  if following in shards.gates and shards.layout.previous(following) == k:
+    micro_batches_lib.order_after(shards.gates[following], done)
 
 
 def _tower_loss(broker: gradients.WholeBatchGradients, build_other: Callable, k: int,
