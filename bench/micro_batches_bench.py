@@ -11,12 +11,21 @@ a real `Estimator.train` at:
   (c) `replicate_model_fn(devices=['/cpu:0'], micro_batches=k)` at batch B;
   (d) `replicate_model_fn(devices=N virtual CPUs, micro_batches=k)` at batch B.
 
-Peak memory: each configuration runs in a fresh subprocess, which reports its
-peak resident set (`resource.getrusage(RUSAGE_SELF).ru_maxrss`). A baseline
-subprocess that imports TensorFlow and estimator_towers and builds nothing
-gives the interpreter's and TensorFlow's own share, and "above baseline" is
-the peak minus that: the memory the training itself took (graph, session,
-weights, input batch, activations).
+Peak memory, two ways:
+
+- peak RSS: each configuration runs in a fresh subprocess, which reports its
+  peak resident set (`resource.getrusage(RUSAGE_SELF).ru_maxrss`). A baseline
+  subprocess that imports TensorFlow and estimator_towers and builds nothing
+  gives the interpreter's and TensorFlow's own share, and "above baseline" is
+  the peak minus that: everything the training took (graph construction in
+  Python, grappler's copies of the graph, the session, weights, input batch,
+  activations, and what the C library's allocator keeps after tensors are
+  freed); "before steps" is the same, read when the session has been created
+  (graph built, before the first step).
+- allocator peak: the most bytes TensorFlow's CPU allocator had in use at
+  once during one step (the largest `allocator_bytes_in_use` of the step's
+  RunMetadata, FULL_TRACE, on one extra untimed step after the timed ones):
+  the tensors alone, which is what micro-batches change.
 
 Speed: examples/sec over the steps after --warmup_steps, timed by a hook
 between the end of the last warm-up step and the end of the last step (graph
@@ -84,11 +93,27 @@ def run_one(name: str, batch: int, devices: list[str] | None, k: int) -> dict:
   def input_fn():
     return tf.data.Dataset.from_tensors((x, y)).repeat()
 
-  times = []
+  times, peaks, before_steps = [], [], []
 
   class Timer(tf.compat.v1.train.SessionRunHook):
+    """Times every step; traces the last one (untimed) for the allocator's peak."""
+
+    def after_create_session(self, session, coord):
+      before_steps.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+    def before_run(self, run_context):
+      if len(times) == FLAGS.steps:
+        return tf.compat.v1.train.SessionRunArgs(None, options=tf.compat.v1.RunOptions(
+            trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
+      return None
+
     def after_run(self, run_context, run_values):
-      times.append(time.perf_counter())
+      if len(times) < FLAGS.steps:
+        times.append(time.perf_counter())
+        return
+      peaks.append(max(m.allocator_bytes_in_use
+                       for d in run_values.run_metadata.step_stats.dev_stats
+                       for n in d.node_stats for m in n.memory))
 
   fn = model_fn if devices is None else replicate_model_fn(model_fn, devices=devices,
                                                            micro_batches=k)
@@ -98,11 +123,12 @@ def run_one(name: str, batch: int, devices: list[str] | None, k: int) -> dict:
       session_config=tf.compat.v1.ConfigProto(device_count={'CPU': len(devices or [0])}))
   est = tf.estimator.Estimator(fn, model_dir=tempfile.mkdtemp(prefix='mb_bench_'),
                                config=config)
-  est.train(input_fn, steps=FLAGS.steps, hooks=[Timer()])
+  est.train(input_fn, steps=FLAGS.steps + 1, hooks=[Timer()])
   timed = times[FLAGS.warmup_steps - 1:]
   return {'name': name, 'batch': batch,
           'examples_per_sec': batch * (len(timed) - 1) / (timed[-1] - timed[0]),
-          'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+          'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+          'allocator_peak_mb': peaks[0] / 2**20, 'rss_before_steps_mb': before_steps[0]}
 
 
 def baseline() -> dict:
@@ -154,14 +180,18 @@ def main(argv):
   base = in_subprocess('baseline')['peak_rss_mb']
   print(f'baseline (import TensorFlow and estimator_towers): peak RSS {base:.0f} MB')
   results = {c: in_subprocess(c) for c in 'abcd'}
-  print(f'{"configuration":48s} {"peak RSS MB":>12s} {"above baseline":>15s} {"examples/s":>11s}')
+  print(f'{"configuration":46s} {"peak RSS":>9s} {"above base":>11s} {"before steps":>13s} '
+        f'{"allocator peak":>15s} {"examples/s":>11s}   (MB)')
   for r in results.values():
-    print(f'{r["name"]:48s} {r["peak_rss_mb"]:12.0f} {r["peak_rss_mb"] - base:15.0f} '
+    print(f'{r["name"]:46s} {r["peak_rss_mb"]:9.0f} {r["peak_rss_mb"] - base:11.0f} '
+          f'{r["rss_before_steps_mb"] - base:13.0f} {r["allocator_peak_mb"]:15.0f} '
           f'{r["examples_per_sec"]:11.0f}')
   above = {c: r['peak_rss_mb'] - base for c, r in results.items()}
+  tensors = {c: r['allocator_peak_mb'] for c, r in results.items()}
   speed = {c: r['examples_per_sec'] for c, r in results.items()}
-  print(f'(c) / (b) memory above baseline: {above["c"] / above["b"]:.2f} (goal <= 1.15); '
-        f'(c) / (a) memory: {above["c"] / above["a"]:.2f}')
+  print(f'(c) / (b) memory: RSS above baseline {above["c"] / above["b"]:.2f}, allocator peak '
+        f'{tensors["c"] / tensors["b"]:.2f} (goal <= 1.15); (c) / (a): RSS above baseline '
+        f'{above["c"] / above["a"]:.2f}, allocator peak {tensors["c"] / tensors["a"]:.2f}')
   print(f'(c) / (a) examples/sec: {speed["c"] / speed["a"]:.2f} (goal >= 0.9); '
         f'(d) / (a): {speed["d"] / speed["a"]:.2f}')
 

@@ -13,6 +13,15 @@ and PREDICT). So a micro-batch's forward pass starts only once the previous
 one's backward pass has finished and its activations are released, and the
 peak activation memory of a device is about one micro-batch's. Devices still
 run in parallel with each other.
+
+Batch normalisation without synchronisation normalises each micro-batch by
+its own statistics (a shard's, as across devices), and its moving averages
+are updated once per step from the primary shard (micro-batch 0 of device
+0). Synchronised batch norm, which would combine statistics across shards,
+is not part of this module: with micro-batches that run one after another,
+whole-batch statistics would need a forward pass over every micro-batch
+before any normalises, so it would come before the ordering set up here
+(`gate`, `order_after`) and change what `order_after` waits for.
 """
 
 from __future__ import annotations

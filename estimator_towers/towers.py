@@ -94,7 +94,17 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   the variable sits on a parameter server. Features from
   `staged_input_fn(input_fn, plan)` are read from per-device staging areas.
   The devices the towers get are logged once per graph. With one device
-  the model_fn runs as it is, under that device. Serving graphs
+  (and micro_batches=1) the model_fn runs as it is, under that device.
+
+  On micro-batches (`micro_batches=k`): each device's shard is split again,
+  by the same rule, into k micro-batches, and the model_fn is built once per
+  (device, micro-batch) pair, a "tower" above; the micro-batches of a device
+  run one after another within the step (the next one's inputs wait for the
+  previous one's gradients), so a device holds about one micro-batch's
+  activations. The model_fn still gets the whole batch's gradient, summed
+  per device first, and everything after it runs once per global batch.
+  Placement is per device: shards on one device share its variables (one
+  copy per device under 'replicated'). Serving graphs
   (export_saved_model) are built as the plain model_fn, without device pins,
   so a SavedModel serves on any machine.
 

@@ -87,13 +87,14 @@ def train_1_then_2(model_fn, fn, num_cpus=1):
   return after_1, testlib.variables(est)
 
 
-def check_like_plain(name, num_devices, k, batch, static=False):
+def check_like_plain(name, num_devices, k, batch, static=False, variable_strategy='cpu'):
   x, y = testlib.data(batch)
   fn = testlib.input_fn(x, y, batch, static_batch=static, epochs=3)
   model_fn = model_fn_with(name)
   plain = train_1_then_2(model_fn, fn)
   towered = train_1_then_2(
-      replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices), micro_batches=k),
+      replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices), micro_batches=k,
+                         variable_strategy=variable_strategy),
       fn, num_cpus=num_devices)
   for steps, mine, theirs in zip((1, 3), towered, plain):
     assert theirs['global_step'] == steps and mine['global_step'] == steps
@@ -129,6 +130,24 @@ def test_trains_like_plain(num_devices, k, name, batch):
 @pytest.mark.parametrize('num_devices, k', LAYOUTS)
 def test_batch_smaller_than_devices_times_micro_batches(num_devices, k, static):
   check_like_plain('Adam', num_devices, k, batch=3, static=static)
+
+
+@pytest.mark.parametrize('strategy', ['gpu', 'replicated'])
+def test_variable_strategies(strategy):
+  """Placement is per device: 'replicated' makes one copy per device, not per shard."""
+  check_like_plain('Momentum', 3, 2, batch=7, variable_strategy=strategy)
+
+
+def test_one_copy_per_device_when_replicated():
+  model_fn = replicate_model_fn(model_fn_with('Momentum'), devices=testlib.cpu_devices(2),
+                                micro_batches=3, variable_strategy='replicated')
+  x, y = testlib.data(7)
+  with tf.Graph().as_default():
+    V1.create_global_step()
+    model_fn(tf.constant(x), tf.constant(y), ModeKeys.TRAIN)
+    replicas = [v.op.name for v in tf.compat.v1.local_variables() if 'replica' in v.op.name]
+  assert sorted(replicas) == ['dense/bias/replica_1', 'dense/kernel/replica_1',
+                              'dense_1/bias/replica_1', 'dense_1/kernel/replica_1']
 
 
 @pytest.mark.parametrize('num_devices, k', [(1, 3), (2, 2)])
