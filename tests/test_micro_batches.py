@@ -126,10 +126,10 @@ def test_trains_like_plain(num_devices, k, name, batch):
   assert any(slots[name] in n for n in plain[1])  # the optimizer's state is compared
 
 
-@pytest.mark.parametrize('static', [False, True])
+@pytest.mark.parametrize('batch, static', [(3, False), (3, True), (2, False)])
 @pytest.mark.parametrize('num_devices, k', LAYOUTS)
-def test_batch_smaller_than_devices_times_micro_batches(num_devices, k, static):
-  check_like_plain('Adam', num_devices, k, batch=3, static=static)
+def test_batch_smaller_than_devices_times_micro_batches(num_devices, k, batch, static):
+  check_like_plain('Adam', num_devices, k, batch=batch, static=static)
 
 
 @pytest.mark.parametrize('strategy', ['gpu', 'replicated'])
@@ -167,19 +167,54 @@ def test_evaluate_and_predict_like_plain(num_devices, k):
                              atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize('examples, epochs, steps', [
+    (10, 3, 5),  # batches of 7, 7, 7, 7, 2
+    (8, 1, 2),   # batches of 7, 1: the second device's shard is empty at run time
+])
 @pytest.mark.parametrize('num_devices, k', [(1, 3), (2, 2)])
-def test_staged_input(num_devices, k):
-  x, y = testlib.data(10)
-  fn = testlib.input_fn(x, y, 7, epochs=3)  # batches of 7, 7, 7, 7, 2
+def test_staged_input(num_devices, k, examples, epochs, steps):
+  x, y = testlib.data(examples)
+  fn = testlib.input_fn(x, y, 7, epochs=epochs)
   model_fn = model_fn_with('Adam')
   plain = testlib.make_estimator(model_fn)
-  plain.train(fn, steps=5)
+  plain.train(fn, steps=steps)
   plan = make_plan(devices=testlib.cpu_devices(num_devices), micro_batches=k, staging_depth=2)
   towered = testlib.make_estimator(replicate_model_fn(model_fn, plan=plan), num_cpus=num_devices)
-  towered.train(staged_input_fn(fn, plan), steps=5)
+  towered.train(staged_input_fn(fn, plan), steps=steps)
   expected = testlib.variables(plain)
-  assert expected['global_step'] == 5
+  assert expected['global_step'] == steps
   assert_close(testlib.variables(towered), expected)
+
+
+def batch_norm_model_fn(features, labels, mode):
+  """tf.compat.v1.layers.batch_normalization with the usual UPDATE_OPS pattern; lr 0."""
+  normed = tf.compat.v1.layers.batch_normalization(features, momentum=0.5,
+                                                   training=mode == ModeKeys.TRAIN)
+  logits = tf.compat.v1.layers.dense(
+      normed, testlib.NUM_CLASSES,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=8))
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  with tf.control_dependencies(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+    train_op = _minimize(V1.GradientDescentOptimizer(0.0), loss)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize('batch', [7, 3])
+@pytest.mark.parametrize('num_devices, k', LAYOUTS)
+def test_batch_norm_moving_averages_from_the_primary_micro_batch(num_devices, k, batch):
+  """Moving statistics equal a plain step on micro-batch 0 of device 0 alone:
+  updated once per step, not once per micro-batch, and never NaN."""
+  x, y = testlib.data(batch)
+  primary = -(-(-(-batch // num_devices)) // k)  # ceil(ceil(B / N) / k)
+  plain = testlib.make_estimator(batch_norm_model_fn)
+  plain.train(testlib.input_fn(x[:primary], y[:primary], primary), steps=1)
+  towered = testlib.make_estimator(
+      replicate_model_fn(batch_norm_model_fn, devices=testlib.cpu_devices(num_devices),
+                         micro_batches=k), num_cpus=num_devices)
+  towered.train(testlib.input_fn(x, y, batch), steps=1)
+  actual = testlib.variables(towered)
+  assert not any(np.isnan(v).any() for v in actual.values())
+  assert_close(actual, testlib.variables(plain))
 
 
 # --- Micro-batches of one device run one after another ---------------------------
@@ -272,3 +307,4 @@ def test_micro_batches_of_a_device_do_not_overlap():
 def test_the_overlap_check_fails_without_the_ordering(monkeypatch):
   monkeypatch.setattr(micro_batches_lib, 'order_after', lambda gates, done: None)
   assert any(overlaps(node_stats, 4) for node_stats in traced_steps(k=4))
+

@@ -630,3 +630,15 @@ def test_tpu_estimator_spec_under_a_plain_estimator():
     np.testing.assert_allclose(metrics[key], expected[key], atol=1e-6, err_msg=key)
   np.testing.assert_allclose(testlib.predictions(towered, fn, 'probabilities'),
                              testlib.predictions(plain, fn, 'probabilities'), atol=1e-6)
+
+
+# --- The same patterns with micro-batches (see also test_micro_batches.py) ---------------
+
+@pytest.mark.parametrize('model_fn', [bert_style_model_fn, gradient_penalty_model_fn,
+                                      keras_tape_model_fn, keras_get_updates_model_fn,
+                                      scoped_adam_model_fn], ids=lambda fn: fn.__name__)
+def test_with_micro_batches(model_fn):
+  """2 devices x 2 micro-batches: the same update as the plain model_fn."""
+  towered = replicate_model_fn(model_fn, devices=testlib.cpu_devices(2), micro_batches=2)
+  testlib.check_towered_training(model_fn, towered, 2, _train_input_fn(), _reference(model_fn),
+                                 resume=False)
