@@ -124,11 +124,10 @@ def gate(structure: Any, device: str) -> tuple[Any, list[tf.Operation]]:
 
 
 def _ops(values: Any) -> list[tf.Operation]:
+  """The ops of a nest of Tensors, composite tensors (IndexedSlices...) and ops."""
   ops = []
   for value in tf.nest.flatten(values, expand_composites=True):
-    if isinstance(value, tf.IndexedSlices):
-      ops.extend([value.values.op, value.indices.op])
-    elif isinstance(value, tf.Operation):
+    if isinstance(value, tf.Operation):
       ops.append(value)
     elif isinstance(value, tf.Tensor):
       ops.append(value.op)

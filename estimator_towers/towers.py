@@ -191,8 +191,8 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
         f'device pins (a serving graph).' if serving else
         f'estimator_towers: {mode} graph: {len(tower_devices)} tower(s) on '
         f'{", ".join(tower_devices)}; {placement.describe()} (variable_strategy='
-        f'{placement.name}, loss_reduction={plan.loss_reduction}, '
-        f'micro_batches={plan.micro_batches}).')
+        f'{placement.name}, loss_reduction={plan.loss_reduction}'
+        f'{f", micro_batches={plan.micro_batches}" if plan.micro_batches > 1 else ""}).')
     run = functools.partial(call_user, params=params, config=config)
     staged = staging.staged_shards(features, labels, plan, tower_devices)
     if mode == ModeKeys.TRAIN:  # For ThroughputHook's examples/sec.
