@@ -132,6 +132,16 @@ def test_batch_smaller_than_devices_times_micro_batches(num_devices, k, batch, s
   check_like_plain('Adam', num_devices, k, batch=batch, static=static)
 
 
+def test_num_gpus_zero_the_cpu_alone():
+  x, y = testlib.data(7)
+  fn = testlib.input_fn(x, y, 7, epochs=3)
+  model_fn = model_fn_with('Momentum')
+  plain = train_1_then_2(model_fn, fn)
+  towered = train_1_then_2(replicate_model_fn(model_fn, num_gpus=0, micro_batches=3), fn)
+  for mine, theirs in zip(towered, plain):
+    assert_close(mine, theirs)
+
+
 @pytest.mark.parametrize('strategy', ['gpu', 'replicated'])
 def test_variable_strategies(strategy):
   """Placement is per device: 'replicated' makes one copy per device, not per shard."""
