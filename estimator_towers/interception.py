@@ -30,6 +30,11 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
   the reduction of the last loss they built on the graph
   (`Graph._last_loss_reduction`), which is how TensorFlow's own distribution
   strategies tell a summed loss (v1 canned heads) from an averaged one.
+- A control input added to an op that already exists
+  (`Operation._add_control_inputs`): a micro-batch's input gates are made
+  when the batch is split, before the previous micro-batch's backward pass
+  they must wait for exists, and TensorFlow has no public way to add an edge
+  afterwards.
 """
 
 from __future__ import annotations
@@ -156,3 +161,8 @@ def last_loss_reduction(graph: tf.Graph) -> Any:
 
 def reset_loss_reduction(graph: tf.Graph) -> None:
   graph._last_loss_reduction = None  # pylint: disable=protected-access
+
+
+def add_control_inputs(op: tf.Operation, controls: list[tf.Operation]) -> None:
+  """Makes the existing `op` wait for `controls` (see the module docstring)."""
+  op._add_control_inputs(controls)  # pylint: disable=protected-access

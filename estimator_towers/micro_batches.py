@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
+from estimator_towers import interception
 from estimator_towers import sharding
 from estimator_towers import spelling
 
@@ -144,4 +145,4 @@ def order_after(gates: Sequence[tf.Operation], done: Any) -> None:
   if not controls:
     return
   for op in gates:
-    op._add_control_inputs(controls)  # pylint: disable=protected-access
+    interception.add_control_inputs(op, controls)
