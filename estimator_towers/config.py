@@ -54,6 +54,7 @@ class TowersConfig:
     allow_cpu_fallback: when num_gpus asks for more GPUs than are visible, run
       the missing towers on the host CPU with one warning, instead of raising.
     sync_batch_norm: in TRAIN, batch norms use the global batch's statistics.
+    micro_batches: micro-batches per device and step (1: none).
   """
   num_gpus: int | None = None
   devices: tuple[str, ...] | None = None
@@ -71,6 +72,7 @@ class TowersConfig:
   inter_op_threads: int = 0
   allow_cpu_fallback: bool = False
   sync_batch_norm: bool = False
+  micro_batches: int = 1
 
   @property
   def plan(self) -> plan_lib.DevicePlan:
@@ -84,7 +86,8 @@ class TowersConfig:
                               staging_depth=self.staging_depth,
                               staging_backend=self.staging_backend,
                               allow_cpu_fallback=self.allow_cpu_fallback,
-                              sync_batch_norm=self.sync_batch_norm)
+                              sync_batch_norm=self.sync_batch_norm,
+                              micro_batches=self.micro_batches)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TowersConfig))

@@ -102,6 +102,13 @@ def _definitions() -> dict[str, Callable[[flags.FlagValues], object]]:
           'staging off (the towers split each batch themselves); 1 overlaps '
           'the copy of the next batch with the current step; more buffers more '
           'batches.', flag_values=fv),
+      'micro_batches': lambda fv: flags.DEFINE_integer(
+          'micro_batches', 1,
+          'Micro-batches per device: each device splits its shard of the '
+          'global batch into this many parts and runs them one after another '
+          'within one step (peak activation memory of about one part); the '
+          'model_fn still gets the whole batch\'s gradient and makes one '
+          'update per global batch. 1: none.', flag_values=fv),
       # A string, not an enum: make_config's check explains a removed value.
       'staging_backend': lambda fv: flags.DEFINE_string(
           'staging_backend', 'staging_area',

@@ -191,6 +191,12 @@ class WholeBatchGradients:
       made to create variables (left out when towers' ops are matched).
     inputs: the primary tower's shard tensors, flattened (for `normalizers`).
     nonempty: per tower index, whether its shard is not empty (bool or Tensor).
+    device_of: with micro-batches, `device_of(k)` is the device tower
+      (shard) k runs on; then each shard gets a backward pass of its own (see
+      `_by_micro_batch`). None: one backward pass over every tower.
+    after_backward: with micro-batches, `after_backward(k, grads)` is called
+      once shard k's backward pass of the first request is built, with its
+      gradients (to order the next micro-batch of its device after them).
   """
 
   def __init__(self, graph: tf.Graph, towers: Sequence[int], sizes: Sequence, batch: Any,
@@ -200,7 +206,9 @@ class WholeBatchGradients:
                aggregation_device: Callable[[tf.Variable], str],
                variable_count: Callable[[], int],
                creation_spans: Sequence[tuple[int, int]] = (),
-               inputs: Sequence[tf.Tensor] = (), nonempty: Sequence | None = None):
+               inputs: Sequence[tf.Tensor] = (), nonempty: Sequence | None = None,
+               device_of: Callable[[int], str] | None = None,
+               after_backward: Callable[[int, list], None] | None = None):
     self._graph = graph
     self._inputs = list(inputs)
     self._nonempty = nonempty
@@ -222,6 +230,8 @@ class WholeBatchGradients:
     self._building: list[int] = []
     self._progress: dict[int, _Progress] = {}
     self._creation_spans = creation_spans
+    self._device_of = device_of
+    self._after_backward = after_backward
     self._starts: dict[int, int] = {}  # graph position where a tower's build began
     self._segments: dict[int, list[tf.Operation]] = {}  # ops before request 0
 
@@ -269,7 +279,19 @@ class WholeBatchGradients:
           mapped = self.others[k][r]
         self.others[k][r] = mapped
         tower_requests.append(mapped)
-      answer = self._whole_batch(tower_requests)
+      if self._device_of is None:
+        answer = self._whole_batch(tower_requests)
+      else:
+        if self._normalised_loss(tower_requests) is not None:
+          raise ValueError(
+              'micro_batches > 1 cannot train a loss divided by a denominator '
+              'of its own batch (such as sum(loss * weights) / sum(weights) '
+              'over padded tokens) exactly: every micro-batch\'s gradient needs '
+              'the whole batch\'s denominator, which is known only after the '
+              'last micro-batch. Use micro_batches=1 (towers alone are exact '
+              'for such losses), or divide by a denominator that is the same '
+              'for the whole step (a constant, loss_reduction=\'sum\').')
+        answer = self._by_micro_batch(tower_requests, ordered=r == 0)
     if controlled:
       answer = [_identity(g) for g in answer]
     self.answers.append(answer)
@@ -333,6 +355,67 @@ class WholeBatchGradients:
         [self._nonempty[k] for k in self.towers],
         auto=self._loss_reduction == 'auto',
         variables=[x for x in tower_requests[0].xs if isinstance(x, tf.Variable)])
+  def _by_micro_batch(self, tower_requests: Sequence[Request], ordered: bool) -> list:
+    """The whole-batch gradient with micro-batches: one backward pass per shard.
+
+    Not one backward pass over every shard's loss (`_whole_batch`), for two
+    reasons: the micro-batches of a device run one after another, so each
+    one's backward pass must be ops of its own that the next micro-batch's
+    inputs can wait for (`after_backward`); and the parts of a variable's
+    gradient from one device's micro-batches are summed on that device, in
+    micro-batch order, before they cross to the variable's aggregation device,
+    so the bytes sent per step do not grow with the number of micro-batches
+    (one backward pass over all losses would send each shard's part to the
+    variable's device). Only the first request is ordered: a later one's
+    backward pass depends on the earlier whole-batch answer, which depends on
+    every micro-batch.
+    """
+    primary = tower_requests[0]
+    by_device: dict[str, list] = {}
+    for k, request, weight in zip(self.towers, tower_requests, self.weights):
+      grads = self._shard_gradients(k, request, weight, primary)
+      device = self._device_of(k)
+      if device not in by_device:
+        by_device[device] = grads
+      else:
+        with tf.device(device), tf.name_scope('micro_batch_sum'):
+          by_device[device] = [_add([a, b]) for a, b in zip(by_device[device], grads)]
+      if ordered and self._after_backward is not None:
+        self._after_backward(k, [g for g in grads if g is not None])
+    combined = []
+    for i, x in enumerate(primary.xs):
+      parts = [grads[i] for grads in by_device.values()]
+      if sum(p is not None for p in parts) <= 1:
+        combined.append(_add(parts))
+        continue
+      device = self._aggregation_device(x) if isinstance(x, tf.Variable) else None
+      with tf.device(device), tf.name_scope('combine_gradients'):
+        combined.append(_add(parts))
+    return combined
+
+  def _shard_gradients(self, k: int, request: Request, weight: Any,
+                       primary: Request) -> list:
+    """Shard k's weighted gradient with respect to each of the primary's xs."""
+    ys = list(request.ys)
+    grad_ys = [_weighted_grad_y(y, g, weight) for y, g in zip(request.ys, request.grad_ys)]
+    stops = list(_as_list(request.options.get('stop_gradients') or []))
+    xs, parts = [], []
+    for x in primary.xs:
+      own = self._copy_of(x, k) if isinstance(x, tf.Variable) else None
+      parts.append([len(xs)])
+      xs.append(x if own is None else own)
+      if isinstance(x, tf.Variable) and self._aggregation_device(x) != x.device:
+        reads = interception.plain_reads(x)  # on a parameter server: summed here
+        stops.extend(reads)
+        parts[-1].extend(range(len(xs), len(xs) + len(reads)))
+        xs.extend(reads)
+    options = dict(primary.options)
+    options['stop_gradients'] = stops or None
+    options['colocate_gradients_with_ops'] = True
+    options['gate_gradients'] = False  # (see _whole_batch)
+    grads = interception.graph_gradients(ys, xs, grad_ys, **options)
+    with tf.device(self._device_of(k)), tf.name_scope('shard_gradients'):
+      return [_add([grads[j] for j in part]) for part in parts]
 
   # -- The other towers' requests ---------------------------------------------
 

@@ -36,11 +36,14 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
   the reduction of the last loss they built on the graph
   (`Graph._last_loss_reduction`), which is how TensorFlow's own distribution
   strategies tell a summed loss (v1 canned heads) from an averaged one.
-- Ordering an existing op after another (`Operation._add_control_input`) and
-  telling whether an op is inside v1 control flow: `ordering` makes a read of
-  a variable run before the updates created after it in a model_fn that
-  trains without gradients (k-means), and a control edge cannot cross into a
-  v1 cond or loop.
+- A control input added to an op that already exists
+  (`Operation._add_control_inputs`), and telling whether an op is inside v1
+  control flow (a control edge cannot cross into a v1 cond or loop).
+  TensorFlow has no public way to add an edge afterwards: a micro-batch's
+  input gates are made when the batch is split, before the previous
+  micro-batch's backward pass they must wait for exists; `ordering` makes a
+  read of a variable run before the updates created after it in a model_fn
+  that trains without gradients (k-means).
 """
 
 from __future__ import annotations
@@ -203,6 +206,6 @@ def in_control_flow(op: tf.Operation) -> bool:
   return op._control_flow_context is not None  # pylint: disable=protected-access
 
 
-def add_control_input(op: tf.Operation, control: tf.Operation) -> None:
-  """Makes the existing `op` run after `control`."""
-  op._add_control_input(control)  # pylint: disable=protected-access
+def add_control_inputs(op: tf.Operation, controls: list[tf.Operation]) -> None:
+  """Makes the existing `op` wait for `controls` (see the module docstring)."""
+  op._add_control_inputs(controls)  # pylint: disable=protected-access

@@ -95,7 +95,7 @@ def order_reads_before_writes(ops: Sequence[tf.Operation]) -> int:
           ancestors[read] = _ancestors(read)
         if write in ancestors[read]:
           continue  # The read needs the write: keep it so.
-        interception.add_control_input(write, read)
+        interception.add_control_inputs(write, [read])
         ancestors.clear()  # Paths changed.
         added += 1
   return added

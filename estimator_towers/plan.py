@@ -10,8 +10,10 @@ import dataclasses
 from typing import Sequence
 
 from estimator_towers import devices as devices_lib
+from estimator_towers import micro_batches as micro_batches_lib
 from estimator_towers import placement
 from estimator_towers import spelling
+from estimator_towers import staging_backends
 
 LOSS_REDUCTIONS = ('auto', 'mean', 'sum')
 
@@ -33,12 +35,14 @@ class DevicePlan:
       are weighted by their share of the batch) or 'sum' (towers add up).
     staging_depth: shards kept in flight per device by the staged input_fn.
     staging_backend: how the staged input_fn prefetches shards: one of
-      `staging.BACKENDS` ('staging_area', a StagingArea per device).
+      `staging_backends.BACKENDS` ('staging_area', a StagingArea per device).
     allow_cpu_fallback: when num_gpus asks for more GPUs than are visible, run
       the missing towers on the host CPU (with one warning) instead of raising.
     sync_batch_norm: in TRAIN, every batch normalisation uses the statistics
       of the global batch (all towers' shards) instead of its tower's shard
       (see `batch_norm_sync`). Off by default.
+    micro_batches: k, the micro-batches each device splits its shard into and
+      runs one after another within a step (1: none); see `micro_batches`.
   """
   devices: tuple[str, ...] | None = None
   num_gpus: int | None = None
@@ -48,6 +52,7 @@ class DevicePlan:
   staging_backend: str = 'staging_area'
   allow_cpu_fallback: bool = False
   sync_batch_norm: bool = False
+  micro_batches: int = 1
 
   def resolve(self) -> tuple[str, ...]:
     """The devices the towers really get on this machine.
@@ -74,7 +79,8 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
               staging_depth: int = 1,
               staging_backend: str = 'staging_area',
               allow_cpu_fallback: bool = False,
-              sync_batch_norm: bool = False) -> DevicePlan:
+              sync_batch_norm: bool = False,
+              micro_batches: int = 1) -> DevicePlan:
   """Validates arguments and returns a DevicePlan.
 
   Args:
@@ -83,15 +89,18 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
     variable_strategy: a key of `placement.STRATEGIES`.
     loss_reduction: 'auto', 'mean' or 'sum'.
     staging_depth: shards kept in flight per device by `staged_input_fn`.
-    staging_backend: a key of `staging.BACKENDS`.
+    staging_backend: a key of `staging_backends.BACKENDS`.
     allow_cpu_fallback: run towers on the host CPU when num_gpus asks for
       more GPUs than are visible, instead of raising at graph construction.
     sync_batch_norm: batch norms in TRAIN use the global batch's statistics.
+    micro_batches: k >= 1: each device's shard is split into k micro-batches
+      that run one after another on that device, within one step.
 
   Raises:
     ValueError: for a count together with devices, a negative count,
       duplicate or malformed devices, an unknown strategy or reduction, or a
-      negative staging depth, or an unknown or removed staging backend.
+      negative staging depth, an unknown or removed staging backend, or
+      micro_batches that is not a positive integer.
   """
   if num_gpus is not None and devices is not None:
     raise ValueError(
@@ -119,11 +128,19 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
     if not isinstance(value, bool):
       raise ValueError(f'{spelling.name(option)} must be True or False, got '
                        f'{spelling.value(option, value)}.')
-  from estimator_towers import staging  # pylint: disable=g-import-not-at-top  (staging imports plan)
-  staging.validate_backend(staging_backend, what=spelling.name('staging_backend'))
+  staging_backends.validate_backend(staging_backend, what=spelling.name('staging_backend'))
+  micro_batches_lib.validate(micro_batches)
+  if sync_batch_norm and micro_batches > 1:
+    raise ValueError(
+        f'{spelling.name("sync_batch_norm")} and {spelling.name("micro_batches")}='
+        f'{micro_batches} cannot be combined: global batch-norm statistics need '
+        f'every micro-batch\'s forward pass before any of them is normalised, '
+        f'which is what micro-batches avoid. Use one of the two (with micro-'
+        f'batches alone, each micro-batch uses its own statistics).')
   return DevicePlan(devices=canonical, num_gpus=num_gpus,
                     variable_strategy=variable_strategy,
                     loss_reduction=loss_reduction, staging_depth=staging_depth,
                     staging_backend=staging_backend,
                     allow_cpu_fallback=allow_cpu_fallback,
-                    sync_batch_norm=sync_batch_norm)
+                    sync_batch_norm=sync_batch_norm,
+                    micro_batches=micro_batches)

@@ -70,6 +70,14 @@ def _only_local(graph: tf.Graph, variable: tf.Variable) -> None:
   graph.add_to_collection(GraphKeys.LOCAL_VARIABLES, variable)
 
 
+def _stand_in(graph: tf.Graph, original: tf.Variable, copy: tf.Variable) -> None:
+  """`copy` takes `original`'s place in TRAINABLE_VARIABLES (while a tower is built)."""
+  trainable = graph.get_collection_ref(GraphKeys.TRAINABLE_VARIABLES)
+  for i, v in enumerate(trainable):
+    if v is original:
+      trainable[i] = copy
+
+
 class VariableSharing:
   """Records tower 0's variables and gives them (or copies) to the other towers.
 
@@ -154,10 +162,7 @@ class VariableSharing:
           dtype=original.dtype.base_dtype, validate_shape=original.shape.is_fully_defined(),
           use_resource=True)
     _only_local(graph, copy)
-    trainable = graph.get_collection_ref(GraphKeys.TRAINABLE_VARIABLES)
-    for i, v in enumerate(trainable):
-      if v is original:
-        trainable[i] = copy
+    _stand_in(graph, original, copy)
     self._primaries[id(copy)] = original
     self._copies[(id(original), tower)] = copy
     self._replicas.setdefault(id(original), (original, []))[1].append(copy)
@@ -235,7 +240,11 @@ class VariableSharing:
       position[0] += 1
       if id(variable) not in replicated:
         return variable
-      copy = self._replicate(next_creator, variable, tower, device)
+      copy = self._copies.get((id(variable), tower))  # a micro-batch's device
+      if copy is None:
+        copy = self._replicate(next_creator, variable, tower, device)
+      else:
+        _stand_in(graph, variable, copy)
       made[id(copy)] = variable
       return copy
 

@@ -50,6 +50,7 @@ from tensorflow.python.util import function_utils  # pylint: disable=g-direct-te
 
 from estimator_towers import plan as plan_lib
 from estimator_towers import sharding
+from estimator_towers import staging_backends
 
 ModeKeys = tf.estimator.ModeKeys
 
@@ -337,38 +338,11 @@ def _stage(host_batch: _HostBatch, with_labels: bool, tower_devices: Sequence[st
                              clear=clear, depth=host_batch.plan.staging_depth)
 
 
-# Staging backends (the `staging_backend` option): one, kept as an option so
-# that configurations naming it keep working and a removed one gets a clear error.
-BACKENDS: tuple[str, ...] = ('staging_area',)
-
-# Removed backends, with what to say to a configuration that still names one.
-REMOVED_BACKENDS: dict[str, str] = {
-    'multi_device_iterator': (
-        'it was removed: tf.data\'s MultiDeviceIterator hands an input '
-        'pipeline error to one device only and ends the others\' sequences, '
-        'so an input error could pass for the end of input; and it was slower '
-        'than staging_area (about 9% more CPU per step, and 0.1-0.25 s more '
-        'to start each train/evaluate/predict call, measured on 2-8 virtual '
-        'CPU devices)'),
-}
-
-
-def validate_backend(name: object, what: str = 'backend') -> str:
-  """Checks a staging backend name (`what` names the argument in the message).
-
-  Raises:
-    ValueError: if `name` is not one of `BACKENDS` (a removed backend's message
-      says why it went).
-  """
-  if isinstance(name, str) and name in REMOVED_BACKENDS:
-    raise ValueError(
-        f'{what}={name!r} is no longer available: {REMOVED_BACKENDS[name]}. '
-        f'Use {what}=\'staging_area\' (the default), or leave it out.')
-  if name not in BACKENDS:
-    raise ValueError(
-        f'{what} must be one of {list(BACKENDS)}, got {name!r}: '
-        f'"staging_area" puts the shards into a StagingArea per device.')
-  return name
+# The backend names and their check live in staging_backends, which plan.py
+# imports too (plan validates the name; this module imports plan).
+BACKENDS = staging_backends.BACKENDS
+REMOVED_BACKENDS = staging_backends.REMOVED_BACKENDS
+validate_backend = staging_backends.validate_backend
 
 
 def _same_devices(a: plan_lib.DevicePlan, b: plan_lib.DevicePlan) -> bool:

@@ -21,9 +21,16 @@ from typing import Iterator
 class TowerContext:
   """The tower a model_fn call builds.
 
+  With micro-batches (`micro_batches=k`), a tower is one shard: one
+  micro-batch of one device, built once each; shards are numbered
+  device-major, so shard `index` is micro-batch `index % k` of device
+  `index // k`, and `num_towers` is (devices) * k. The micro-batches of one
+  device share that device's variables and run one after another.
+
   Attributes:
-    index: the tower's index, 0 .. num_towers - 1.
-    num_towers: how many towers the towered model_fn runs.
+    index: the tower's (shard's) index, 0 .. num_towers - 1.
+    num_towers: how many towers (shards) the towered model_fn builds at most:
+      devices times micro-batches per device.
     device: the tower's device ('/device:GPU:1'), or None outside towers.
     primary: True for the tower whose side effects run: its train_op is the
       one Estimator runs, with its update ops (batch-norm moving averages) and

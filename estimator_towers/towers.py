@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 from typing import Any, Callable, Sequence
@@ -18,6 +19,7 @@ from estimator_towers import interception
 from estimator_towers import logs
 from estimator_towers import normalizers
 from estimator_towers import ordering
+from estimator_towers import micro_batches as micro_batches_lib
 from estimator_towers import placement as placement_lib
 from estimator_towers import plan as plan_lib
 from estimator_towers import sharding
@@ -48,6 +50,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
                        variable_strategy: str = 'cpu',
                        loss_reduction: str = 'auto',
                        sync_batch_norm: bool = False,
+                       micro_batches: int = 1,
                        plan: plan_lib.DevicePlan | None = None) -> Callable:
   """Turns a single-device Estimator model_fn into a towered one.
 
@@ -104,7 +107,17 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   the variable sits on a parameter server. Features from
   `staged_input_fn(input_fn, plan)` are read from per-device staging areas.
   The devices the towers get are logged once per graph. With one device
-  the model_fn runs as it is, under that device. Serving graphs
+  (and micro_batches=1) the model_fn runs as it is, under that device.
+
+  On micro-batches (`micro_batches=k`): each device's shard is split again,
+  by the same rule, into k micro-batches, and the model_fn is built once per
+  (device, micro-batch) pair, a "tower" above; the micro-batches of a device
+  run one after another within the step (the next one's inputs wait for the
+  previous one's gradients), so a device holds about one micro-batch's
+  activations. The model_fn still gets the whole batch's gradient, summed
+  per device first, and everything after it runs once per global batch.
+  Placement is per device: shards on one device share its variables (one
+  copy per device under 'replicated'). Serving graphs
   (export_saved_model) are built as the plain model_fn, without device pins,
   so a SavedModel serves on any machine.
 
@@ -124,6 +137,10 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
       normalises with the mean and variance of the global batch, so towered
       training equals single-device training for batch-norm models. Off by
       default: each tower uses its shard's statistics.
+    micro_batches: k >= 1: each device's shard is split into k micro-batches
+      (by the same rule) that run one after another on that device within
+      the step; the model_fn still receives the whole batch's gradient and
+      updates once per global batch (see README, "Micro-batches").
     plan: a `DevicePlan` from `make_plan`, instead of the arguments above.
 
   Returns:
@@ -151,7 +168,8 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     overridden = {name: value for name, value, default in (
         ('variable_strategy', variable_strategy, 'cpu'),
         ('loss_reduction', loss_reduction, 'auto'),
-        ('sync_batch_norm', sync_batch_norm, False)) if value != default}
+        ('sync_batch_norm', sync_batch_norm, False),
+        ('micro_batches', micro_batches, 1)) if value != default}
     if overridden:
       settings = ', '.join(f'{name}={value!r}' for name, value in overridden.items())
       raise ValueError(
@@ -162,7 +180,8 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     plan = plan_lib.make_plan(num_gpus=num_gpus, devices=devices,
                               variable_strategy=variable_strategy,
                               loss_reduction=loss_reduction,
-                              sync_batch_norm=sync_batch_norm)
+                              sync_batch_norm=sync_batch_norm,
+                              micro_batches=micro_batches)
 
   def decorate(fn: Callable) -> Callable:
     return _wrap(fn, plan)
@@ -193,26 +212,27 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
   def towered_model_fn(features, labels=None, mode=None, params=None, config=None):
     tower_devices = plan.resolve()
     placement = placement_lib.make_placement(plan.variable_strategy, tower_devices)
-    serving = (mode == ModeKeys.PREDICT and len(tower_devices) > 1
-               and _is_serving_graph(features))
+    single = len(tower_devices) == 1 and plan.micro_batches == 1
+    serving = (mode == ModeKeys.PREDICT and not single and _is_serving_graph(features))
     logs.info_once_per_graph(
         f'estimator_towers: {mode} graph: the plain model_fn, without towers or '
         f'device pins (a serving graph).' if serving else
         f'estimator_towers: {mode} graph: {len(tower_devices)} tower(s) on '
         f'{", ".join(tower_devices)}; {placement.describe()} (variable_strategy='
-        f'{placement.name}, loss_reduction={plan.loss_reduction}).')
+        f'{placement.name}, loss_reduction={plan.loss_reduction}'
+        f'{f", micro_batches={plan.micro_batches}" if plan.micro_batches > 1 else ""}).')
     run = functools.partial(call_user, params=params, config=config)
     staged = staging.staged_shards(features, labels, plan, tower_devices)
     if mode == ModeKeys.TRAIN:  # For ThroughputHook's examples/sec.
       throughput.record_global_batch(staged.batch if staged is not None
                                      else throughput.first_leaf_rows(features))
     if staged is not None:  # Towers read prefetched shards from staging areas.
-      if len(tower_devices) == 1:
+      if single:
         with tf.device(tower_devices[0]), tower_context.entering(0, 1, tower_devices[0], True):
           return staged.attach_hook(run(staged.features[0], staged.labels[0], mode))
       return staged.attach_hook(
           _build_towers(run, features, labels, mode, plan, placement, staged))
-    if len(tower_devices) == 1:
+    if single:
       with tf.device(tower_devices[0]), tower_context.entering(0, 1, tower_devices[0], True):
         return run(features, labels, mode)
     if serving:
@@ -291,90 +311,215 @@ def _detach_side_effects(ops: Sequence[tf.Operation]) -> None:
       op._add_control_inputs(keep)  # pylint: disable=protected-access
 
 
-def _build_towers(run, features, labels, mode, plan, placement, staged=None):
-  """Shards -> towers -> weighted loss -> whole-batch gradient -> the user's update."""
-  graph = tf.compat.v1.get_default_graph()
-  tower_devices = placement.tower_devices
-  num_towers = len(tower_devices)
+@dataclasses.dataclass
+class _Shards:
+  """The shards of one global batch: one per (device, micro-batch) pair.
+
+  Attributes:
+    layout: which device and micro-batch each shard is.
+    features: shard s's features.
+    labels: shard s's labels (None entries when there are none).
+    sizes: shard sizes (Python ints when the batch is static, else int32 scalars).
+    batch: the global batch size.
+    active: the shards that are built: those not statically empty (shard 0
+      at least); the first is the primary.
+    nonempty: per built shard, whether it has rows (a Python bool when
+      static, else a bool Tensor).
+    gates: per shard after the first of its device, the Identity ops its
+      inputs pass through, to be ordered after the previous micro-batch.
+  """
+  layout: micro_batches_lib.Layout
+  features: list
+  labels: list
+  sizes: list
+  batch: Any
+  active: list
+  nonempty: list
+  gates: dict
+
+
+def _make_shards(features, labels, mode, tower_devices, staged,
+                 layout: micro_batches_lib.Layout) -> _Shards:
+  """Splits the global batch (or the staged device shards) into the plan's shards.
+
+  In training, a shard whose size is known only at run time and turns out
+  empty borrows an example (weight 0), so that no tower runs on no rows.
+  """
+  num_devices = len(tower_devices)
   host = getattr(tf.nest.flatten(features, expand_composites=True)[0], 'device', '') or '/cpu:0'
   with tf.device(host), tf.name_scope('shard_inputs'):
     if staged is None:
       batch = sharding.batch_size(features, labels)
-      sizes = sharding.shard_sizes(batch, num_towers)
-      # In training, a shard empty at run time borrows an example (weight 0).
+      sizes = layout.sizes(sharding.shard_sizes(batch, num_devices))
       shards = sharding.split((features, labels), sizes, fill_empty=mode == ModeKeys.TRAIN)
       feature_shards, label_shards = [list(s) for s in zip(*shards)]
     else:
-      batch, sizes = staged.batch, staged.sizes
-      feature_shards, label_shards = staged.features, staged.labels
+      batch, sizes = staged.batch, list(staged.sizes)
+      feature_shards, label_shards = list(staged.features), list(staged.labels)
   nonempty = [s > 0 for s in sizes]  # Python bools when the batch is static
-  # Towers whose shard is statically empty are not built at all.
-  active = [k for k in range(num_towers) if nonempty[k] is not False] or [0]
-  variable_sharing = sharing.VariableSharing(placement.variable_device,
-                                             placement.replica_device)
-  base = {key: graph.get_collection(key) for key in _PER_TOWER_COLLECTIONS}
-  root_scope = tf.compat.v1.get_variable_scope()
-  devices = interception.device_stack(graph)
-
-  def build(k, reuse, **reuse_args):
-    """Tower k's model_fn on its shard, on its device, with shared variables."""
-    with tf.compat.v1.device(placement_lib.tower_device(tower_devices[k])), (
-        variable_sharing.reusing(k, root_scope, **reuse_args) if reuse
-        else variable_sharing.creating()), tower_context.entering(
-            k, num_towers, tower_devices[k], primary=k == active[0]):
-      try:
-        return run(feature_shards[k], label_shards[k], mode)
-      except gradients.TowerStop:  # at the gradient request it was built for
-        return None
-
-  interception.reset_loss_reduction(graph)
-  if mode != ModeKeys.TRAIN:
-    # A shard empty at run time feeds its tower nothing (see empty_shards).
-    gated = {k: nonempty[k] for k in active[1:] if not isinstance(nonempty[k], bool)}
-    for k, ne in gated.items():
-      feature_shards[k] = empty_shards.gate_inputs(feature_shards[k], ne)
-      label_shards[k] = empty_shards.gate_inputs(label_shards[k], ne)
-    tower_specs, kept = [], {}
-    for k in active:
-      tower_kept = {}
-      with tf.name_scope(f'tower_{k}') if k != active[0] else contextlib.nullcontext(), \
-          _tower_collections(base, tower_kept):
-        tower_specs.append(build(k, reuse=k != active[0]))
-      kept = kept or tower_kept
-    for key in _PER_TOWER_COLLECTIONS:
-      graph.get_collection_ref(key)[:] = base[key] + kept.get(key, [])
-    built, tower_specs = tower_specs, [
-        empty_shards.gate_spec(s, tower_specs[0], gated[k]) if k in gated else s
-        for k, s in zip(active, tower_specs)]
-    if mode == ModeKeys.PREDICT:
-      return specs_lib.merge_predict(tower_specs)
-    loss = _whole_batch_loss([s.loss for s in built], active, nonempty, plan,
-                             feature_shards, label_shards, gated)
-    if loss is None:
-      _, weights = gradients.tower_weights(plan.loss_reduction, graph, sizes, batch, active,
-                                           loss=tower_specs[0].loss)
-      with tf.name_scope('tower_loss'):
-        loss = specs_lib.weighted_sum([s.loss for s in tower_specs], weights,
-                                      [nonempty[k] for k in active])
-    _tower_summaries(active, [s.loss for s in tower_specs], sizes)
-    return specs_lib.merge_eval(tower_specs, loss, built)
-
-  if staged is not None:  # (unstaged shards were filled by sharding.split above)
+  # Devices (or micro-batches) whose shard is statically empty are not built at all.
+  active = [k for k in range(len(sizes)) if nonempty[k] is not False] or [0]
+  if staged is not None and mode == ModeKeys.TRAIN:
     with tf.name_scope('shard_inputs'):
       for k in active[1:]:
         if not isinstance(sizes[k], int):
           with tf.device(tower_devices[k]):
             feature_shards[k] = sharding.fill_empty(feature_shards[k], sizes[k], feature_shards[0])
             label_shards[k] = sharding.fill_empty(label_shards[k], sizes[k], label_shards[0])
+  shards = _Shards(layout, feature_shards, label_shards, sizes, batch, active,
+                   [nonempty[k] for k in active], {})
+  if layout.micro_batches > 1:
+    if staged is not None:
+      _split_staged(shards, mode, tower_devices)
+    _gate(shards, tower_devices)
+  return shards
+
+
+def _split_staged(shards: _Shards, mode: str, tower_devices: Sequence[str]) -> None:
+  """Staged device shards -> their micro-batches, split on each device."""
+  layout, train = shards.layout, mode == ModeKeys.TRAIN
+  features, labels, sizes = [], [], []
+  with tf.name_scope('micro_batches'):
+    for d, device in enumerate(tower_devices):
+      with tf.device(device):
+        micro_sizes = layout.sizes([shards.sizes[d]])
+        borrow_first = d > 0 and d in shards.active
+        features.extend(micro_batches_lib.split_device_shard(
+            shards.features[d], micro_sizes, train, borrow_first))
+        labels.extend(micro_batches_lib.split_device_shard(
+            shards.labels[d], micro_sizes, train, borrow_first))
+      sizes.extend(micro_sizes)
+  nonempty = [s > 0 for s in sizes]
+  shards.features, shards.labels, shards.sizes = features, labels, sizes
+  shards.active = [k for k in range(len(sizes)) if nonempty[k] is not False] or [0]
+  shards.nonempty = [nonempty[k] for k in shards.active]
+
+
+def _gate(shards: _Shards, tower_devices: Sequence[str]) -> None:
+  """Every built micro-batch after a device's first reads its inputs through gates."""
+  with tf.name_scope('micro_batch_gates'):
+    for s in shards.active:
+      if shards.layout.previous(s) is None:
+        continue
+      device = tower_devices[shards.layout.device_of(s)]
+      shards.features[s], feature_ops = micro_batches_lib.gate(shards.features[s], device)
+      shards.labels[s], label_ops = micro_batches_lib.gate(shards.labels[s], device)
+      shards.gates[s] = feature_ops + label_ops
+
+
+class _TowerBuilder:
+  """Builds one tower: the model_fn on its shard, on its device, with shared variables.
+
+  Args:
+    run: `run(features, labels, mode)` calls the user's model_fn.
+    mode: the Estimator mode.
+    shards: the shards of the global batch.
+    placement: the variable placement over the tower devices.
+  """
+
+  def __init__(self, run: Callable, mode: str, shards: _Shards,
+               placement: placement_lib.Placement):
+    self.run = run
+    self.mode = mode
+    self.shards = shards
+    self.placement = placement
+    self.graph = tf.compat.v1.get_default_graph()
+    self.tower_devices = placement.tower_devices
+    self.variable_sharing = sharing.VariableSharing(placement.variable_device,
+                                                    placement.replica_device)
+    # Per-tower collections as they were before any tower was built.
+    self.base = {key: self.graph.get_collection(key) for key in _PER_TOWER_COLLECTIONS}
+    self.root_scope = tf.compat.v1.get_variable_scope()
+    self.devices = interception.device_stack(self.graph)
+    interception.reset_loss_reduction(self.graph)
+
+  @property
+  def primary(self) -> int:
+    return self.shards.active[0]
+
+  def build(self, k: int, reuse: bool, **reuse_args) -> Any:
+    """Shard k's model_fn on its device; None if it stopped at a gradient request.
+
+    Variables are per device: the shards of the primary's device use the
+    variables themselves, those of device d its copies when there are any.
+    """
+    d = self.shards.layout.device_of(k)
+    device = self.tower_devices[d]
+    reuse_args.setdefault('copies', d != self.shards.layout.device_of(self.primary))
+    with tf.compat.v1.device(placement_lib.tower_device(device)), (
+        self.variable_sharing.reusing(d, self.root_scope, **reuse_args) if reuse
+        else self.variable_sharing.creating()), tower_context.entering(
+            k, len(self.shards.sizes), device, primary=k == self.primary):
+      try:
+        return self.run(self.shards.features[k], self.shards.labels[k], self.mode)
+      except gradients.TowerStop:  # at the gradient request it was built for
+        return None
+
+  def keep_collections(self, kept: dict) -> None:
+    """Per-tower collections: as before the towers, plus the primary's additions."""
+    for key in _PER_TOWER_COLLECTIONS:
+      self.graph.get_collection_ref(key)[:] = self.base[key] + kept.get(key, [])
+
+
+def _build_towers(run, features, labels, mode, plan, placement, staged=None):
+  """Shards -> towers -> the merged EstimatorSpec of `mode`."""
+  layout = micro_batches_lib.Layout(len(placement.tower_devices), plan.micro_batches)
+  shards = _make_shards(features, labels, mode, placement.tower_devices, staged, layout)
+  builder = _TowerBuilder(run, mode, shards, placement)
+  if mode == ModeKeys.TRAIN:
+    return _build_train(builder, plan, features, labels, staged)
+  return _build_eval_predict(builder, plan)
+
+
+def _build_eval_predict(builder: _TowerBuilder, plan: plan_lib.DevicePlan
+                        ) -> tf.estimator.EstimatorSpec:
+  """EVAL / PREDICT: every tower's full model_fn; losses weighted, predictions joined."""
+  shards, graph = builder.shards, builder.graph
+  # A shard empty at run time feeds its tower nothing (see empty_shards).
+  gated = {k: ne for k, ne in zip(shards.active[1:], shards.nonempty[1:])
+           if not isinstance(ne, bool)}
+  for k, ne in gated.items():
+    shards.features[k] = empty_shards.gate_inputs(shards.features[k], ne)
+    shards.labels[k] = empty_shards.gate_inputs(shards.labels[k], ne)
+  tower_specs, kept = [], {}
+  for k in shards.active:
+    tower_kept = {}
+    with tf.name_scope(f'tower_{k}') if k != builder.primary else contextlib.nullcontext(), \
+        _tower_collections(builder.base, tower_kept):
+      tower_specs.append(builder.build(k, reuse=k != builder.primary))
+    kept = kept or tower_kept
+  builder.keep_collections(kept)
+  built, tower_specs = tower_specs, [
+      empty_shards.gate_spec(s, tower_specs[0], gated[k]) if k in gated else s
+      for k, s in zip(shards.active, tower_specs)]
+  for k, spec in zip(shards.active, tower_specs):  # micro-batches in turn
+    _order_next(shards, k, [spec.loss, spec.predictions])
+  if builder.mode == ModeKeys.PREDICT:
+    return specs_lib.merge_predict(tower_specs)
+  loss = _whole_batch_loss([s.loss for s in built], shards, plan, gated)
+  if loss is None:
+    _, weights = gradients.tower_weights(plan.loss_reduction, graph, shards.sizes,
+                                         shards.batch, shards.active,
+                                         loss=tower_specs[0].loss)
+    with tf.name_scope('tower_loss'):
+      loss = specs_lib.weighted_sum([s.loss for s in tower_specs], weights, shards.nonempty)
+  _tower_summaries(shards.active, [s.loss for s in tower_specs], shards.sizes)
+  return specs_lib.merge_eval(tower_specs, loss, built)
+
+
+def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, labels,
+                 staged) -> tf.estimator.EstimatorSpec:
+  """TRAIN: the primary in the model_fn's own flow, the whole-batch gradient, one update."""
+  shards, graph, variable_sharing = builder.shards, builder.graph, builder.variable_sharing
 
   def build_other(k, stop_at):
     """Tower k, in a clean context, up to its `stop_at`-th gradient request."""
     expected = None if stop_at is None else broker.variables_at[stop_at]
     first_op = len(graph.get_operations())
-    with interception.clean_context(graph, devices), variable_sharing.suspended(), \
-        graph.name_scope(f'tower_{k}'), _tower_collections(base), \
+    with interception.clean_context(graph, builder.devices), variable_sharing.suspended(), \
+        graph.name_scope(f'tower_{k}'), _tower_collections(builder.base), \
         broker.building(k, stop_at):
-      spec = build(k, reuse=True, expected=expected)
+      spec = builder.build(k, reuse=True, expected=expected)
     _detach_side_effects(graph.get_operations()[first_op:])
     if not broker.stopped_at_expected_request(k):
       raise gradients.DivergentTowersError(
@@ -384,90 +529,121 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None):
           f'requests; do not branch on the shard or device around them.')
     return spec
 
+  layout = shards.layout
+  micro = layout.micro_batches > 1
   broker = gradients.WholeBatchGradients(
-      graph, active, sizes, batch, plan.loss_reduction, build_other,
-      copy_of=variable_sharing.copy_of, primary=variable_sharing.primary,
-      aggregation_device=placement.aggregation_device,
+      graph, shards.active, shards.sizes, shards.batch, plan.loss_reduction, build_other,
+      copy_of=lambda variable, k: variable_sharing.copy_of(variable, layout.device_of(k)),
+      primary=variable_sharing.primary,
+      aggregation_device=builder.placement.aggregation_device,
       variable_count=lambda: len(variable_sharing.variables),
       creation_spans=variable_sharing.creation_spans,
-      inputs=_flat_shard(feature_shards, label_shards, active[0]), nonempty=nonempty)
+      inputs=_flat_shard(shards, builder.primary),
+      nonempty=dict(zip(shards.active, shards.nonempty)),
+      device_of=(lambda k: builder.tower_devices[layout.device_of(k)]) if micro else None,
+      after_backward=functools.partial(_order_next, shards) if micro else None)
   kept = {}
-  statistics = _batch_norm_statistics(plan, graph, tower_devices, active, sizes, host)
-  with interception.gradient_requests(broker.handle), broker.building(active[0]), \
-      _tower_collections(base, kept), statistics.syncing():
-    spec = build(active[0], reuse=False)
+  statistics = _batch_norm_statistics(plan, builder)
+  with interception.gradient_requests(broker.handle), broker.building(builder.primary), \
+      _tower_collections(builder.base, kept), statistics.syncing():
+    spec = builder.build(builder.primary, reuse=False)
   if not broker.requests:
-    # Updates that are not gradient steps (k-means' cluster updates) cannot be
-    # split across towers: the model_fn trains on the whole batch on tower 0's
-    # device, with the variables tower 0 created, and tower 0's build is unused.
-    _log_once('estimator_towers: this model_fn asked for no gradients with '
-              'respect to variables in TRAIN, so its update cannot be split '
-              'across towers; it trains on the whole batch on %s.' % tower_devices[0])
-    whole = (features, labels) if staged is None else (
-        sharding.concat(feature_shards), sharding.concat(label_shards))
-    first_op = len(graph.get_operations())
-    with tf.name_scope('whole_batch'), \
-        tf.compat.v1.device(placement_lib.tower_device(tower_devices[0])), \
-        variable_sharing.reusing(0, root_scope, copies=False), \
-        tower_context.entering(0, 1, tower_devices[0], True):
-      spec = run(whole[0], whole[1], mode)
-    # Reads of a variable see it as the code says: before later updates.
-    ordering.order_reads_before_writes(graph.get_operations()[first_op:])
-    return spec
-  for key in _PER_TOWER_COLLECTIONS:
-    graph.get_collection_ref(key)[:] = base[key] + kept.get(key, [])
+    return _train_without_gradients(builder, features, labels, staged)
+  builder.keep_collections(kept)
   statistics.check_complete()
-  losses = [spec.loss]
-  for k in active[1:]:
-    loss_k = broker.counterpart(k, spec.loss)
-    if loss_k is None:  # The loss is not what the gradients were asked of.
-      _log_once(
-          'estimator_towers: the EstimatorSpec\'s loss is not the tensor (or an '
-          'ancestor of the tensor) the model_fn asked gradients of, so each '
-          'tower\'s loss is built by a second pass of its model_fn, which costs '
-          'an extra forward pass per step on every tower but the first.')
-      with interception.gradient_requests(broker.handle), statistics.syncing():
-        loss_k = build_other(k, None).loss
-    losses.append(loss_k)
-  loss = _whole_batch_loss(losses, active, nonempty, plan, feature_shards, label_shards)
+  with statistics.syncing():  # a tower built again meets the sync points again: an error
+    losses = [spec.loss] + [_tower_loss(broker, build_other, k, spec.loss)
+                            for k in shards.active[1:]]
+  loss = _whole_batch_loss(losses, shards, plan)
   if loss is None:
     with tf.name_scope('tower_loss'):
-      loss = specs_lib.weighted_sum(losses, broker.weights, [nonempty[k] for k in active])
-  _tower_summaries(active, losses, sizes)
+      loss = specs_lib.weighted_sum(losses, broker.weights, shards.nonempty)
+  _tower_summaries(shards.active, losses, shards.sizes)
   train_op = variable_sharing.refresh(spec.train_op)  # itself without copies
+  sizes = shards.sizes
+
   def counterparts(tensor):  # without the example borrowed by an empty shard
     found = broker.all_counterparts(tensor)
     if found is None:
       return None
-    return [t if isinstance(sizes[k], int) else t[:sizes[k]] for k, t in zip(active, found)]
+    return [t if isinstance(sizes[k], int) else t[:sizes[k]]
+            for k, t in zip(shards.active, found)]
 
   return specs_lib.merge_train(spec, loss, train_op, counterparts)
 
 
-def _flat_shard(feature_shards, label_shards, k: int) -> list:
-  return tf.nest.flatten((feature_shards[k], label_shards[k]), expand_composites=True)
+def _order_next(shards: _Shards, k: int, done: Any) -> None:
+  """The next micro-batch of shard k's device waits for `done` (shard k's last ops)."""
+  following = k + 1
+  if following in shards.gates and shards.layout.previous(following) == k:
+    micro_batches_lib.order_after(shards.gates[following], done)
 
 
-def _whole_batch_loss(losses, active, nonempty, plan, feature_shards, label_shards,
-                      gated=None):
+def _tower_loss(broker: gradients.WholeBatchGradients, build_other: Callable, k: int,
+                loss: tf.Tensor) -> tf.Tensor:
+  """Tower k's counterpart of the primary's loss (a second pass when there is none)."""
+  loss_k = broker.counterpart(k, loss)
+  if loss_k is None:  # The loss is not what the gradients were asked of.
+    _log_once(
+        'estimator_towers: the EstimatorSpec\'s loss is not the tensor (or an '
+        'ancestor of the tensor) the model_fn asked gradients of, so each '
+        'tower\'s loss is built by a second pass of its model_fn, which costs '
+        'an extra forward pass per step on every tower but the first.')
+    with interception.gradient_requests(broker.handle):
+      loss_k = build_other(k, None).loss
+  return loss_k
+
+
+def _train_without_gradients(builder: _TowerBuilder, features, labels, staged
+                             ) -> tf.estimator.EstimatorSpec:
+  """A TRAIN model_fn that asks for no gradients (k-means) on the whole batch.
+
+  Updates that are not gradient steps (k-means' cluster updates) cannot be
+  split across towers: the model_fn trains on the whole batch on tower 0's
+  device, with the variables tower 0 created, and tower 0's build is unused.
+  """
+  device = builder.tower_devices[0]
+  _log_once('estimator_towers: this model_fn asked for no gradients with '
+            'respect to variables in TRAIN, so its update cannot be split '
+            'across towers; it trains on the whole batch on %s.' % device)
+  shards = builder.shards
+  whole = (features, labels) if staged is None else (
+      sharding.concat(shards.features), sharding.concat(shards.labels))
+  first_op = len(builder.graph.get_operations())
+  with tf.name_scope('whole_batch'), \
+      tf.compat.v1.device(placement_lib.tower_device(device)), \
+      builder.variable_sharing.reusing(0, builder.root_scope, copies=False), \
+      tower_context.entering(0, 1, device, True):
+    spec = builder.run(whole[0], whole[1], builder.mode)
+  # Reads of a variable see it as the code says: before later updates.
+  ordering.order_reads_before_writes(builder.graph.get_operations()[first_op:])
+  return spec
+
+
+def _flat_shard(shards: _Shards, k: int) -> list:
+  return tf.nest.flatten((shards.features[k], shards.labels[k]), expand_composites=True)
+
+
+def _whole_batch_loss(losses: Sequence, shards: _Shards, plan: plan_lib.DevicePlan,
+                      gated: dict | None = None) -> tf.Tensor | None:
   """The reported loss of a loss with its own normaliser (`normalizers`), or None.
 
-  `gated` (EVAL): towers whose shard may be empty at run time; the parts of
-  their loss are taken through `empty_shards.live`, 0 when the shard is empty.
+  `gated` (EVAL): shards that may be empty at run time; the parts of their
+  loss are taken through `empty_shards.live`, 0 when the shard is empty.
   """
   find = gradients.loss_counterparts(losses)
 
   def counterpart(i, tensor):
     found = find(i, tensor)
-    if found is None or not gated or active[i] not in gated:
+    k = shards.active[i]
+    if found is None or not gated or k not in gated:
       return found
-    return empty_shards.live(found, gated[active[i]])
+    return empty_shards.live(found, gated[k])
 
   with tf.name_scope('tower_loss'):
     return normalizers.whole_batch_loss(
-        losses, counterpart,
-        _flat_shard(feature_shards, label_shards, active[0]),
-        [nonempty[k] for k in active], auto=plan.loss_reduction == 'auto')
+        losses, counterpart, _flat_shard(shards, shards.active[0]), shards.nonempty,
+        auto=plan.loss_reduction == 'auto')
 
 
 class _Unsynced:
@@ -480,17 +656,23 @@ class _Unsynced:
     pass
 
 
-def _batch_norm_statistics(plan: plan_lib.DevicePlan, graph: tf.Graph,
-                           tower_devices: Sequence[str], active: Sequence[int],
-                           sizes: Sequence, host: str) -> Any:
-  """The sync points of batch statistics for a TRAIN graph (sync_batch_norm)."""
-  if not plan.sync_batch_norm or len(active) < 2:
+def _batch_norm_statistics(plan: plan_lib.DevicePlan, builder: _TowerBuilder) -> Any:
+  """The sync points of batch statistics for a TRAIN graph (sync_batch_norm).
+
+  make_plan refuses sync_batch_norm with micro-batches, so a shard is a device.
+  """
+  shards = builder.shards
+  if not plan.sync_batch_norm or len(shards.active) < 2:
     return _Unsynced()
-  with tf.device(host), tf.name_scope('shard_inputs'):
-    present = {k: 1.0 if isinstance(sizes[k], int) else tf.cast(sizes[k] > 0, tf.float32)
-               for k in active}
+  present = {}
+  for k, ne in zip(shards.active, shards.nonempty):
+    if isinstance(ne, bool):
+      present[k] = 1.0
+    else:
+      with tf.compat.v1.colocate_with(ne), tf.name_scope('shard_inputs'):
+        present[k] = tf.cast(ne, tf.float32)
   return batch_norm_sync.BatchNormSync(
-      graph, {k: tower_devices[k] for k in active}, present)
+      builder.graph, {k: builder.tower_devices[k] for k in shards.active}, present)
 
 
 def _tower_summaries(active: Sequence[int], losses: Sequence, sizes: Sequence) -> None:

@@ -46,9 +46,10 @@ def test_config_is_immutable():
 
 @pytest.mark.parametrize('n', [1, 2, 3])
 def test_num_cpu_devices(n):
-  config = make_config(num_cpu_devices=n, loss_reduction='sum', staging_depth=2)
+  config = make_config(num_cpu_devices=n, loss_reduction='sum', staging_depth=2,
+                       micro_batches=n)
   expected = make_plan(devices=[f'/cpu:{i}' for i in range(n)],
-                       loss_reduction='sum', staging_depth=2)
+                       loss_reduction='sum', staging_depth=2, micro_batches=n)
   assert config.plan == expected
   assert dict(session_config(config).device_count) == {'CPU': n}
 
@@ -163,6 +164,8 @@ def test_num_cpu_devices_positive(value):
     ({'variable_strategy': 'nowhere'}, "variable_strategy must be one of .*'nowhere'"),
     ({'loss_reduction': 'median'}, "loss_reduction must be one of .*'median'"),
     ({'staging_depth': -1}, 'staging_depth must be a non-negative integer'),
+    ({'micro_batches': 0}, r'micro_batches must be a positive integer .* got 0\. Use '
+     r'micro_batches=1 for none'),
 ])
 def test_plan_errors_surface(kwargs, message):
   with pytest.raises(ValueError, match=message):

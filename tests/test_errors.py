@@ -43,6 +43,21 @@ def test_allow_cpu_fallback_must_be_a_bool():
     make_plan(num_gpus=2, allow_cpu_fallback='yes')
 
 
+@pytest.mark.parametrize('value', [0, -2, 2.0, True, '2', None])
+def test_bad_micro_batches(value):
+  with pytest.raises(ValueError, match=r'micro_batches must be a positive integer \(the number '
+                     r'of micro-batches each device splits its shard into .* got '
+                     + repr(value).replace('.', r'\.') + r'\. Use micro_batches=1 for none'):
+    replicate_model_fn(testlib.v1_model_fn, devices=['/cpu:0'], micro_batches=value)
+
+
+def test_micro_batches_with_a_plan():
+  plan = make_plan(devices=['/cpu:0'])
+  with pytest.raises(ValueError, match=r'Give either plan or micro_batches=2, not both.*'
+                                       r'make_plan'):
+    replicate_model_fn(testlib.v1_model_fn, plan=plan, micro_batches=2)
+
+
 def test_bad_staging_depth():
   with pytest.raises(ValueError, match='staging_depth must be a non-negative integer .* got -1'):
     make_plan(devices=['/cpu:0'], staging_depth=-1)

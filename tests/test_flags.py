@@ -75,10 +75,10 @@ def test_all_flags():
       '--num_cpu_devices=3', '--variable_strategy=cpu', '--staging_depth=2',
       '--loss_reduction=sum', '--log_device_placement', '--noallow_soft_placement',
       '--gpu_memory_fraction=0.5', '--allow_growth', '--visible_gpus=1,0',
-      '--intra_op_threads=2', '--inter_op_threads=4'))
+      '--intra_op_threads=2', '--inter_op_threads=4', '--micro_batches=3'))
   assert config.plan == make_plan(devices=['/cpu:0', '/cpu:1', '/cpu:2'],
                                   variable_strategy='cpu', loss_reduction='sum',
-                                  staging_depth=2)
+                                  staging_depth=2, micro_batches=3)
   proto = session_config(config)
   assert dict(proto.device_count) == {'CPU': 3}
   assert proto.log_device_placement and not proto.allow_soft_placement
@@ -120,6 +120,8 @@ def test_num_gpus_flag(monkeypatch):
     (['--devices=/cpu:0,/device:CPU:0'],
      r'Remove the duplicate from --devices=/cpu:0,/device:CPU:0'),
     (['--staging_depth=-1'], r'--staging_depth must be a non-negative integer .*got --staging_depth=-1'),
+    (['--micro_batches=0'], r'--micro_batches must be a positive integer .*got '
+     r'--micro_batches=0\. Use --micro_batches=1 for none'),
     (['--gpu_memory_fraction=1.5'],
      r'--gpu_memory_fraction must be 0 .* or in \(0, 1\] .*got --gpu_memory_fraction=1\.5'),
     (['--visible_gpus=first'],

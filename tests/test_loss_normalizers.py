@@ -208,3 +208,12 @@ def test_padded_tokens_with_other_strategies_and_staged_input(variable_strategy,
   _assert_rule(testlib.variables(est), plain_1)
   est.train(input_fn, steps=3)
   _assert_rule(testlib.variables(est), plain_4)
+
+
+def test_error_micro_batches_with_a_normalised_loss():
+  """Each micro-batch's gradient would need the denominator of the micro-batches after it."""
+  model_fn = functools.partial(_model_fn, _padded)
+  towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(2), micro_batches=2)
+  with pytest.raises(ValueError, match=r'micro_batches > 1 cannot train a loss divided by a '
+                                       r'denominator of its own batch.*Use micro_batches=1'):
+    _run(towered, num_cpus=2)

@@ -629,3 +629,15 @@ def test_tpu_estimator_spec_under_a_plain_estimator():
     testlib.assert_close(metrics[key], expected[key], err_msg=key)
   testlib.assert_close(testlib.predictions(towered, fn, 'probabilities'),
                        testlib.predictions(plain, fn, 'probabilities'), err_msg='probabilities')
+
+
+# --- The same patterns with micro-batches (see also test_micro_batches.py) ---------------
+
+@pytest.mark.parametrize('model_fn', [bert_style_model_fn, gradient_penalty_model_fn,
+                                      keras_tape_model_fn, keras_get_updates_model_fn,
+                                      scoped_adam_model_fn], ids=lambda fn: fn.__name__)
+def test_with_micro_batches(model_fn):
+  """2 devices x 2 micro-batches: the same update as the plain model_fn."""
+  towered = replicate_model_fn(model_fn, devices=testlib.cpu_devices(2), micro_batches=2)
+  testlib.check_towered_training(model_fn, towered, 2, _train_input_fn(), _reference(model_fn),
+                                 resume=False)

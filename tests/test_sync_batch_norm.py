@@ -321,3 +321,9 @@ def test_a_run_of_one_tower_alone_fails_instead_of_hanging(monkeypatch):
       session.run(spec.train_op)  # every tower: the collectives meet
       with pytest.raises(tf.errors.DeadlineExceededError):
         session.run(tower_0)
+
+
+def test_error_sync_batch_norm_with_micro_batches():
+  with pytest.raises(ValueError, match=r'sync_batch_norm and micro_batches=2 cannot be combined.*'
+                                       r'Use one of the two'):
+    et.make_plan(devices=testlib.cpu_devices(2), sync_batch_norm=True, micro_batches=2)

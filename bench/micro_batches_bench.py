@@ -1,0 +1,200 @@
+"""Micro-batches: peak memory and examples/sec against plain training.
+
+A model whose activations dominate memory (an MLP: 64 inputs, a 4096-wide
+hidden layer followed by three elementwise 4096-wide layers, each of which
+keeps its [batch, 4096] output for the backward pass, then 10 classes;
+plain SGD, so that the weights and optimizer state are a few MB), trained by
+a real `Estimator.train` at:
+
+  (a) plain at batch B;
+  (b) plain at batch B / k;
+  (c) `replicate_model_fn(devices=['/cpu:0'], micro_batches=k)` at batch B;
+  (d) `replicate_model_fn(devices=N virtual CPUs, micro_batches=k)` at batch B.
+
+Peak memory, two ways:
+
+- peak RSS: each configuration runs in a fresh subprocess, which reports its
+  peak resident set (`resource.getrusage(RUSAGE_SELF).ru_maxrss`). A baseline
+  subprocess that imports TensorFlow and estimator_towers and builds nothing
+  gives the interpreter's and TensorFlow's own share, and "above baseline" is
+  the peak minus that: everything the training took (graph construction in
+  Python, grappler's copies of the graph, the session, weights, input batch,
+  activations, and what the C library's allocator keeps after tensors are
+  freed); "before steps" is the same, read when the session has been created
+  (graph built, before the first step).
+- allocator peak: the most bytes TensorFlow's CPU allocator had in use at
+  once during one step (the largest `allocator_bytes_in_use` of the step's
+  RunMetadata, FULL_TRACE, on one extra untimed step after the timed ones):
+  the tensors alone, which is what micro-batches change.
+
+Speed: examples/sec over the steps after --warmup_steps, timed by a hook
+between the end of the last warm-up step and the end of the last step (graph
+construction and session creation left out). Input: one fixed random batch,
+served by tf.data (a static batch dimension).
+
+  python bench/micro_batches_bench.py           # B=8192, k=4, N=2
+  python bench/micro_batches_bench.py --quick   # B=2048, fewer steps
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer('batch_size', 8192, 'The global batch B.')
+flags.DEFINE_integer('micro_batches', 4, 'k.')
+flags.DEFINE_integer('num_devices', 2, 'N, virtual CPU devices for (d).')
+flags.DEFINE_integer('steps', 8, 'Steps per configuration, warm-up included.')
+flags.DEFINE_integer('warmup_steps', 2, 'Untimed first steps.')
+flags.DEFINE_bool('quick', False, 'B=2048 and 5 steps: a smoke run.')
+flags.DEFINE_string('config', None, 'Internal: run one configuration in this process.')
+
+WIDTH = 4096
+INPUTS = 64
+CLASSES = 10
+
+
+def model_fn(features, labels, mode):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  init = tf.compat.v1.glorot_uniform_initializer
+  hidden = tf.compat.v1.layers.dense(features, WIDTH, activation=tf.tanh,
+                                     kernel_initializer=init(seed=1))
+  for i in range(3):  # elementwise layers: each keeps a [batch, WIDTH] activation
+    scale = tf.compat.v1.get_variable(f'scale_{i}', [WIDTH], initializer=tf.ones_initializer())
+    shift = tf.compat.v1.get_variable(f'shift_{i}', [WIDTH], initializer=tf.zeros_initializer())
+    hidden = tf.tanh(hidden * scale + shift)
+  logits = tf.compat.v1.layers.dense(hidden, CLASSES, kernel_initializer=init(seed=2))
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.01).minimize(
+      loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def run_one(name: str, batch: int, devices: list[str] | None, k: int) -> dict:
+  """Trains one configuration in this process; returns its numbers."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from estimator_towers import replicate_model_fn  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.RandomState(0)
+  x = rng.randn(batch, INPUTS).astype(np.float32)
+  y = rng.randint(0, CLASSES, size=batch).astype(np.int32)
+
+  def input_fn():
+    return tf.data.Dataset.from_tensors((x, y)).repeat()
+
+  times, peaks, before_steps = [], [], []
+
+  class Timer(tf.compat.v1.train.SessionRunHook):
+    """Times every step; traces the last one (untimed) for the allocator's peak."""
+
+    def after_create_session(self, session, coord):
+      before_steps.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+    def before_run(self, run_context):
+      if len(times) == FLAGS.steps:
+        return tf.compat.v1.train.SessionRunArgs(None, options=tf.compat.v1.RunOptions(
+            trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
+      return None
+
+    def after_run(self, run_context, run_values):
+      if len(times) < FLAGS.steps:
+        times.append(time.perf_counter())
+        return
+      peaks.append(max(m.allocator_bytes_in_use
+                       for d in run_values.run_metadata.step_stats.dev_stats
+                       for n in d.node_stats for m in n.memory))
+
+  fn = model_fn if devices is None else replicate_model_fn(model_fn, devices=devices,
+                                                           micro_batches=k)
+  config = tf.estimator.RunConfig(
+      save_checkpoints_steps=None, save_checkpoints_secs=None, save_summary_steps=None,
+      log_step_count_steps=None,
+      session_config=tf.compat.v1.ConfigProto(device_count={'CPU': len(devices or [0])}))
+  est = tf.estimator.Estimator(fn, model_dir=tempfile.mkdtemp(prefix='mb_bench_'),
+                               config=config)
+  est.train(input_fn, steps=FLAGS.steps + 1, hooks=[Timer()])
+  timed = times[FLAGS.warmup_steps - 1:]
+  return {'name': name, 'batch': batch,
+          'examples_per_sec': batch * (len(timed) - 1) / (timed[-1] - timed[0]),
+          'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+          'allocator_peak_mb': peaks[0] / 2**20, 'rss_before_steps_mb': before_steps[0]}
+
+
+def baseline() -> dict:
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top,unused-import
+  import estimator_towers  # pylint: disable=g-import-not-at-top,unused-import
+  return {'name': 'baseline', 'peak_rss_mb':
+          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def configurations() -> dict:
+  b, k, n = FLAGS.batch_size, FLAGS.micro_batches, FLAGS.num_devices
+  return {
+      'a': (f'(a) plain, batch {b}', b, None, 1),
+      'b': (f'(b) plain, batch {b // k}', b // k, None, 1),
+      'c': (f'(c) 1 device x {k} micro-batches, batch {b}', b, ['/cpu:0'], k),
+      'd': (f'(d) {n} devices x {k} micro-batches, batch {b}', b,
+            [f'/cpu:{i}' for i in range(n)], k),
+  }
+
+
+def in_subprocess(config: str) -> dict:
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2',
+             PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get('PYTHONPATH')] if p]))
+  args = [sys.executable, os.path.abspath(__file__), f'--config={config}',
+          f'--batch_size={FLAGS.batch_size}', f'--micro_batches={FLAGS.micro_batches}',
+          f'--num_devices={FLAGS.num_devices}', f'--steps={FLAGS.steps}',
+          f'--warmup_steps={FLAGS.warmup_steps}']
+  out = subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv):
+  del argv
+  if FLAGS.quick:
+    FLAGS.batch_size, FLAGS.steps = 2048, 5
+  if FLAGS.config is not None:
+    if FLAGS.config == 'baseline':
+      result = baseline()
+    else:
+      result = run_one(*configurations()[FLAGS.config])
+    print(json.dumps(result))
+    return
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import benchlib  # pylint: disable=g-import-not-at-top
+  print(f'micro_batches_bench: {datetime.date.today()}, {benchlib.machine()}; '
+        f'B={FLAGS.batch_size}, k={FLAGS.micro_batches}, N={FLAGS.num_devices}, '
+        f'{FLAGS.steps} steps ({FLAGS.warmup_steps} warm-up)')
+  base = in_subprocess('baseline')['peak_rss_mb']
+  print(f'baseline (import TensorFlow and estimator_towers): peak RSS {base:.0f} MB')
+  results = {c: in_subprocess(c) for c in 'abcd'}
+  print(f'{"configuration":46s} {"peak RSS":>9s} {"above base":>11s} {"before steps":>13s} '
+        f'{"allocator peak":>15s} {"examples/s":>11s}   (MB)')
+  for r in results.values():
+    print(f'{r["name"]:46s} {r["peak_rss_mb"]:9.0f} {r["peak_rss_mb"] - base:11.0f} '
+          f'{r["rss_before_steps_mb"] - base:13.0f} {r["allocator_peak_mb"]:15.0f} '
+          f'{r["examples_per_sec"]:11.0f}')
+  above = {c: r['peak_rss_mb'] - base for c, r in results.items()}
+  tensors = {c: r['allocator_peak_mb'] for c, r in results.items()}
+  speed = {c: r['examples_per_sec'] for c, r in results.items()}
+  print(f'(c) / (b) memory: RSS above baseline {above["c"] / above["b"]:.2f}, allocator peak '
+        f'{tensors["c"] / tensors["b"]:.2f} (goal <= 1.15); (c) / (a): RSS above baseline '
+        f'{above["c"] / above["a"]:.2f}, allocator peak {tensors["c"] / tensors["a"]:.2f}')
+  print(f'(c) / (a) examples/sec: {speed["c"] / speed["a"]:.2f} (goal >= 0.9); '
+        f'(d) / (a): {speed["d"] / speed["a"]:.2f}')
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,148 @@
+"""Micro-batches: a shard is a (device, micro-batch) pair.
+
+With `micro_batches=k`, each device's shard of the global batch (the split rule
+of `sharding`) is split again, by the same rule, into k micro-batches. The
+towered model_fn is built once per shard; shard s runs on device s // k as its
+micro-batch s % k, so shards are numbered device-major, in input order.
+
+Micro-batches of one device run one after another within the step's single
+`session.run`: each micro-batch after the first reads its inputs through
+`gate` Identity ops, and `order_after` gives those ops control inputs on the
+previous micro-batch's last ops (its gradients in TRAIN, its outputs in EVAL
+and PREDICT). So a micro-batch's forward pass starts only once the previous
+one's backward pass has finished and its activations are released, and the
+peak activation memory of a device is about one micro-batch's. Devices still
+run in parallel with each other.
+
+Batch normalisation without synchronisation normalises each micro-batch by
+its own statistics (a shard's, as across devices), and its moving averages
+are updated once per step from the primary shard (micro-batch 0 of device
+0). Synchronised batch norm, which would combine statistics across shards,
+is not part of this module: with micro-batches that run one after another,
+whole-batch statistics would need a forward pass over every micro-batch
+before any normalises, so it would come before the ordering set up here
+(`gate`, `order_after`) and change what `order_after` waits for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from estimator_towers import interception
+from estimator_towers import sharding
+from estimator_towers import spelling
+
+
+def validate(value: object) -> int:
+  """Checks a `micro_batches` setting.
+
+  Raises:
+    ValueError: unless `value` is an integer >= 1 (not a bool).
+  """
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(
+        f'{spelling.name("micro_batches")} must be a positive integer (the '
+        f'number of micro-batches each device splits its shard into and runs '
+        f'one after another; 1 turns micro-batches off), got '
+        f'{spelling.value("micro_batches", value)}. Use '
+        f'{spelling.setting("micro_batches", 1)} for none, or e.g. '
+        f'{spelling.setting("micro_batches", 4)} for a device shard in 4 parts.')
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How shards map to devices: shard s is micro-batch s % k of device s // k.
+
+  Attributes:
+    num_devices: the tower devices.
+    micro_batches: k, micro-batches per device.
+  """
+  num_devices: int
+  micro_batches: int
+
+  @property
+  def num_shards(self) -> int:
+    return self.num_devices * self.micro_batches
+
+  def device_of(self, shard: int) -> int:
+    return shard // self.micro_batches
+
+  def micro_batch_of(self, shard: int) -> int:
+    return shard % self.micro_batches
+
+  def previous(self, shard: int) -> int | None:
+    """The shard that runs before `shard` on its device, or None for the first."""
+    return None if self.micro_batch_of(shard) == 0 else shard - 1
+
+  def sizes(self, device_sizes: Sequence) -> list:
+    """Shard sizes: each device's size split into k by `sharding.shard_sizes`."""
+    sizes = []
+    for size in device_sizes:
+      sizes.extend(sharding.shard_sizes(size, self.micro_batches))
+    return sizes
+
+
+def split_device_shard(shard: Any, sizes: Sequence, fill_empty: bool,
+                       borrow_first: bool) -> list:
+  """A device's shard (features or labels) split into its micro-batches.
+
+  Args:
+    shard: the device's shard (None stays None).
+    sizes: the micro-batch sizes (ints, or int32 scalars at run time).
+    fill_empty: for training: a micro-batch empty at run time borrows a row
+      (weight 0), as `sharding.split` does.
+    borrow_first: the first micro-batch may be empty at run time as well (a
+      device after the first whose shard, already filled by
+      `sharding.fill_empty`, has one borrowed row).
+  """
+  if shard is None:
+    return [None] * len(sizes)
+  if not (fill_empty and borrow_first) or isinstance(sizes[0], int):
+    return sharding.split(shard, sizes, fill_empty=fill_empty)
+  # Micro-batch 0 of an empty device shard takes the borrowed row, the others
+  # (then empty too) borrow it again.
+  first = tf.maximum(sizes[0], 1)
+  return sharding.split(shard, [first] + list(sizes[1:]), fill_empty=True)
+
+
+def gate(structure: Any, device: str) -> tuple[Any, list[tf.Operation]]:
+  """`structure` through Identity ops on `device`, and those ops (to be ordered)."""
+  if structure is None:
+    return None, []
+  ops = []
+
+  def through(t):
+    with tf.device(device):
+      out = tf.identity(t)
+    ops.append(out.op)
+    return out
+
+  return tf.nest.map_structure(through, structure, expand_composites=True), ops
+
+
+def _ops(values: Any) -> list[tf.Operation]:
+  """The ops of a nest of Tensors, composite tensors (IndexedSlices...) and ops."""
+  ops = []
+  for value in tf.nest.flatten(values, expand_composites=True):
+    if isinstance(value, tf.Operation):
+      ops.append(value)
+    elif isinstance(value, tf.Tensor):
+      ops.append(value.op)
+  return ops
+
+
+def order_after(gates: Sequence[tf.Operation], done: Any) -> None:
+  """Makes the `gates` ops (a micro-batch's inputs) wait for the ops of `done`.
+
+  The gates were made before `done` existed (the shards are split before any
+  tower is built), so the control inputs are added afterwards.
+  """
+  controls = _ops(done)
+  if not controls:
+    return
+  for op in gates:
+    interception.add_control_inputs(op, controls)
