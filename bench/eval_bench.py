@@ -26,7 +26,6 @@ import contextlib
 import datetime
 import statistics
 import tempfile
-import time
 
 from absl import app
 from absl import flags
@@ -36,6 +35,7 @@ import tensorflow as tf
 
 import estimator_towers as et
 from estimator_towers import empty_shards
+from benchlib import interleaved_seconds_per_step  # pylint: disable=g-import-not-at-top
 from benchlib import machine  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_integer('num_cpu_devices', 3, 'Towers on this many virtual CPU devices.')
@@ -108,18 +108,9 @@ def main(argv):
       return session, step
 
   sessions = {name: open_session(name) for name in CONFIGS}
-  for session, step in sessions.values():
-    for _ in range(FLAGS.warmup_steps):
-      session.run(step)
-  rates = {name: [] for name in CONFIGS}
-  for round_index in range(FLAGS.rounds):
-    order = CONFIGS if round_index % 2 == 0 else CONFIGS[::-1]
-    for name in order:
-      session, step = sessions[name]
-      start = time.perf_counter()
-      for _ in range(FLAGS.steps):
-        session.run(step)
-      rates[name].append(FLAGS.steps / (time.perf_counter() - start))
+  seconds = interleaved_seconds_per_step(sessions, CONFIGS, FLAGS.warmup_steps, FLAGS.rounds,
+                                         FLAGS.steps)
+  rates = {name: [1 / t for t in values] for name, values in seconds.items()}
   print(f'{"configuration":<14} {"steps/sec":>10} {"change vs ungated [quartiles]":>32}')
   for name in CONFIGS:
     changes = [100 * (r / b - 1) for r, b in zip(rates[name], rates['ungated'])]

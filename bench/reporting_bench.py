@@ -32,7 +32,6 @@ import datetime
 import os
 import statistics
 import tempfile
-import time
 
 from absl import app
 from absl import flags
@@ -41,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 import estimator_towers as et
+from benchlib import interleaved_seconds_per_step  # pylint: disable=g-import-not-at-top
 from benchlib import machine  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_integer('num_cpu_devices', 2, 'Towers on this many virtual CPU devices.')
@@ -117,18 +117,9 @@ def main(argv):
       return session, spec.train_op
 
   sessions = {name: open_session(name) for name in CONFIGS}
-  for session, train_op in sessions.values():
-    for _ in range(FLAGS.warmup_steps):
-      session.run(train_op)
-  times = {name: [] for name in CONFIGS}
-  for round_index in range(FLAGS.rounds):
-    order = CONFIGS if round_index % 2 == 0 else CONFIGS[::-1]
-    for name in order:
-      session, train_op = sessions[name]
-      start = time.perf_counter()
-      for _ in range(FLAGS.steps):
-        session.run(train_op)
-      times[name].append(1000 * (time.perf_counter() - start) / FLAGS.steps)
+  seconds = interleaved_seconds_per_step(sessions, CONFIGS, FLAGS.warmup_steps, FLAGS.rounds,
+                                         FLAGS.steps)
+  times = {name: [1000 * t for t in values] for name, values in seconds.items()}
   print(f'{"configuration":<20} {"ms/step":>8} {"baseline":>13} {"µs/step":>8} '
         f'{"change [quartiles]":>26}')
   for name in CONFIGS:
