@@ -23,14 +23,17 @@ Peak memory, two ways:
   freed); "before steps" is the same, read when the session has been created
   (graph built, before the first step).
 - allocator peak: the most bytes TensorFlow's CPU allocator had in use at
-  once during one step (the largest `allocator_bytes_in_use` of the step's
-  RunMetadata, FULL_TRACE, on one extra untimed step after the timed ones):
-  the tensors alone, which is what micro-batches change.
+  once during a step (the largest `allocator_bytes_in_use` of the steps'
+  RunMetadata, FULL_TRACE, on --traced_steps extra untimed steps after the
+  timed ones; it varies by some tens of MB from step to step with the order
+  in which ops happen to run): the tensors alone, which is what micro-batches
+  change.
 
 Speed: examples/sec over the steps after --warmup_steps, timed by a hook
 between the end of the last warm-up step and the end of the last step (graph
-construction and session creation left out). Input: one fixed random batch,
-served by tf.data (a static batch dimension).
+construction and session creation left out). Input: a random batch made by
+tf.data each step from fixed seeds (a static batch dimension), so that no
+batch-sized constant sits in the graph.
 
   python bench/micro_batches_bench.py           # B=8192, k=4, N=2
   python bench/micro_batches_bench.py --quick   # B=2048, fewer steps
@@ -56,6 +59,7 @@ flags.DEFINE_integer('micro_batches', 4, 'k.')
 flags.DEFINE_integer('num_devices', 2, 'N, virtual CPU devices for (d).')
 flags.DEFINE_integer('steps', 8, 'Steps per configuration, warm-up included.')
 flags.DEFINE_integer('warmup_steps', 2, 'Untimed first steps.')
+flags.DEFINE_integer('traced_steps', 3, 'Untimed traced steps after the timed ones (allocator peak).')
 flags.DEFINE_bool('quick', False, 'B=2048 and 5 steps: a smoke run.')
 flags.DEFINE_string('config', None, 'Internal: run one configuration in this process.')
 
@@ -82,21 +86,23 @@ def model_fn(features, labels, mode):
 
 def run_one(name: str, batch: int, devices: list[str] | None, k: int) -> dict:
   """Trains one configuration in this process; returns its numbers."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from estimator_towers import replicate_model_fn  # pylint: disable=g-import-not-at-top
 
-  rng = np.random.RandomState(0)
-  x = rng.randn(batch, INPUTS).astype(np.float32)
-  y = rng.randint(0, CLASSES, size=batch).astype(np.int32)
-
   def input_fn():
-    return tf.data.Dataset.from_tensors((x, y)).repeat()
+    # Made in the graph from fixed seeds, not a numpy constant: a constant of
+    # the batch's size would be copied into the GraphDef (and grappler's and
+    # the session's copies of it), which would count against larger batches.
+    def batch_of_examples(_):
+      x = tf.random.stateless_normal([batch, INPUTS], seed=[1, 2])
+      y = tf.random.stateless_uniform([batch], seed=[3, 4], maxval=CLASSES, dtype=tf.int32)
+      return x, y
+    return tf.data.Dataset.from_tensors(0).repeat().map(batch_of_examples)
 
   times, peaks, before_steps = [], [], []
 
   class Timer(tf.compat.v1.train.SessionRunHook):
-    """Times every step; traces the last one (untimed) for the allocator's peak."""
+    """Times every step; traces the last ones (untimed) for the allocator's peak."""
 
     def after_create_session(self, session, coord):
       before_steps.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -123,12 +129,12 @@ def run_one(name: str, batch: int, devices: list[str] | None, k: int) -> dict:
       session_config=tf.compat.v1.ConfigProto(device_count={'CPU': len(devices or [0])}))
   est = tf.estimator.Estimator(fn, model_dir=tempfile.mkdtemp(prefix='mb_bench_'),
                                config=config)
-  est.train(input_fn, steps=FLAGS.steps + 1, hooks=[Timer()])
+  est.train(input_fn, steps=FLAGS.steps + FLAGS.traced_steps, hooks=[Timer()])
   timed = times[FLAGS.warmup_steps - 1:]
   return {'name': name, 'batch': batch,
           'examples_per_sec': batch * (len(timed) - 1) / (timed[-1] - timed[0]),
           'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-          'allocator_peak_mb': peaks[0] / 2**20, 'rss_before_steps_mb': before_steps[0]}
+          'allocator_peak_mb': max(peaks) / 2**20, 'rss_before_steps_mb': before_steps[0]}
 
 
 def baseline() -> dict:
@@ -156,7 +162,7 @@ def in_subprocess(config: str) -> dict:
   args = [sys.executable, os.path.abspath(__file__), f'--config={config}',
           f'--batch_size={FLAGS.batch_size}', f'--micro_batches={FLAGS.micro_batches}',
           f'--num_devices={FLAGS.num_devices}', f'--steps={FLAGS.steps}',
-          f'--warmup_steps={FLAGS.warmup_steps}']
+          f'--warmup_steps={FLAGS.warmup_steps}', f'--traced_steps={FLAGS.traced_steps}']
   out = subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout
   return json.loads(out.strip().splitlines()[-1])
 
