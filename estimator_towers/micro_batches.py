@@ -17,11 +17,12 @@ run in parallel with each other.
 Batch normalisation without synchronisation normalises each micro-batch by
 its own statistics (a shard's, as across devices), and its moving averages
 are updated once per step from the primary shard (micro-batch 0 of device
-0). Synchronised batch norm, which would combine statistics across shards,
-is not part of this module: with micro-batches that run one after another,
-whole-batch statistics would need a forward pass over every micro-batch
-before any normalises, so it would come before the ordering set up here
-(`gate`, `order_after`) and change what `order_after` waits for.
+0). `make_plan` refuses `sync_batch_norm` with micro-batches: with
+micro-batches that run one after another, whole-batch statistics would need
+a forward pass over every micro-batch before any normalises. Likewise a loss
+divided by its own batch's denominator (`normalizers`) is refused at the
+gradient request: each micro-batch's gradient would need the denominator of
+the micro-batches after it.
 """
 
 from __future__ import annotations
