@@ -149,6 +149,18 @@ def _identity(grad: Any) -> Any:
     return tf.identity(grad)
 
 
+def _options(primary: Request, stops: list) -> dict:
+  """The primary request's gradient options for one backward pass of ours."""
+  options = dict(primary.options)
+  options['stop_gradients'] = stops or None
+  options['colocate_gradients_with_ops'] = True
+  # No per-op gates (Optimizer's default GATE_OP asks for them): they only
+  # order a gradient op's outputs, with the same values, and would add an
+  # Identity per input and a NoOp to every multi-input op of every tower.
+  options['gate_gradients'] = False
+  return options
+
+
 def _add(grads: Sequence) -> Any:
   """Sum of one variable's gradient parts (Tensors or IndexedSlices; None skipped)."""
   parts = [g for g in grads if g is not None]
@@ -234,6 +246,7 @@ class WholeBatchGradients:
     self._after_backward = after_backward
     self._starts: dict[int, int] = {}  # graph position where a tower's build began
     self._segments: dict[int, list[tf.Operation]] = {}  # ops before request 0
+    self._whole_losses: dict = {}  # a ratio loss's ref -> the whole-batch loss differentiated
 
   # -- Which tower is being built ---------------------------------------------
 
@@ -304,46 +317,59 @@ class WholeBatchGradients:
     whole = self._normalised_loss(tower_requests)
     if whole is not None:  # the loss's own normaliser (see normalizers)
       ys, grad_ys = [whole], [primary.grad_ys[0]]
+      self._whole_losses.setdefault(primary.ys[0].ref(), whole)
     for k, request, weight in zip(self.towers, tower_requests, self.weights):
       for y, grad_y in zip(request.ys, request.grad_ys) if whole is None else ():
         ys.append(y)
         grad_ys.append(_weighted_grad_y(y, grad_y, weight))
       stops.extend(_as_list(request.options.get('stop_gradients') or []))
-    # Parts of a variable's gradient summed here rather than where the backward
-    # pass would meet: the towers' own copies ('replicated'), and each tower's
-    # reads of a variable on another task (a parameter server), whose parts
-    # are summed on the workers' CPU so that only the sum is sent.
-    xs = list(primary.xs)
-    parts = {i: [i] for i in range(len(xs))}
-    for i, x in enumerate(primary.xs):
-      if not isinstance(x, tf.Variable):
-        continue
-      for k in self.towers[1:]:
-        copy = self._copy_of(x, k)
-        if copy is not None:
-          parts[i].append(len(xs))
-          xs.append(copy)
-      if self._aggregation_device(x) != x.device:
-        reads = interception.plain_reads(x)
-        stops.extend(reads)
-        parts[i].extend(range(len(xs), len(xs) + len(reads)))
-        xs.extend(reads)
-    options = dict(primary.options)
-    options['stop_gradients'] = stops or None
-    options['colocate_gradients_with_ops'] = True
-    # No per-op gates (Optimizer's default GATE_OP asks for them): they only
-    # order a gradient op's outputs, with the same values, and would add an
-    # Identity per input and a NoOp to every multi-input op of every tower.
-    options['gate_gradients'] = False
-    grads = interception.graph_gradients(ys, xs, grad_ys, **options)
+    xs, parts, reads = self._xs_and_parts(primary, self.towers)
+    stops.extend(reads)
+    grads = interception.graph_gradients(ys, xs, grad_ys, **_options(primary, stops))
     combined = []
-    for i, x in enumerate(primary.xs):
-      if len(parts[i]) == 1:
-        combined.append(grads[i])
+    for x, part in zip(primary.xs, parts):
+      if len(part) == 1:
+        combined.append(grads[part[0]])
         continue
       with tf.device(self._aggregation_device(x)), tf.name_scope('combine_gradients'):
-        combined.append(_add([grads[j] for j in parts[i]]))
+        combined.append(_add([grads[j] for j in part]))
     return combined
+
+  def _xs_and_parts(self, primary: Request, towers: Sequence[int]) -> tuple[list, list, list]:
+    """What to differentiate for `towers`' parts of each of the primary's xs.
+
+    A variable's gradient is summed from parts here rather than where the
+    backward pass would meet: the towers' own copies of it ('replicated'),
+    and each tower's reads of a variable on another task (a parameter
+    server), whose parts are summed on the workers' CPU so that only the sum
+    is sent.
+
+    Returns:
+      (xs, parts, reads): the tensors and variables to differentiate; per
+      primary x, the positions in xs whose gradients sum to its gradient; the
+      parameter-server reads among xs (to stop the backward pass at).
+    """
+    xs, parts, reads = [], [], []
+    for x in primary.xs:
+      members = [x]
+      if isinstance(x, tf.Variable):
+        members = []
+        for k in towers:
+          copy = self._copy_of(x, k)
+          member = x if copy is None else copy
+          if all(member is not m for m in members):
+            members.append(member)
+        if self._aggregation_device(x) != x.device:  # on a parameter server
+          ps_reads = interception.plain_reads(x)
+          members.extend(ps_reads)
+          reads.extend(ps_reads)
+      parts.append(list(range(len(xs), len(xs) + len(members))))
+      xs.extend(members)
+    return xs, parts, reads
+
+  def whole_batch_loss(self, loss: tf.Tensor) -> tf.Tensor | None:
+    """The whole-batch loss differentiated for tower 0's ratio loss `loss`, or None."""
+    return self._whole_losses.get(loss.ref()) if isinstance(loss, tf.Tensor) else None
 
   def _normalised_loss(self, tower_requests: Sequence[Request]) -> tf.Tensor | None:
     """The whole-batch loss of a ratio loss (`normalizers`), or None."""
@@ -355,6 +381,7 @@ class WholeBatchGradients:
         [self._nonempty[k] for k in self.towers],
         auto=self._loss_reduction == 'auto',
         variables=[x for x in tower_requests[0].xs if isinstance(x, tf.Variable)])
+
   def _by_micro_batch(self, tower_requests: Sequence[Request], ordered: bool) -> list:
     """The whole-batch gradient with micro-batches: one backward pass per shard.
 
@@ -398,22 +425,9 @@ class WholeBatchGradients:
     """Shard k's weighted gradient with respect to each of the primary's xs."""
     ys = list(request.ys)
     grad_ys = [_weighted_grad_y(y, g, weight) for y, g in zip(request.ys, request.grad_ys)]
-    stops = list(_as_list(request.options.get('stop_gradients') or []))
-    xs, parts = [], []
-    for x in primary.xs:
-      own = self._copy_of(x, k) if isinstance(x, tf.Variable) else None
-      parts.append([len(xs)])
-      xs.append(x if own is None else own)
-      if isinstance(x, tf.Variable) and self._aggregation_device(x) != x.device:
-        reads = interception.plain_reads(x)  # on a parameter server: summed here
-        stops.extend(reads)
-        parts[-1].extend(range(len(xs), len(xs) + len(reads)))
-        xs.extend(reads)
-    options = dict(primary.options)
-    options['stop_gradients'] = stops or None
-    options['colocate_gradients_with_ops'] = True
-    options['gate_gradients'] = False  # (see _whole_batch)
-    grads = interception.graph_gradients(ys, xs, grad_ys, **options)
+    xs, parts, reads = self._xs_and_parts(primary, [k])
+    stops = _as_list(request.options.get('stop_gradients') or []) + reads
+    grads = interception.graph_gradients(ys, xs, grad_ys, **_options(primary, stops))
     with tf.device(self._device_of(k)), tf.name_scope('shard_gradients'):
       return [_add([grads[j] for j in part]) for part in parts]
 

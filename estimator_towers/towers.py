@@ -554,7 +554,10 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
   with statistics.syncing():  # a tower built again meets the sync points again: an error
     losses = [spec.loss] + [_tower_loss(broker, build_other, k, spec.loss)
                             for k in shards.active[1:]]
-  loss = _whole_batch_loss(losses, shards, plan)
+  # A ratio loss's whole-batch loss, as differentiated when it was the gradient's.
+  loss = broker.whole_batch_loss(spec.loss)
+  if loss is None:
+    loss = _whole_batch_loss(losses, shards, plan)
   if loss is None:
     with tf.name_scope('tower_loss'):
       loss = specs_lib.weighted_sum(losses, broker.weights, shards.nonempty)

@@ -169,14 +169,18 @@ def keras_model_fn(features, labels, mode, params):
 MODELS = {'v1_layers': v1_model_fn, 'keras_bn': keras_model_fn}
 
 
-def minibatch_kmeans_steps(centres, counts, batches):
+def minibatch_kmeans_steps(centres, counts, batches, reads: str | None = None):
   """Mini-batch k-means (squared Euclidean distance) in float64, as
   `clustering_ops._mini_batch_training_op` states it: each example goes to its
   nearest centre, then c_j += (sum of its k examples - k c_j) / (n_j + k) and
   n_j += k. The reference for TensorFlow's KMeans, whose plain graph races
-  (see tests/test_kmeans.py)."""
+  (see tests/test_kmeans.py).
+
+  `reads`, one letter per batch, models that race: 'o' reads the old counts
+  n_j (as stated), 'u' the counts already updated, n_j + k (1 / (n_j + 2k)).
+  """
   centres, counts = centres.astype(np.float64), counts.astype(np.float64)
-  for batch in batches:
+  for batch, read in zip(batches, reads or 'o' * len(batches)):
     batch = batch.astype(np.float64)
     nearest = ((batch[:, None, :] - centres[None]) ** 2).sum(-1).argmin(1)
     new = centres.copy()
@@ -184,7 +188,8 @@ def minibatch_kmeans_steps(centres, counts, batches):
       members = batch[nearest == j]
       k = len(members)
       if k:
-        new[j] += (members.sum(0) - k * centres[j]) / (counts[j] + k)
+        n = counts[j] + (k if read == 'u' else 0)
+        new[j] += (members.sum(0) - k * centres[j]) / (n + k)
         counts[j] += k
     centres = new
   return centres, counts
