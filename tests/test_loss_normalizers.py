@@ -141,13 +141,35 @@ def _assert_rule(actual: dict, expected: dict) -> None:
     assert np.all(np.isfinite(actual[name])), name
 
 
+class ReportedLoss(tf.compat.v1.train.SessionRunHook):
+  """The loss each training step reports (what the Estimator logs and summarises)."""
+
+  def __init__(self):
+    self.values: list[float] = []
+    self._loss = None
+
+  def begin(self):
+    summaries = [op for op in tf.compat.v1.get_default_graph().get_operations()
+                 if op.type == 'ScalarSummary' and op.name == 'loss']
+    assert len(summaries) == 1, summaries
+    self._loss = summaries[0].inputs[1]  # the spec's loss, as the Estimator got it
+
+  def before_run(self, run_context):
+    return tf.compat.v1.train.SessionRunArgs(self._loss)
+
+  def after_run(self, run_context, run_values):
+    self.values.append(float(run_values.results))
+
+
 def _run(model_fn, num_cpus=1, model_dir=None):
-  """Variables after 1 step and after 3 more (batches 1; 1, 2, 3), and the estimator."""
+  """Variables after 1 step and after 3 more (batches 1; 1, 2, 3), the
+  estimator, and the loss each of the 4 steps reported."""
   est = testlib.make_estimator(model_fn, num_cpus=num_cpus, model_dir=model_dir)
-  est.train(_input_fn, steps=1)
+  reported = ReportedLoss()
+  est.train(_input_fn, steps=1, hooks=[reported])
   after_1 = testlib.variables(est)
-  est.train(_input_fn, steps=3)
-  return after_1, testlib.variables(est), est
+  est.train(_input_fn, steps=3, hooks=[reported])
+  return after_1, testlib.variables(est), est, reported.values
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,13 +180,16 @@ def _plain(name):
 @pytest.mark.parametrize('num_devices', [2, 3])
 @pytest.mark.parametrize('name', sorted(LOSSES))
 def test_training_and_eval_loss_equal_plain(name, num_devices):
-  plain_1, plain_4, plain = _plain(name)
+  plain_1, plain_4, plain, plain_losses = _plain(name)
   assert plain_4['global_step'] == 4
   towered_fn = et.replicate_model_fn(functools.partial(_model_fn, LOSSES[name]),
                                      devices=testlib.cpu_devices(num_devices))
-  towered_1, towered_4, _ = _run(towered_fn, num_devices)
+  towered_1, towered_4, _, towered_losses = _run(towered_fn, num_devices)
   _assert_rule(towered_1, plain_1)
   _assert_rule(towered_4, plain_4)
+  # The loss each training step reports (logged, summarised).
+  assert len(towered_losses) == len(plain_losses) == 4
+  testlib.assert_close(towered_losses, plain_losses, err_msg='reported training loss')
   # EVAL on the plain checkpoint, over the same three batches.
   towered = testlib.make_estimator(towered_fn, num_cpus=num_devices,
                                    model_dir=plain.model_dir)
@@ -198,7 +223,7 @@ def test_loss_denominator_needs_a_scalar():
                          [('gpu', 0), ('replicated', 0), ('cpu', 1)])
 def test_padded_tokens_with_other_strategies_and_staged_input(variable_strategy,
                                                               staging_depth):
-  plain_1, plain_4, _ = _plain('padded')
+  plain_1, plain_4, _, _ = _plain('padded')
   plan = et.make_plan(devices=testlib.cpu_devices(3), variable_strategy=variable_strategy,
                       staging_depth=staging_depth)
   towered_fn = et.replicate_model_fn(functools.partial(_model_fn, _padded), plan=plan)
