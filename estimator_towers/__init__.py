@@ -6,7 +6,7 @@ from estimator_towers.config import make_run_config
 from estimator_towers.config import session_config
 from estimator_towers.flags import config_from_flags
 from estimator_towers.flags import define_flags
-from estimator_towers.normalizers import loss_denominator
+from estimator_towers.loss_algebra import loss_denominator
 from estimator_towers.plan import DevicePlan
 from estimator_towers.plan import make_plan
 from estimator_towers.staging import staged_input_fn

@@ -39,7 +39,7 @@ class TowersConfig:
     staging_depth: shards kept in flight per device by the staged input_fn.
     staging_backend: the staged input_fn's backend, one of `staging.BACKENDS`
       ('staging_area').
-    loss_reduction: 'auto', 'mean' or 'sum', how the model_fn's loss reduces the batch.
+    loss_reduction: 'auto', 'exact', 'mean' or 'sum', how the model_fn's loss reduces the batch.
     log_device_placement: log the device of every op when the session starts.
     allow_soft_placement: let TensorFlow move ops without a kernel for their
       device (summaries on a GPU tower, say) to another device. On by default,

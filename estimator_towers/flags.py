@@ -44,11 +44,12 @@ _STAGING_BACKEND_HELP = {
                     'as the step (tf_cnn_benchmarks\' scheme)',
 }
 _LOSS_REDUCTION_HELP = {
-    'auto': 'a ratio loss\'s own normaliser when recognised (a sum of token '
-            'weights, a count of non-zero weights), else the reduction the '
-            'model_fn\'s tf.compat.v1.losses / Keras loss records (v1 canned '
-            'heads sum; a loss made by tf.reduce_mean / '
-            'tf.reduce_sum over the batch is recognised; mean when none is)',
+    'auto': 'the whole batch\'s loss rebuilt from the shards\' statistics '
+            '(sums, means, sizes, batch sizes and sums of weights combined by '
+            'elementwise arithmetic: token-weighted losses, BERT\'s two terms, a '
+            'loss plus a regulariser); a loss it cannot rebuild gets one warning '
+            'naming the op and the recorded reduction (mean when none is)',
+    'exact': 'auto, but a loss the towers cannot rebuild exactly is an error',
     'mean': 'the loss averages over the batch: towers are weighted by their '
             'share of the batch',
     'sum': 'the loss adds up per-example losses: the towers\' gradients add up',

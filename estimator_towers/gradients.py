@@ -19,10 +19,12 @@ model_fn then does with the gradients (clipping, loss scaling, summaries, its
 own optimizer's `apply_gradients`, a manual `global_step` update, a Saver) runs
 once, exactly as on one device.
 
-A loss that divides by its own normaliser (sum(xent * w) / sum(w) over padded
-tokens) weighs tower k by its share of that normaliser rather than of the
-examples: the whole-batch loss is then built and differentiated as
-`normalizers` describes.
+The loss's rule comes from `loss_algebra`: a mean weighs tower k by its share
+of the examples (w_k = n_k / B), a sum by 1, and any other loss of the batch's
+statistics (sum(xent * w) / sum(w) over padded tokens, BERT's two terms, a
+ratio plus a regulariser) is rebuilt on the whole batch's statistics and
+differentiated as one loss. With micro-batches each shard gets a backward
+pass of its own, seeded with its weight or with its numerators' coefficients.
 
 The rule that tells requests apart: a request made while a tower's graph is
 built (not inside a `tf.function`) whose `xs` include a `tf.Variable` is a
@@ -45,7 +47,7 @@ import numpy as np
 import tensorflow as tf
 
 from estimator_towers import interception
-from estimator_towers import normalizers
+from estimator_towers import loss_algebra
 
 
 class DivergentTowersError(ValueError):
@@ -201,8 +203,10 @@ class WholeBatchGradients:
     variable_count: the number of variables created so far.
     creation_spans: (first, end) positions in the graph's op list of the ops
       made to create variables (left out when towers' ops are matched).
-    inputs: the primary tower's shard tensors, flattened (for `normalizers`).
+    inputs: the primary tower's shard tensors, flattened (for `loss_algebra`).
     nonempty: per tower index, whether its shard is not empty (bool or Tensor).
+    ungated: with micro-batches, `ungated(k)` is shard k's flattened inputs
+      before its micro-batch gates (aligned with `inputs`).
     device_of: with micro-batches, `device_of(k)` is the device tower
       (shard) k runs on; then each shard gets a backward pass of its own (see
       `_by_micro_batch`). None: one backward pass over every tower.
@@ -218,12 +222,14 @@ class WholeBatchGradients:
                aggregation_device: Callable[[tf.Variable], str],
                variable_count: Callable[[], int],
                creation_spans: Sequence[tuple[int, int]] = (),
-               inputs: Sequence[tf.Tensor] = (), nonempty: Sequence | None = None,
+               inputs: Sequence[tf.Tensor] = (), nonempty: Any = None,
+               ungated: Callable[[int], list] | None = None,
                device_of: Callable[[int], str] | None = None,
                after_backward: Callable[[int, list], None] | None = None):
     self._graph = graph
     self._inputs = list(inputs)
-    self._nonempty = nonempty
+    self._nonempty = nonempty if nonempty is not None else {k: True for k in towers}
+    self._ungated = ungated
     self.towers = list(towers)
     self._sizes = sizes
     self._batch = batch
@@ -268,11 +274,11 @@ class WholeBatchGradients:
   # -- The primary's requests -------------------------------------------------
 
   def _answer_primary(self, request: Request) -> list:
-    if self.reduction is None:  # fixed by the first request
-      self.reduction, self.weights = tower_weights(
-          self._loss_reduction, self._graph, self._sizes, self._batch, self.towers,
-          loss=request.ys[0] if request.ys else None)
     r = len(self.requests)
+    analysis = self._analyse(request)
+    if self.reduction is None:  # fixed by the first request (the reported loss's rule)
+      self.reduction = 'mean' if analysis.rule == 'rebuild' else analysis.rule
+      self.weights = tower_weights(self.reduction, self._sizes, self._batch, self.towers)
     self.requests.append(request)
     self.variables_at.append(self._variable_count())
     if r == 0:
@@ -292,36 +298,83 @@ class WholeBatchGradients:
           mapped = self.others[k][r]
         self.others[k][r] = mapped
         tower_requests.append(mapped)
-      if self._device_of is None:
-        answer = self._whole_batch(tower_requests)
-      else:
-        if self._normalised_loss(tower_requests) is not None:
-          raise ValueError(
-              'micro_batches > 1 cannot train a loss divided by a denominator '
-              'of its own batch (such as sum(loss * weights) / sum(weights) '
-              'over padded tokens) exactly: every micro-batch\'s gradient needs '
-              'the whole batch\'s denominator, which is known only after the '
-              'last micro-batch. Use micro_batches=1 (towers alone are exact '
-              'for such losses), or divide by a denominator that is the same '
-              'for the whole step (a constant, loss_reduction=\'sum\').')
-        answer = self._by_micro_batch(tower_requests, ordered=r == 0)
+      answer = self._answer(analysis, tower_requests, ordered=r == 0)
     if controlled:
       answer = [_identity(g) for g in answer]
     self.answers.append(answer)
     return answer
 
-  def _whole_batch(self, tower_requests: Sequence[Request]) -> list:
-    """One backward pass over every tower's loss, weighted; parts summed per variable."""
+  def _analyse(self, request: Request) -> loss_algebra.Analysis:
+    """The whole-batch loss's rule for a request (see `loss_algebra`)."""
+    loss = request.ys[0] if len(request.ys) == 1 else None
+    return loss_algebra.analyse(
+        loss, self._inputs, [x for x in request.xs if isinstance(x, tf.Variable)],
+        self._loss_reduction, lambda: fallback_reduction(self._graph, loss))
+
+  def _answer(self, analysis: loss_algebra.Analysis, tower_requests: Sequence[Request],
+              ordered: bool) -> list:
+    """The whole-batch gradient: the rule's seeds, one backward pass or one per shard."""
+    primary = tower_requests[0]
+    seeds, extra = None, None
+    if analysis.rule == 'rebuild':
+      seeds, extra = self._rebuilt(analysis.expression, tower_requests)
+    if seeds is None:
+      rule = analysis.rule if analysis.rule != 'rebuild' else 'mean'
+      weights = (self.weights if rule == self.reduction
+                 else tower_weights(rule, self._sizes, self._batch, self.towers))
+      seeds = [(list(q.ys), [_weighted_grad_y(y, g, w) for y, g in zip(q.ys, q.grad_ys)])
+               for q, w in zip(tower_requests, weights)]
+    if self._device_of is None:
+      return self._whole_batch(tower_requests, seeds)
+    answer = self._by_micro_batch(tower_requests, seeds, ordered)
+    if extra is None:
+      return answer
+    combined = []
+    for x, a, e in zip(primary.xs, answer, extra):
+      device = self._aggregation_device(x) if isinstance(x, tf.Variable) else None
+      with tf.device(device), tf.name_scope('combine_gradients'):
+        combined.append(_add([a, e]))
+    return combined
+
+  def _rebuilt(self, expression: loss_algebra.Expression, tower_requests: Sequence[Request]
+               ) -> tuple[list | None, list | None]:
+    """Seeds for a loss rebuilt from the shards' statistics (`loss_algebra`).
+
+    Towers: the whole-batch loss itself, one backward pass through it.
+    Micro-batches: each shard's numerators seeded with their coefficients,
+    plus (`extra`) the gradient through the loss's shard-independent terms.
+    """
+    primary = tower_requests[0]
+    losses = [q.ys[0] for q in tower_requests]
+    find = loss_counterparts(losses)
+    nonempty = [self._nonempty[k] for k in self.towers]
+    if self._device_of is None:
+      statistics = loss_algebra.shard_statistics(expression, find, len(losses))
+      if statistics is None:
+        return None, None
+      whole = loss_algebra.whole_batch_loss(expression, statistics, nonempty)
+      self._whole_losses.setdefault(primary.ys[0].ref(), whole)
+      return [([whole], [primary.grad_ys[0]])] + [([], [])] * (len(losses) - 1), None
+    seeds = loss_algebra.micro_batch_seeds(
+        expression, find, lambda i: self._ungated(self.towers[i]), nonempty,
+        [self._sizes[k] for k in self.towers], self._batch, primary.grad_ys[0])
+    if seeds is None:
+      return None, None
+    self._whole_losses.setdefault(primary.ys[0].ref(), seeds.loss)
+    xs, parts, reads = self._xs_and_parts(primary, self.towers[:1])
+    grads = interception.graph_gradients(
+        [seeds.loss], xs, [primary.grad_ys[0]],
+        **_options(primary, seeds.totals + reads))
+    extra = [_add([grads[j] for j in part]) for part in parts]
+    return list(zip(seeds.ys, seeds.grad_ys)), extra
+
+  def _whole_batch(self, tower_requests: Sequence[Request], seeds: Sequence) -> list:
+    """One backward pass over every tower's seeds; parts summed per variable."""
     primary = tower_requests[0]
     ys, grad_ys, stops = [], [], []
-    whole = self._normalised_loss(tower_requests)
-    if whole is not None:  # the loss's own normaliser (see normalizers)
-      ys, grad_ys = [whole], [primary.grad_ys[0]]
-      self._whole_losses.setdefault(primary.ys[0].ref(), whole)
-    for k, request, weight in zip(self.towers, tower_requests, self.weights):
-      for y, grad_y in zip(request.ys, request.grad_ys) if whole is None else ():
-        ys.append(y)
-        grad_ys.append(_weighted_grad_y(y, grad_y, weight))
+    for request, (tower_ys, tower_grad_ys) in zip(tower_requests, seeds):
+      ys.extend(tower_ys)
+      grad_ys.extend(tower_grad_ys)
       stops.extend(_as_list(request.options.get('stop_gradients') or []))
     xs, parts, reads = self._xs_and_parts(primary, self.towers)
     stops.extend(reads)
@@ -371,18 +424,8 @@ class WholeBatchGradients:
     """The whole-batch loss differentiated for tower 0's ratio loss `loss`, or None."""
     return self._whole_losses.get(loss.ref()) if isinstance(loss, tf.Tensor) else None
 
-  def _normalised_loss(self, tower_requests: Sequence[Request]) -> tf.Tensor | None:
-    """The whole-batch loss of a ratio loss (`normalizers`), or None."""
-    if self._nonempty is None or any(len(r.ys) != 1 for r in tower_requests):
-      return None
-    losses = [r.ys[0] for r in tower_requests]
-    return normalizers.whole_batch_loss(
-        losses, loss_counterparts(losses), self._inputs,
-        [self._nonempty[k] for k in self.towers],
-        auto=self._loss_reduction == 'auto',
-        variables=[x for x in tower_requests[0].xs if isinstance(x, tf.Variable)])
-
-  def _by_micro_batch(self, tower_requests: Sequence[Request], ordered: bool) -> list:
+  def _by_micro_batch(self, tower_requests: Sequence[Request], seeds: Sequence,
+                      ordered: bool) -> list:
     """The whole-batch gradient with micro-batches: one backward pass per shard.
 
     Not one backward pass over every shard's loss (`_whole_batch`), for two
@@ -399,8 +442,8 @@ class WholeBatchGradients:
     """
     primary = tower_requests[0]
     by_device: dict[str, list] = {}
-    for k, request, weight in zip(self.towers, tower_requests, self.weights):
-      grads = self._shard_gradients(k, request, weight, primary)
+    for k, request, (ys, grad_ys) in zip(self.towers, tower_requests, seeds):
+      grads = self._shard_gradients(k, request, ys, grad_ys, primary)
       device = self._device_of(k)
       if device not in by_device:
         by_device[device] = grads
@@ -420,11 +463,11 @@ class WholeBatchGradients:
         combined.append(_add(parts))
     return combined
 
-  def _shard_gradients(self, k: int, request: Request, weight: Any,
+  def _shard_gradients(self, k: int, request: Request, ys: list, grad_ys: list,
                        primary: Request) -> list:
-    """Shard k's weighted gradient with respect to each of the primary's xs."""
-    ys = list(request.ys)
-    grad_ys = [_weighted_grad_y(y, g, weight) for y, g in zip(request.ys, request.grad_ys)]
+    """Shard k's gradient of its seeds with respect to each of the primary's xs."""
+    if not ys:  # a shard whose seeds are all zero
+      return [None] * len(primary.xs)
     xs, parts, reads = self._xs_and_parts(primary, [k])
     stops = _as_list(request.options.get('stop_gradients') or []) + reads
     grads = interception.graph_gradients(ys, xs, grad_ys, **_options(primary, stops))
@@ -553,46 +596,31 @@ class _Building:
     return False
 
 
-_logged_assumed_mean = []
+def fallback_reduction(graph: tf.Graph, loss: Any) -> str:
+  """The example-count rule's reduction for a loss the algebra does not rebuild.
 
-
-def tower_weights(loss_reduction: str, graph: tf.Graph, sizes: Sequence, batch: Any,
-                  towers: Sequence[int], loss: Any = None) -> tuple[str, list]:
-  """The reduction ('mean' or 'sum') and each built tower's weight in the loss.
-
-  The rule of 'auto': the reduction the model_fn's last TensorFlow loss
-  function recorded on the graph (v1 canned heads sum; tf.compat.v1.losses and
-  Keras losses otherwise average), as TensorFlow's distribution strategies
-  read it; else, if `loss` (tower 0's) is made by a `tf.reduce_sum` or
-  `tf.reduce_mean` over the batch axis, that; else a mean (logged once).
+  The reduction the model_fn's last TensorFlow loss function recorded on the
+  graph (v1 canned heads sum; tf.compat.v1.losses and Keras losses otherwise
+  average), as TensorFlow's distribution strategies read it; else, if `loss`
+  is a `tf.reduce_sum` or `tf.reduce_mean` over the batch axis, that; else a
+  mean.
   """
-  reduction = loss_reduction
-  if reduction == 'auto':
-    recorded = interception.last_loss_reduction(graph)
-    if recorded is not None:
-      reduction = 'sum' if str(recorded) in SUM_REDUCTIONS else 'mean'
-    elif normalizers.divides_by_shard(loss):
-      reduction = 'mean'  # normalizers weighs it, or warns that it cannot
-    else:
-      reduction = _reduction_of(loss)
-      if reduction is None:
-        reduction = 'mean'
-        if not _logged_assumed_mean:
-          _logged_assumed_mean.append(True)
-          logging.warning(
-              'estimator_towers: the loss\'s reduction over the batch is not '
-              'recorded by a TensorFlow loss function nor a tf.reduce_sum / '
-              'tf.reduce_mean over the batch; assuming a mean (towers weighted '
-              'by their share of the batch). If the loss adds up per-example '
-              'losses, pass loss_reduction=\'sum\'.')
+  recorded = interception.last_loss_reduction(graph)
+  if recorded is not None:
+    return 'sum' if str(recorded) in SUM_REDUCTIONS else 'mean'
+  return _reduction_of(loss) or 'mean'
+
+
+def tower_weights(reduction: str, sizes: Sequence, batch: Any, towers: Sequence[int]) -> list:
+  """Each built tower's weight in the example-count rule 'mean' or 'sum'."""
   if reduction == 'sum':  # a tower whose shard is empty at run time adds nothing
-    return reduction, [1.0 if isinstance(sizes[k], int) else
-                       tf.cast(sizes[k] > 0, tf.float32) for k in towers]
+    return [1.0 if isinstance(sizes[k], int) else
+            tf.cast(sizes[k] > 0, tf.float32) for k in towers]
   if isinstance(batch, int):
-    return reduction, [sizes[k] / max(batch, 1) for k in towers]
+    return [sizes[k] / max(batch, 1) for k in towers]
   with tf.device(None), tf.name_scope('tower_weights'):
     total = tf.cast(tf.maximum(batch, 1), tf.float32)
-    return reduction, [tf.cast(sizes[k], tf.float32) / total for k in towers]
+    return [tf.cast(sizes[k], tf.float32) / total for k in towers]
 
 
 def _reduction_of(loss: Any) -> str | None:

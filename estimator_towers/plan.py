@@ -15,7 +15,7 @@ from estimator_towers import placement
 from estimator_towers import spelling
 from estimator_towers import staging_backends
 
-LOSS_REDUCTIONS = ('auto', 'mean', 'sum')
+LOSS_REDUCTIONS = ('auto', 'exact', 'mean', 'sum')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,11 +28,13 @@ class DevicePlan:
     num_gpus: the GPU count asked for, when given as a count; 0 means one
       tower on the host CPU.
     variable_strategy: a key of `placement.STRATEGIES`.
-    loss_reduction: 'auto' (default: a ratio loss's own normaliser when it is
-      recognised, else the reduction the model_fn's TensorFlow loss function
-      recorded, as TensorFlow's distribution strategies read it;
-      a mean when none did), 'mean' (the loss is a mean over the batch: towers
-      are weighted by their share of the batch) or 'sum' (towers add up).
+    loss_reduction: 'auto' (default: the whole batch's loss is rebuilt from
+      the shards' statistics by `loss_algebra`'s rule; a loss it cannot
+      rebuild gets one warning naming the op and the reduction the model_fn's
+      TensorFlow loss function recorded, else a mean), 'exact' ('auto', with
+      that warning an error), 'mean' (the loss is a mean over the batch:
+      towers are weighted by their share of the batch) or 'sum' (towers add
+      up).
     staging_depth: shards kept in flight per device by the staged input_fn.
     staging_backend: how the staged input_fn prefetches shards: one of
       `staging_backends.BACKENDS` ('staging_area', a StagingArea per device).
@@ -115,7 +117,8 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
     raise ValueError(
         f'{spelling.name("loss_reduction")} must be one of {LOSS_REDUCTIONS}, '
         f'got {spelling.value("loss_reduction", loss_reduction)}: use "auto" to '
-        f'follow the reduction your TensorFlow loss function records, "mean" '
+        f'rebuild the whole batch\'s loss from the shards\' statistics, "exact" '
+        f'for "auto" that raises where it cannot, "mean" '
         f'when your loss averages over the batch (tf.compat.v1.losses and Keras '
         f'losses do) and "sum" when it adds up per-example losses.')
   if isinstance(staging_depth, bool) or not isinstance(staging_depth, int) or staging_depth < 0:

@@ -17,7 +17,7 @@ from estimator_towers import empty_shards
 from estimator_towers import gradients
 from estimator_towers import interception
 from estimator_towers import logs
-from estimator_towers import normalizers
+from estimator_towers import loss_algebra
 from estimator_towers import ordering
 from estimator_towers import micro_batches as micro_batches_lib
 from estimator_towers import placement as placement_lib
@@ -72,17 +72,17 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   On gradients: in TRAIN, tower 0 runs the model_fn on its shard, in the
   model_fn's own flow. When it asks for gradients with respect to variables
   (tf.gradients, an optimizer's compute_gradients / minimize, Keras legacy
-  optimizers), it receives the gradient of the whole batch's loss, sum_k w_k *
-  loss_k, where w_k is tower k's share of what the loss divides by: for a
-  ratio sum(...) / d whose denominator d sums over the shard (token weights,
-  BERT's sum(w) + 1e-5, tf.compat.v1.losses' count of non-zero weights or sum
-  of weights), the whole-batch loss is sum_k numerator_k / D with D the
-  whole batch's d, and a shard with no tokens adds nothing (no NaN); declare
-  a denominator that is not recognised with `loss_denominator(d)`. Else
-  w_k = n_k / B for a mean-reduced loss and 1 for a summed one
-  (`loss_reduction='auto'` follows what the model_fn's TensorFlow loss
-  function recorded). The other towers are built at that moment and stopped at
-  their own request, so they build their forward pass only. What the model_fn
+  optimizers), it receives the gradient of the whole batch's loss: the loss
+  as a function of the batch's statistics (sums, means, token counts, sums of
+  weights, combined by arithmetic with regularisers and constants) rebuilt on
+  the whole batch's totals (`loss_algebra`), so token-weighted losses, BERT's
+  two-term loss and a loss plus a regulariser equal the plain loss, and a
+  shard with no tokens adds nothing (no NaN); a plain mean weighs tower k by
+  w_k = n_k / B, a plain sum by 1. A loss it cannot rebuild gets one warning
+  naming the op (an error with loss_reduction='exact'); declare a statistic
+  it does not recognise with `loss_denominator(d)`. The other towers are
+  built at that moment and stopped at their own request, so they build their
+  forward pass only. What the model_fn
   then does (clipping, loss scaling, its optimizer's apply_gradients, a
   manual global_step update) runs once. Gradients with respect to anything
   other than variables (a gradient penalty on the inputs) stay per tower.
@@ -128,10 +128,12 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
       CPU alone.
     devices: explicit tower devices, e.g. ['/cpu:0', '/cpu:1'].
     variable_strategy: a key of `estimator_towers.placement.STRATEGIES`.
-    loss_reduction: 'auto' (the loss's own normaliser when it is a ratio the
-      library recognises, else the reduction the model_fn's TensorFlow loss
-      function records; a mean when none does), 'mean' or 'sum' (normalisers
-      are then not recognised; those declared with `loss_denominator` are).
+    loss_reduction: 'auto' (the whole batch's loss rebuilt from the shards'
+      statistics by `loss_algebra`'s rule; one warning naming the op for a
+      loss it cannot rebuild, which then follows the reduction the model_fn's
+      TensorFlow loss function records, a mean when none does), 'exact'
+      ('auto' with that warning an error), 'mean' or 'sum' (the loss is not
+      analysed; statistics declared with `loss_denominator` still are).
     sync_batch_norm: in TRAIN, every batch norm (Keras, tf.compat.v1.layers,
       tf.compat.v1.nn.fused_batch_norm, tf.nn.moments over the batch axis)
       normalises with the mean and variance of the global batch, so towered
@@ -327,6 +329,7 @@ class _Shards:
       static, else a bool Tensor).
     gates: per shard after the first of its device, the Identity ops its
       inputs pass through, to be ordered after the previous micro-batch.
+    ungated: per gated shard, its flattened inputs before the gates.
   """
   layout: micro_batches_lib.Layout
   features: list
@@ -336,6 +339,7 @@ class _Shards:
   active: list
   nonempty: list
   gates: dict
+  ungated: dict = dataclasses.field(default_factory=dict)
 
 
 def _make_shards(features, labels, mode, tower_devices, staged,
@@ -402,6 +406,7 @@ def _gate(shards: _Shards, tower_devices: Sequence[str]) -> None:
       if shards.layout.previous(s) is None:
         continue
       device = tower_devices[shards.layout.device_of(s)]
+      shards.ungated[s] = _flat_shard(shards, s)
       shards.features[s], feature_ops = micro_batches_lib.gate(shards.features[s], device)
       shards.labels[s], label_ops = micro_batches_lib.gate(shards.labels[s], device)
       shards.gates[s] = feature_ops + label_ops
@@ -496,13 +501,8 @@ def _build_eval_predict(builder: _TowerBuilder, plan: plan_lib.DevicePlan
     _order_next(shards, k, [spec.loss, spec.predictions])
   if builder.mode == ModeKeys.PREDICT:
     return specs_lib.merge_predict(tower_specs)
-  loss = _whole_batch_loss([s.loss for s in built], shards, plan, gated)
-  if loss is None:
-    _, weights = gradients.tower_weights(plan.loss_reduction, graph, shards.sizes,
-                                         shards.batch, shards.active,
-                                         loss=tower_specs[0].loss)
-    with tf.name_scope('tower_loss'):
-      loss = specs_lib.weighted_sum([s.loss for s in tower_specs], weights, shards.nonempty)
+  loss = _reported_loss([s.loss for s in built], [s.loss for s in tower_specs], shards, plan,
+                        graph, gated)
   _tower_summaries(shards.active, [s.loss for s in tower_specs], shards.sizes)
   return specs_lib.merge_eval(tower_specs, loss, built)
 
@@ -540,6 +540,7 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
       creation_spans=variable_sharing.creation_spans,
       inputs=_flat_shard(shards, builder.primary),
       nonempty=dict(zip(shards.active, shards.nonempty)),
+      ungated=lambda k: shards.ungated.get(k) or _flat_shard(shards, k),
       device_of=(lambda k: builder.tower_devices[layout.device_of(k)]) if micro else None,
       after_backward=functools.partial(_order_next, shards) if micro else None)
   kept = {}
@@ -557,10 +558,7 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
   # A ratio loss's whole-batch loss, as differentiated when it was the gradient's.
   loss = broker.whole_batch_loss(spec.loss)
   if loss is None:
-    loss = _whole_batch_loss(losses, shards, plan)
-  if loss is None:
-    with tf.name_scope('tower_loss'):
-      loss = specs_lib.weighted_sum(losses, broker.weights, shards.nonempty)
+    loss = _reported_loss(losses, losses, shards, plan, graph)
   _tower_summaries(shards.active, losses, shards.sizes)
   train_op = variable_sharing.refresh(spec.train_op)  # itself without copies
   sizes = shards.sizes
@@ -627,14 +625,16 @@ def _flat_shard(shards: _Shards, k: int) -> list:
   return tf.nest.flatten((shards.features[k], shards.labels[k]), expand_composites=True)
 
 
-def _whole_batch_loss(losses: Sequence, shards: _Shards, plan: plan_lib.DevicePlan,
-                      gated: dict | None = None) -> tf.Tensor | None:
-  """The reported loss of a loss with its own normaliser (`normalizers`), or None.
+def _reported_loss(built: Sequence, losses: Sequence, shards: _Shards,
+                   plan: plan_lib.DevicePlan, graph: tf.Graph,
+                   gated: dict | None = None) -> tf.Tensor:
+  """The whole batch's loss from the towers' `losses`, by `loss_algebra`'s rule.
 
-  `gated` (EVAL): shards that may be empty at run time; the parts of their
-  loss are taken through `empty_shards.live`, 0 when the shard is empty.
+  `built`: the losses as the towers built them (`losses` may be their gated
+  stand-ins). `gated` (EVAL): shards that may be empty at run time; their
+  statistics are taken through `empty_shards.live`, 0 when the shard is empty.
   """
-  find = gradients.loss_counterparts(losses)
+  find = gradients.loss_counterparts(built)
 
   def counterpart(i, tensor):
     found = find(i, tensor)
@@ -644,9 +644,16 @@ def _whole_batch_loss(losses: Sequence, shards: _Shards, plan: plan_lib.DevicePl
     return empty_shards.live(found, gated[k])
 
   with tf.name_scope('tower_loss'):
-    return normalizers.whole_batch_loss(
-        losses, counterpart, _flat_shard(shards, shards.active[0]), shards.nonempty,
-        auto=plan.loss_reduction == 'auto')
+    analysis = loss_algebra.analyse(
+        built[0], _flat_shard(shards, shards.active[0]), (), plan.loss_reduction,
+        lambda: gradients.fallback_reduction(graph, built[0]))
+    if analysis.rule == 'rebuild':
+      statistics = loss_algebra.shard_statistics(analysis.expression, counterpart, len(built))
+      if statistics is not None:
+        return loss_algebra.whole_batch_loss(analysis.expression, statistics, shards.nonempty)
+    rule = analysis.rule if analysis.rule != 'rebuild' else 'mean'
+    weights = gradients.tower_weights(rule, shards.sizes, shards.batch, shards.active)
+    return specs_lib.weighted_sum(losses, weights, shards.nonempty)
 
 
 class _Unsynced:

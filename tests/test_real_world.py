@@ -16,7 +16,6 @@ CPU devices, with soft placement off (testlib's ConfigProto).
 
 import functools
 import os
-import re
 import tempfile
 import time
 
@@ -85,55 +84,14 @@ def _initial_global_norm(model_fn) -> float:
       return float(session.run(norm))
 
 
-# --- 1. BERT's optimization.py ------------------------------------------------------
-
-class AdamWeightDecayOptimizer(tf.compat.v1.train.Optimizer):
-  """BERT-style Adam with decoupled weight decay and no bias correction.
-
-  Overrides apply_gradients; its slots are get_variable()s named after the
-  parameter; it ignores global_step (the model_fn increments it by hand).
-  """
-
-  def __init__(self, learning_rate, weight_decay_rate=0.01, beta_1=0.9, beta_2=0.999,
-               epsilon=1e-6, exclude_from_weight_decay=('bias',),
-               name='AdamWeightDecayOptimizer'):
-    super().__init__(False, name)
-    self.learning_rate = learning_rate
-    self.weight_decay_rate = weight_decay_rate
-    self.beta_1 = beta_1
-    self.beta_2 = beta_2
-    self.epsilon = epsilon
-    self.exclude_from_weight_decay = exclude_from_weight_decay
-
-  def apply_gradients(self, grads_and_vars, global_step=None, name=None):
-    del global_step  # BERT's optimizer does not advance it.
-    assignments = []
-    for grad, param in grads_and_vars:
-      if grad is None or param is None:
-        continue
-      param_name = re.match(r'^(.*):\d+$', param.name).group(1)
-      m = tf.compat.v1.get_variable(
-          param_name + '/adam_m', shape=param.shape.as_list(), dtype=tf.float32,
-          trainable=False, initializer=tf.compat.v1.zeros_initializer())
-      v = tf.compat.v1.get_variable(
-          param_name + '/adam_v', shape=param.shape.as_list(), dtype=tf.float32,
-          trainable=False, initializer=tf.compat.v1.zeros_initializer())
-      next_m = self.beta_1 * m + (1.0 - self.beta_1) * grad
-      next_v = self.beta_2 * v + (1.0 - self.beta_2) * tf.square(grad)
-      update = next_m / (tf.sqrt(next_v) + self.epsilon)
-      if not any(re.search(r, param_name) for r in self.exclude_from_weight_decay):
-        update += self.weight_decay_rate * param
-      next_param = param - self.learning_rate * update
-      assignments.extend([param.assign(next_param), m.assign(next_m), v.assign(next_v)])
-    return tf.group(*assignments, name=name)
-
+# --- 1. BERT's optimization.py (testlib.AdamWeightDecayOptimizer) ---------------------
 
 def bert_style_model_fn(features, labels, mode, params):
   loss = _loss(labels, _logits(features))
   global_step = tf.compat.v1.train.get_or_create_global_step()
   learning_rate = tf.compat.v1.train.polynomial_decay(
       0.05, global_step, 10, end_learning_rate=0.0, power=1.0, cycle=False)
-  optimizer = AdamWeightDecayOptimizer(learning_rate)
+  optimizer = testlib.AdamWeightDecayOptimizer(learning_rate)
   tvars = tf.compat.v1.trainable_variables()
   grads = tf.gradients(loss, tvars)
   grads, norm = tf.clip_by_global_norm(grads, clip_norm=1.0)

@@ -7,6 +7,7 @@ a plain Estimator on the same data.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 
 import numpy as np
@@ -258,3 +259,44 @@ class StateRecorder(tf.compat.v1.train.SessionRunHook):
 
   def after_run(self, run_context, run_values):
     self.states.append(run_context.session.run(self._variables))
+
+
+class AdamWeightDecayOptimizer(tf.compat.v1.train.Optimizer):
+  """BERT-style Adam with decoupled weight decay and no bias correction.
+
+  Overrides apply_gradients; its slots are get_variable()s named after the
+  parameter; it ignores global_step (the model_fn increments it by hand).
+  """
+
+  def __init__(self, learning_rate, weight_decay_rate=0.01, beta_1=0.9, beta_2=0.999,
+               epsilon=1e-6, exclude_from_weight_decay=('bias',),
+               name='AdamWeightDecayOptimizer'):
+    super().__init__(False, name)
+    self.learning_rate = learning_rate
+    self.weight_decay_rate = weight_decay_rate
+    self.beta_1 = beta_1
+    self.beta_2 = beta_2
+    self.epsilon = epsilon
+    self.exclude_from_weight_decay = exclude_from_weight_decay
+
+  def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+    del global_step  # BERT's optimizer does not advance it.
+    assignments = []
+    for grad, param in grads_and_vars:
+      if grad is None or param is None:
+        continue
+      param_name = re.match(r'^(.*):\d+$', param.name).group(1)
+      m = tf.compat.v1.get_variable(
+          param_name + '/adam_m', shape=param.shape.as_list(), dtype=tf.float32,
+          trainable=False, initializer=tf.compat.v1.zeros_initializer())
+      v = tf.compat.v1.get_variable(
+          param_name + '/adam_v', shape=param.shape.as_list(), dtype=tf.float32,
+          trainable=False, initializer=tf.compat.v1.zeros_initializer())
+      next_m = self.beta_1 * m + (1.0 - self.beta_1) * grad
+      next_v = self.beta_2 * v + (1.0 - self.beta_2) * tf.square(grad)
+      update = next_m / (tf.sqrt(next_v) + self.epsilon)
+      if not any(re.search(r, param_name) for r in self.exclude_from_weight_decay):
+        update += self.weight_decay_rate * param
+      next_param = param - self.learning_rate * update
+      assignments.extend([param.assign(next_param), m.assign(next_m), v.assign(next_v)])
+    return tf.group(*assignments, name=name)
