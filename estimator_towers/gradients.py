@@ -42,12 +42,11 @@ import dataclasses
 import inspect
 from typing import Any, Callable, Sequence
 
-from absl import logging
-import numpy as np
 import tensorflow as tf
 
+from estimator_towers import counterparts
 from estimator_towers import interception
-from estimator_towers import loss_algebra
+from estimator_towers import seeds as seeds_lib
 
 
 class DivergentTowersError(ValueError):
@@ -64,10 +63,6 @@ class TowerStop(BaseException):
 
 _GRAPH_SIGNATURE = inspect.signature(interception.graph_gradients)
 _TAPE_SIGNATURE = inspect.signature(interception._tape_gradient)  # pylint: disable=protected-access
-
-# Reductions recorded by tf.compat.v1.losses (Reduction.SUM) and Keras
-# (ReductionV2.SUM) that sum over the batch; every other one averages.
-SUM_REDUCTIONS = ('weighted_sum', 'sum')
 
 
 @dataclasses.dataclass
@@ -124,15 +119,6 @@ def _pack(request: Request, grads: list) -> Any:
   if request.kind == 'tape':
     return tf.nest.pack_sequence_as(request.structure, grads)
   return grads
-
-
-def _weighted_grad_y(y: tf.Tensor, grad_y: Any, weight: Any) -> Any:
-  """The initial gradient of a tower's y: weight * (grad_y or ones), on y's device."""
-  if isinstance(weight, (int, float)) and weight == 1:
-    return grad_y
-  with tf.device(y.op.device):
-    base = tf.ones_like(y) if grad_y is None else grad_y
-    return base * tf.cast(weight, base.dtype)
 
 
 def _identity(grad: Any) -> Any:
@@ -239,8 +225,6 @@ class WholeBatchGradients:
     self._primary = primary
     self._aggregation_device = aggregation_device
     self._variable_count = variable_count
-    self.reduction: str | None = None   # 'mean' or 'sum', fixed at the first request
-    self.weights: list = []             # per built tower
     self.requests: list[Request] = []   # the primary's whole-batch requests
     self.variables_at: list[int] = []   # variables created before each request
     self.answers: list[list] = []       # the whole-batch gradients, per request
@@ -275,10 +259,6 @@ class WholeBatchGradients:
 
   def _answer_primary(self, request: Request) -> list:
     r = len(self.requests)
-    analysis = self._analyse(request)
-    if self.reduction is None:  # fixed by the first request (the reported loss's rule)
-      self.reduction = 'mean' if analysis.rule == 'rebuild' else analysis.rule
-      self.weights = tower_weights(self.reduction, self._sizes, self._batch, self.towers)
     self.requests.append(request)
     self.variables_at.append(self._variable_count())
     if r == 0:
@@ -298,75 +278,32 @@ class WholeBatchGradients:
           mapped = self.others[k][r]
         self.others[k][r] = mapped
         tower_requests.append(mapped)
-      answer = self._answer(analysis, tower_requests, ordered=r == 0)
+      answer = self._answer(tower_requests, ordered=r == 0)
     if controlled:
       answer = [_identity(g) for g in answer]
     self.answers.append(answer)
     return answer
 
-  def _analyse(self, request: Request) -> loss_algebra.Analysis:
-    """The whole-batch loss's rule for a request (see `loss_algebra`)."""
-    loss = request.ys[0] if len(request.ys) == 1 else None
-    return loss_algebra.analyse(
-        loss, self._inputs, [x for x in request.xs if isinstance(x, tf.Variable)],
-        self._loss_reduction, lambda: fallback_reduction(self._graph, loss))
-
-  def _answer(self, analysis: loss_algebra.Analysis, tower_requests: Sequence[Request],
-              ordered: bool) -> list:
-    """The whole-batch gradient: the rule's seeds, one backward pass or one per shard."""
-    primary = tower_requests[0]
-    seeds, extra = None, None
-    if analysis.rule == 'rebuild':
-      seeds, extra = self._rebuilt(analysis.expression, tower_requests)
-    if seeds is None:
-      rule = analysis.rule if analysis.rule != 'rebuild' else 'mean'
-      weights = (self.weights if rule == self.reduction
-                 else tower_weights(rule, self._sizes, self._batch, self.towers))
-      seeds = [(list(q.ys), [_weighted_grad_y(y, g, w) for y, g in zip(q.ys, q.grad_ys)])
-               for q, w in zip(tower_requests, weights)]
+  def _answer(self, tower_requests: Sequence[Request], ordered: bool) -> list:
+    """The whole-batch gradient from the rule's seeds: one backward pass, or one per shard."""
+    found = self._seeds(tower_requests)
     if self._device_of is None:
-      return self._whole_batch(tower_requests, seeds)
-    answer = self._by_micro_batch(tower_requests, seeds, ordered)
-    if extra is None:
-      return answer
-    combined = []
-    for x, a, e in zip(primary.xs, answer, extra):
-      device = self._aggregation_device(x) if isinstance(x, tf.Variable) else None
-      with tf.device(device), tf.name_scope('combine_gradients'):
-        combined.append(_add([a, e]))
-    return combined
+      return self._whole_batch(tower_requests, found.shards)
+    return self._by_micro_batch(tower_requests, found, ordered)
 
-  def _rebuilt(self, expression: loss_algebra.Expression, tower_requests: Sequence[Request]
-               ) -> tuple[list | None, list | None]:
-    """Seeds for a loss rebuilt from the shards' statistics (`loss_algebra`).
-
-    Towers: the whole-batch loss itself, one backward pass through it.
-    Micro-batches: each shard's numerators seeded with their coefficients,
-    plus (`extra`) the gradient through the loss's shard-independent terms.
-    """
+  def _seeds(self, tower_requests: Sequence[Request]) -> seeds_lib.Seeds:
+    """What each shard's backward pass starts from, by the loss's rule (`seeds`)."""
     primary = tower_requests[0]
-    losses = [q.ys[0] for q in tower_requests]
-    find = loss_counterparts(losses)
-    nonempty = [self._nonempty[k] for k in self.towers]
-    if self._device_of is None:
-      statistics = loss_algebra.shard_statistics(expression, find, len(losses))
-      if statistics is None:
-        return None, None
-      whole = loss_algebra.whole_batch_loss(expression, statistics, nonempty)
-      self._whole_losses.setdefault(primary.ys[0].ref(), whole)
-      return [([whole], [primary.grad_ys[0]])] + [([], [])] * (len(losses) - 1), None
-    seeds = loss_algebra.micro_batch_seeds(
-        expression, find, lambda i: self._ungated(self.towers[i]), nonempty,
-        [self._sizes[k] for k in self.towers], self._batch, primary.grad_ys[0])
-    if seeds is None:
-      return None, None
-    self._whole_losses.setdefault(primary.ys[0].ref(), seeds.loss)
-    xs, parts, reads = self._xs_and_parts(primary, self.towers[:1])
-    grads = interception.graph_gradients(
-        [seeds.loss], xs, [primary.grad_ys[0]],
-        **_options(primary, seeds.totals + reads))
-    extra = [_add([grads[j] for j in part]) for part in parts]
-    return list(zip(seeds.ys, seeds.grad_ys)), extra
+    found = seeds_lib.for_request(
+        self._graph, self._loss_reduction, self._inputs,
+        [x for x in primary.xs if isinstance(x, tf.Variable)],
+        [q.ys for q in tower_requests], [q.grad_ys for q in tower_requests],
+        [self._nonempty[k] for k in self.towers], [self._sizes[k] for k in self.towers],
+        self._batch,
+        ungated=None if self._device_of is None else lambda i: self._ungated(self.towers[i]))
+    if found.loss is not None:
+      self._whole_losses.setdefault(primary.ys[0].ref(), found.loss)
+    return found
 
   def _whole_batch(self, tower_requests: Sequence[Request], seeds: Sequence) -> list:
     """One backward pass over every tower's seeds; parts summed per variable."""
@@ -424,7 +361,7 @@ class WholeBatchGradients:
     """The whole-batch loss differentiated for tower 0's ratio loss `loss`, or None."""
     return self._whole_losses.get(loss.ref()) if isinstance(loss, tf.Tensor) else None
 
-  def _by_micro_batch(self, tower_requests: Sequence[Request], seeds: Sequence,
+  def _by_micro_batch(self, tower_requests: Sequence[Request], found: seeds_lib.Seeds,
                       ordered: bool) -> list:
     """The whole-batch gradient with micro-batches: one backward pass per shard.
 
@@ -438,11 +375,15 @@ class WholeBatchGradients:
     (one backward pass over all losses would send each shard's part to the
     variable's device). Only the first request is ordered: a later one's
     backward pass depends on the earlier whole-batch answer, which depends on
-    every micro-batch.
+    every micro-batch. A rebuilt loss's shard-independent terms (a
+    regulariser) get the whole loss's backward pass, stopped at its totals.
     """
     primary = tower_requests[0]
     by_device: dict[str, list] = {}
-    for k, request, (ys, grad_ys) in zip(self.towers, tower_requests, seeds):
+    if found.stops:
+      by_device['whole_batch_loss'] = self._shard_gradients(
+          self.towers[0], primary, [found.loss], primary.grad_ys[:1], primary, found.stops)
+    for k, request, (ys, grad_ys) in zip(self.towers, tower_requests, found.shards):
       grads = self._shard_gradients(k, request, ys, grad_ys, primary)
       device = self._device_of(k)
       if device not in by_device:
@@ -464,12 +405,12 @@ class WholeBatchGradients:
     return combined
 
   def _shard_gradients(self, k: int, request: Request, ys: list, grad_ys: list,
-                       primary: Request) -> list:
+                       primary: Request, stops: Sequence = ()) -> list:
     """Shard k's gradient of its seeds with respect to each of the primary's xs."""
     if not ys:  # a shard whose seeds are all zero
       return [None] * len(primary.xs)
     xs, parts, reads = self._xs_and_parts(primary, [k])
-    stops = _as_list(request.options.get('stop_gradients') or []) + reads
+    stops = _as_list(request.options.get('stop_gradients') or []) + reads + list(stops)
     grads = interception.graph_gradients(ys, xs, grad_ys, **_options(primary, stops))
     with tf.device(self._device_of(k)), tf.name_scope('shard_gradients'):
       return [_add([grads[j] for j in part]) for part in parts]
@@ -534,9 +475,9 @@ class WholeBatchGradients:
       if theirs is None:
         continue
       for y, y_k in zip(request.ys, theirs.ys):
-        path = _path(y, tensor)
+        path = counterparts.path(y, tensor)
         if path is not None:
-          found = _follow(y_k, y, path)
+          found = counterparts.follow(y_k, y, path)
           if found is not None:
             return found
     mine, theirs = self._segments.get(self.towers[0]), self._segments.get(tower)
@@ -596,94 +537,5 @@ class _Building:
     return False
 
 
-def fallback_reduction(graph: tf.Graph, loss: Any) -> str:
-  """The example-count rule's reduction for a loss the algebra does not rebuild.
-
-  The reduction the model_fn's last TensorFlow loss function recorded on the
-  graph (v1 canned heads sum; tf.compat.v1.losses and Keras losses otherwise
-  average), as TensorFlow's distribution strategies read it; else, if `loss`
-  is a `tf.reduce_sum` or `tf.reduce_mean` over the batch axis, that; else a
-  mean.
-  """
-  recorded = interception.last_loss_reduction(graph)
-  if recorded is not None:
-    return 'sum' if str(recorded) in SUM_REDUCTIONS else 'mean'
-  return _reduction_of(loss) or 'mean'
-
-
-def tower_weights(reduction: str, sizes: Sequence, batch: Any, towers: Sequence[int]) -> list:
-  """Each built tower's weight in the example-count rule 'mean' or 'sum'."""
-  if reduction == 'sum':  # a tower whose shard is empty at run time adds nothing
-    return [1.0 if isinstance(sizes[k], int) else
-            tf.cast(sizes[k] > 0, tf.float32) for k in towers]
-  if isinstance(batch, int):
-    return [sizes[k] / max(batch, 1) for k in towers]
-  with tf.device(None), tf.name_scope('tower_weights'):
-    total = tf.cast(tf.maximum(batch, 1), tf.float32)
-    return [tf.cast(sizes[k], tf.float32) / total for k in towers]
-
-
-def _reduction_of(loss: Any) -> str | None:
-  """'sum' or 'mean' if `loss` is a tf.reduce_sum / tf.reduce_mean over axis 0."""
-  if not isinstance(loss, tf.Tensor):
-    return None
-  op = loss.op
-  while op.type in ('Identity', 'Cast') and op.inputs:
-    op = op.inputs[0].op
-  if op.type not in ('Sum', 'Mean') or len(op.inputs) != 2 or op.inputs[0].shape.rank == 0:
-    return None
-  axes = tf.get_static_value(op.inputs[1])
-  rank = op.inputs[0].shape.rank
-  if axes is None:  # reduce over every axis (axis=None) makes a Range of them
-    if op.inputs[1].op.type != 'Range':
-      return None
-  elif rank is None or 0 not in [int(a) % rank for a in np.ravel(axes)]:
-    return None
-  return 'sum' if op.type == 'Sum' else 'mean'
-
-
-def loss_counterparts(losses: Sequence[tf.Tensor]) -> Callable:
-  """`find(i, tensor)`: the tensor of losses[i]'s graph matching `tensor` of losses[0]'s.
-
-  Found by following, from losses[i], the path of op inputs that leads from
-  losses[0] to `tensor`, checking op types; None if there is none.
-  """
-  def find(i: int, tensor: tf.Tensor) -> tf.Tensor | None:
-    path = _path(losses[0], tensor)
-    return None if path is None else _follow(losses[i], losses[0], path)
-  return find
-
-
 def _names(xs: Sequence) -> list[str]:
   return [getattr(x, 'name', repr(x)) for x in xs]
-
-
-def _path(start: tf.Tensor, target: tf.Tensor, limit: int = 512) -> tuple[int, ...] | None:
-  """Input indices leading from `start` back to `target`, breadth first."""
-  if not isinstance(start, tf.Tensor) or not isinstance(target, tf.Tensor):
-    return None
-  queue = [(start, ())]
-  seen = set()
-  while queue and len(seen) < limit:
-    tensor, path = queue.pop(0)
-    if tensor.op is target.op and tensor.value_index == target.value_index:
-      return path
-    if tensor.op.name in seen:
-      continue
-    seen.add(tensor.op.name)
-    queue.extend((t, path + (j,)) for j, t in enumerate(tensor.op.inputs))
-  return None
-
-
-def _follow(start: tf.Tensor, reference: tf.Tensor, path: tuple[int, ...]) -> tf.Tensor | None:
-  """The tensor reached from `start` along `path`, if its ops match the reference's."""
-  tensor = start
-  for j in path:
-    if (tensor.op.type != reference.op.type
-        or len(tensor.op.inputs) != len(reference.op.inputs)):
-      return None
-    tensor, reference = tensor.op.inputs[j], reference.op.inputs[j]
-  if (tensor.op.type != reference.op.type or tensor.value_index != reference.value_index
-      or tensor.dtype != reference.dtype):
-    return None
-  return tensor

@@ -42,21 +42,8 @@ or an op that mixes examples) keeps the example-count rule, and `analyse`
 logs one warning that names the op; with `loss_reduction='exact'` that is an
 error instead. A loss it rebuilds exactly logs nothing.
 
-Micro-batches (`micro_batch_seeds`). A micro-batch's backward pass runs
-before the later micro-batches' forward passes, so it cannot wait for the
-whole batch's statistics. It needs only the coefficients dL/dS_i of the
-statistics that depend on trained variables (the numerators), and for the
-losses above those depend only on statistics that do not (sums of weights,
-token counts): f is linear in the numerators. Those are computed, for every
-micro-batch, from its inputs before they pass the micro-batch gates (a copy
-of tower 0's ops that compute them, on the micro-batch's ungated inputs), and
-element counts from the micro-batch's own forward pass (every example of a
-batch has the same shape, so the batch's count is B times the micro-batch's
-count per example). Each micro-batch's backward pass then seeds its
-numerators with those coefficients, and its gradient adds into one buffer
-per variable, as for a mean. A loss whose coefficients depend on a numerator
-(a normaliser computed from trained variables, a ratio of two numerators) is
-refused at graph construction.
+The seeds of the whole-batch gradient that follow from the rule, with
+towers and with micro-batches, are `seeds`'.
 """
 
 from __future__ import annotations
@@ -81,9 +68,14 @@ _ELEMENTWISE = frozenset((
 # Reductions: a leaf when one-element over per-example values; rebuilt as
 # algebra when over values that are themselves statistics (a stack of losses).
 _SUMS = ('Sum', 'Mean')
+_DIVISIONS = ('RealDiv', 'Div', 'DivNoNan')
 _REDUCTIONS = frozenset(('Sum', 'Mean', 'Max', 'Min', 'Prod', 'All', 'Any',
                          'EuclideanNorm', 'ArgMax', 'ArgMin'))
-_SHAPES = frozenset(('Shape', 'ShapeN', 'Size', 'Rank', 'OnesLike', 'ZerosLike'))
+SHAPE_OPS = frozenset(('Shape', 'ShapeN', 'Size', 'Rank', 'OnesLike', 'ZerosLike'))
+# Ops whose output's number of rows depends on values, not on the examples.
+_VALUE_SHAPED = frozenset(('Where', 'Unique', 'UniqueV2', 'UniqueWithCounts',
+                           'UniqueWithCountsV2', 'DynamicPartition', 'ListDiff',
+                           'DenseToDenseSetOperation', 'DenseToSparseSetOperation'))
 _SEARCH_LIMIT = 20000
 
 _lock = threading.Lock()
@@ -166,10 +158,15 @@ def _search(start: tf.Operation, inputs: set, variables: set, values: bool) -> t
     seen.add(op.name)
     shard = shard or op.name in inputs
     variable = variable or op.name in variables
-    if not (values and op.type in _SHAPES):
+    if not (values and op.type in SHAPE_OPS):
       pending.extend(t.op for t in op.inputs)
     pending.extend(op.control_inputs)
   return shard, variable
+
+
+def depends_on(tensor: tf.Tensor, op_names: set) -> bool:
+  """True if `tensor`'s value (not only its shape) is computed from an op named in `op_names`."""
+  return _search(tensor.op, op_names, set(), True)[0]
 
 
 def _one_element(tensor: tf.Tensor) -> bool:
@@ -194,6 +191,8 @@ class Statistic:
     source: tower 0's tensor the statistic is made from.
     counts: an element count (depends on the shard only through its shape).
     trained: depends on a trained variable (a numerator).
+    per_example: for a count, proportional to the shard's examples (no
+      `tf.boolean_mask` or other op whose rows depend on values made it).
     reduce: the statistic from a shard's counterpart of `source` (None: itself).
   """
   key: str
@@ -201,6 +200,7 @@ class Statistic:
   counts: bool
   trained: bool
   reduce: str | None = None   # None, 'sum' or 'size'
+  per_example: bool = True
 
   def of(self, source: tf.Tensor) -> tf.Tensor:
     """This statistic of a shard whose counterpart of `source` is `source`."""
@@ -288,9 +288,10 @@ class _Unrecognised(Exception):
 class _Parser:
   """Tower 0's loss -> leaves, or `_Unrecognised` naming the op."""
 
-  def __init__(self, dependence: Dependence, auto: bool):
+  def __init__(self, dependence: Dependence, auto: bool, static_count: Callable | None):
     self.dependence = dependence
     self.auto = auto
+    self.static_count = static_count
     self.leaves: dict = {}
     self._seen: set = set()
     self._nested: dict = {}
@@ -314,28 +315,57 @@ class _Parser:
       self._reduction_leaf(t)
       return
     if _one_element(t) and (op.type == 'Size' or _is_batch_size(t)):
-      self._leaf(t, [Statistic(t.name, t, True, False)])
+      self._leaf(t, [Statistic(t.name, t, True, False, per_example=self._per_example(t))])
       return
     if op.type in _REDUCTIONS and not (op.type in _SUMS and self._nests(op.inputs[0])):
       raise _Unrecognised(op, 'a reduction over the batch other than a sum or a mean')
     if op.type not in _ELEMENTWISE and op.type not in _SUMS:
       raise _Unrecognised(op, 'an op that is not elementwise arithmetic on statistics')
+    if op.type in _DIVISIONS:
+      self._constant_divisor(op.inputs[1])
     for i in op.inputs:
       self.visit(i)
+
+  def _constant_divisor(self, d: tf.Tensor) -> None:
+    """A divisor that is the shard's static element count is a count statistic.
+
+    With a static batch, `tf.size(x)` and `tf.ones_like(x)` of a shard
+    tensor are constants of the graph: `static_count` tells them from a
+    hyper-parameter by comparing the shards' values.
+    """
+    if (self.static_count is not None and d.name not in self.leaves
+        and not self.dependence.shard(d) and _one_element(d) and self.static_count(d)):
+      self._seen.add(d.name)
+      self._leaf(d, [Statistic(d.name, d, True, False)])
 
   def _reduction_leaf(self, t: tf.Tensor) -> None:
     op = t.op
     x = op.inputs[0]
     counts = not self.dependence.of(t, values=True)[0]
     trained = self.dependence.of(x, values=True)[1] and not counts
+    per_example = self._per_example(x)
     if op.type == 'Sum':
-      self._leaf(t, [Statistic(t.name, t, counts, trained)])
+      self._leaf(t, [Statistic(t.name, t, counts, trained, per_example=per_example)])
     else:
       self._leaf(t, [Statistic(t.name + ':sum', x, counts, trained, 'sum'),
-                     Statistic(t.name + ':count', x, True, False, 'size')], mean=True)
+                     Statistic(t.name + ':count', x, True, False, 'size', per_example)],
+                 mean=True)
 
   def _leaf(self, t: tf.Tensor, statistics: list, mean: bool = False) -> None:
     self.leaves[t.name] = Leaf(t, statistics, mean)
+
+  def _per_example(self, x: tf.Tensor) -> bool:
+    """False if an op whose rows depend on values (tf.boolean_mask's Where) made `x`."""
+    pending, seen = [x.op], set()
+    while pending and len(seen) < _SEARCH_LIMIT:
+      op = pending.pop()
+      if op.name in seen:
+        continue
+      seen.add(op.name)
+      if op.type in _VALUE_SHAPED and self.dependence.shard(op.outputs[0]):
+        return False
+      pending.extend(t.op for t in op.inputs)
+    return True
 
   def _nests(self, x: tf.Tensor) -> bool:
     """True if `x` is computed from a one-element reduction of the shard's values.
@@ -360,7 +390,8 @@ class _Parser:
 
 
 def analyse(loss: Any, inputs: Sequence[tf.Tensor], variables: Sequence[Any],
-            loss_reduction: str, fallback: Callable[[], str]) -> Analysis:
+            loss_reduction: str, fallback: Callable[[], str],
+            static_count: Callable[[tf.Tensor], bool] | None = None) -> Analysis:
   """The rule for the whole-batch loss of tower 0's `loss` (see the module doc).
 
   Args:
@@ -370,6 +401,8 @@ def analyse(loss: Any, inputs: Sequence[tf.Tensor], variables: Sequence[Any],
     loss_reduction: the plan's: 'auto', 'exact', 'mean' or 'sum'.
     fallback: the example-count rule's reduction ('mean' or 'sum') for a
       loss the algebra does not rebuild (the recorded reduction).
+    static_count: for a shard-independent one-element divisor, whether it
+      is the shard's element count made a constant by a static batch.
 
   Raises:
     ValueError: with loss_reduction='exact', for a loss that cannot be rebuilt.
@@ -378,7 +411,7 @@ def analyse(loss: Any, inputs: Sequence[tf.Tensor], variables: Sequence[Any],
   if not isinstance(loss, tf.Tensor) or not _one_element(loss):
     return Analysis(loss_reduction if not auto else fallback(), exact=not auto)
   dependence = Dependence(inputs, variables)
-  parser = _Parser(dependence, auto)
+  parser = _Parser(dependence, auto, static_count)
   try:
     parser.visit(loss)
   except _Unrecognised as unrecognised:
@@ -412,7 +445,7 @@ def _form(expression: Expression, t: tf.Tensor) -> str | None:
   leaf = expression.leaves.get(t.name)
   if leaf is not None:
     if leaf.mean:
-      return 'mean'
+      return 'mean' if leaf.statistics[1].per_example else None
     statistic = leaf.statistics[0]
     return None if statistic.counts or _is_declared(t) else 'sum'
   op = t.op
@@ -443,7 +476,7 @@ def _one_count(expression: Expression, t: tf.Tensor) -> bool:
     t = t.op.inputs[0]
   leaf = expression.leaves.get(t.name)
   return (leaf is not None and not leaf.mean and leaf.statistics[0].counts
-          and not _is_declared(t))
+          and leaf.statistics[0].per_example and not _is_declared(t))
 
 
 def _report(loss: tf.Tensor, unrecognised: _Unrecognised, rule: str, strict: bool) -> None:
@@ -465,214 +498,3 @@ def _report(loss: tf.Tensor, unrecognised: _Unrecognised, rule: str, strict: boo
                      "error; use loss_reduction='auto' to train with the rule above.")
   logs.warning_once(message + advice + " Pass loss_reduction='exact' to make "
                     "this an error.", key=f'loss_algebra:{op.name}')
-
-
-# -- Whole-batch values ---------------------------------------------------------
-
-
-def masked_sum(values: Sequence[tf.Tensor], nonempty: Sequence) -> tf.Tensor:
-  """sum_k values[k] over the shards whose shard is not empty."""
-  terms = []
-  for t, ne in zip(values, nonempty):
-    if ne is False:
-      continue
-    terms.append(t if ne is True else tf.where(ne, t, tf.zeros_like(t)))
-  return tf.add_n(terms) if terms else tf.zeros_like(values[0])
-
-
-def shard_statistics(expression: Expression, find: Callable, num_shards: int
-                     ) -> list | None:
-  """Per shard, {key: statistic}; `find(i, t)` is shard i's t, None if unknown."""
-  found = []
-  for i in range(num_shards):
-    values = {}
-    for statistic in expression.statistics:
-      source = statistic.source if i == 0 else find(i, statistic.source)
-      if source is None:
-        report_unmatched(expression.loss, statistic.source, i)
-        return None
-      values[statistic.key] = statistic.of(source)
-    found.append(values)
-  return found
-
-
-def report_unmatched(loss: tf.Tensor, source: tf.Tensor, shard: int) -> None:
-  logs.warning_once(
-      f'estimator_towers: the loss {loss.name} is computed from {source.name}, '
-      f'but shard {shard} built no matching tensor (its model_fn took another '
-      f'path), so the towers\' losses are weighted by their share of the '
-      f'examples instead of rebuilt from the shards\' statistics.',
-      key=f'loss_algebra:unmatched:{source.name}')
-
-
-def whole_batch_loss(expression: Expression, statistics: Sequence[dict],
-                     nonempty: Sequence) -> tf.Tensor:
-  """f on the sums of the shards' statistics (`statistics`: per shard, key -> value)."""
-  with tf.device(None), tf.name_scope('whole_batch_loss'):
-    totals = {key: masked_sum([s[key] for s in statistics], nonempty)
-              for key in statistics[0]}
-    return expression.rebuild(totals)
-
-
-# -- Micro-batches ----------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class MicroBatchSeeds:
-  """What each shard's own backward pass differentiates, and the whole loss.
-
-  Attributes:
-    ys: per shard, its statistics that depend on trained variables.
-    grad_ys: per shard, their coefficients dL/dS (times the caller's grad_y).
-    loss: the whole batch's loss, f on the totals.
-    totals: the totals `loss` is made from (where a backward pass through
-      `loss` stops: their gradients come from the shards' passes).
-  """
-  ys: list
-  grad_ys: list
-  loss: tf.Tensor
-  totals: list
-
-
-def micro_batch_seeds(expression: Expression, find: Callable, ungated: Callable,
-                      nonempty: Sequence, sizes: Sequence, batch: Any,
-                      grad_y: tf.Tensor | None) -> MicroBatchSeeds | None:
-  """Seeds for one backward pass per shard (see the module docstring).
-
-  Args:
-    expression: tower 0's loss.
-    find: `find(i, t)`, shard i's counterpart of tower 0's `t` (None: unknown).
-    ungated: `ungated(i)`, shard i's flattened inputs before its gates,
-      aligned with the inputs `expression.dependence` was made from.
-    nonempty: per shard, True, False or a bool Tensor.
-    sizes: per shard, its number of examples (int or int32 Tensor).
-    batch: the global batch's number of examples.
-    grad_y: the gradient requested for the loss (None: 1).
-
-  Raises:
-    ValueError: if a coefficient depends on a trained variable's statistic.
-  """
-  statistics = expression.statistics
-  values = []   # per shard, key -> value
-  for i in range(len(sizes)):
-    found = {}
-    for statistic in statistics:
-      if statistic.trained or statistic.counts or i == 0:
-        source = statistic.source if i == 0 else find(i, statistic.source)
-        if source is None:
-          report_unmatched(expression.loss, statistic.source, i)
-          return None
-      else:  # from the shard's inputs, before the gates
-        source = _clone(statistic.source, expression, ungated(i), sizes[i], sizes[0])
-      found[statistic.key] = statistic.of(source)
-    values.append(found)
-  with tf.device(None), tf.name_scope('whole_batch_loss'):
-    totals = {s.key: masked_sum([v[s.key] for v in values], nonempty) for s in statistics}
-    loss = expression.rebuild(totals)
-  numerators = [s for s in statistics if s.trained]
-  ys, grad_ys = [], []
-  for i, found in enumerate(values):
-    coefficients = _coefficients(expression, totals, numerators, found, sizes[i], batch,
-                                 values)
-    weight = _weight(nonempty[i], grad_y)
-    ys.append([found[s.key] for s in numerators if coefficients[s.key] is not None])
-    grad_ys.append([coefficients[s.key] * tf.cast(weight, coefficients[s.key].dtype)
-                    for s in numerators if coefficients[s.key] is not None])
-  return MicroBatchSeeds(ys, grad_ys, loss, list(totals.values()))
-
-
-def _weight(nonempty: Any, grad_y: tf.Tensor | None) -> Any:
-  weight = 1.0 if nonempty is True else 0.0 if nonempty is False else tf.cast(nonempty, tf.float32)
-  return weight if grad_y is None else grad_y * tf.cast(weight, grad_y.dtype)
-
-
-def _coefficients(expression: Expression, totals: dict, numerators: list, found: dict,
-                  size: Any, batch: Any, values: list) -> dict:
-  """dL/dS for each numerator, from what this shard knows before its backward pass.
-
-  The whole batch's element counts are estimated from this shard's own:
-  B * count / max(n, 1) (every example of the batch has the same shape).
-  """
-  with tf.device(None), tf.name_scope('micro_batch_coefficients'):
-    known = dict(totals)
-    for statistic in expression.statistics:
-      if statistic.counts:
-        count = found[statistic.key]
-        per_example = count / tf.cast(tf.maximum(size, 1), count.dtype)
-        known[statistic.key] = per_example * tf.cast(batch, count.dtype)
-    whole = expression.rebuild(known)
-    wanted = [known[s.key] for s in numerators]
-    gradients = tf.gradients(whole, wanted) if wanted else []
-  forbidden = {totals[s.key].op.name for s in numerators}
-  forbidden.update(v[s.key].op.name for v in values for s in numerators)
-  coefficients = {}
-  for statistic, gradient in zip(numerators, gradients):
-    if gradient is not None and _search(gradient.op, forbidden, set(), True)[0]:
-      raise ValueError(
-          f'micro_batches > 1 cannot train the loss {expression.loss.name} '
-          f'exactly: its gradient with respect to the statistic '
-          f'{statistic.source.name} (a sum over the batch of values computed '
-          f'from trained variables) depends on the whole batch\'s value of a '
-          f'statistic computed from trained variables, which is known only '
-          f'after the last micro-batch\'s forward pass, while the first '
-          f'micro-batch\'s backward pass runs before it. A loss whose '
-          f'normalisers depend only on the inputs (token counts, sums of '
-          f'weights, element counts) trains exactly; for this one use '
-          f'micro_batches=1 (towers alone are exact).')
-    coefficients[statistic.key] = gradient
-  return coefficients
-
-
-def _clone(source: tf.Tensor, expression: Expression, inputs: Sequence[tf.Tensor],
-           size: Any, first_size: Any) -> tf.Tensor:
-  """Tower 0's `source` computed again from another shard's `inputs`.
-
-  `source` depends on no trained variable's values; its ops are copied with
-  tower 0's inputs replaced by `inputs` (aligned with
-  `expression.dependence`'s). Where it takes only the shape of a tensor
-  computed from trained variables (a `tf.ones_like(losses)` that broadcasts
-  weights, a `tf.size`), that shape is tower 0's with its first dimension
-  scaled from tower 0's `first_size` examples to the shard's `size`.
-  """
-  mapping = {t.name: i for t, i in zip(expression.dependence.input_tensors, inputs)}
-  memo: dict = {}
-
-  def clone(t: tf.Tensor) -> tf.Tensor:
-    if t.name in mapping:
-      return mapping[t.name]
-    if t.name in memo:
-      return memo[t.name]
-    if not expression.dependence.shard(t):
-      return t
-    op = t.op
-    if op.type in _SHAPES and expression.dependence.of(op.inputs[0], values=True)[1]:
-      memo[t.name] = _shape_of_shard(t, op.inputs[0], size, first_size)
-      return memo[t.name]
-    if op.op_def.is_stateful:
-      raise ValueError(
-          f'micro_batches > 1: the loss {expression.loss.name} divides by '
-          f'{source.name}, computed from the inputs through the stateful op '
-          f'{op.name} ({op.type}), which cannot be computed again for each '
-          f'micro-batch before its backward pass. Compute the normaliser '
-          f'without it, or use micro_batches=1.')
-    memo[t.name] = copy_op(op, [clone(i) for i in op.inputs]).outputs[t.value_index]
-    return memo[t.name]
-
-  with tf.compat.v1.colocate_with(inputs[0].op) if inputs else tf.device(None), \
-      tf.name_scope('micro_batch_normaliser'):
-    return clone(source)
-
-
-def _shape_of_shard(t: tf.Tensor, x: tf.Tensor, size: Any, first_size: Any) -> tf.Tensor:
-  """`t`, a Shape / Size / Rank / OnesLike / ZerosLike of tower 0's `x`, for a shard of `size`."""
-  op = t.op
-  if op.type == 'Rank':
-    return tf.rank(x)
-  shape = tf.shape(x)
-  first = shape[0] // tf.maximum(tf.cast(first_size, shape.dtype), 1) * tf.cast(size, shape.dtype)
-  shape = tf.concat([[first], shape[1:]], 0)
-  if op.type in ('Shape', 'ShapeN'):
-    return tf.cast(shape, t.dtype)
-  if op.type == 'Size':
-    return tf.cast(tf.reduce_prod(shape), t.dtype)
-  return tf.fill(shape, tf.constant(1 if op.type == 'OnesLike' else 0, t.dtype))

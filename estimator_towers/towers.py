@@ -13,6 +13,7 @@ import tensorflow as tf
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers import batch_norm_sync
+from estimator_towers import counterparts
 from estimator_towers import empty_shards
 from estimator_towers import gradients
 from estimator_towers import interception
@@ -22,6 +23,7 @@ from estimator_towers import ordering
 from estimator_towers import micro_batches as micro_batches_lib
 from estimator_towers import placement as placement_lib
 from estimator_towers import plan as plan_lib
+from estimator_towers import seeds as seeds_lib
 from estimator_towers import sharding
 from estimator_towers import sharing
 from estimator_towers import specs as specs_lib
@@ -634,7 +636,7 @@ def _reported_loss(built: Sequence, losses: Sequence, shards: _Shards,
   stand-ins). `gated` (EVAL): shards that may be empty at run time; their
   statistics are taken through `empty_shards.live`, 0 when the shard is empty.
   """
-  find = gradients.loss_counterparts(built)
+  find = counterparts.in_losses(built)
 
   def counterpart(i, tensor):
     found = find(i, tensor)
@@ -646,13 +648,15 @@ def _reported_loss(built: Sequence, losses: Sequence, shards: _Shards,
   with tf.name_scope('tower_loss'):
     analysis = loss_algebra.analyse(
         built[0], _flat_shard(shards, shards.active[0]), (), plan.loss_reduction,
-        lambda: gradients.fallback_reduction(graph, built[0]))
+        lambda: seeds_lib.fallback_reduction(graph, built[0]),
+        static_count=seeds_lib.static_counts(
+            graph, find, [shards.sizes[k] for k in shards.active]))
     if analysis.rule == 'rebuild':
-      statistics = loss_algebra.shard_statistics(analysis.expression, counterpart, len(built))
+      statistics = seeds_lib.shard_statistics(analysis.expression, counterpart, len(built))
       if statistics is not None:
-        return loss_algebra.whole_batch_loss(analysis.expression, statistics, shards.nonempty)
+        return seeds_lib.whole_batch_loss(analysis.expression, statistics, shards.nonempty)
     rule = analysis.rule if analysis.rule != 'rebuild' else 'mean'
-    weights = gradients.tower_weights(rule, shards.sizes, shards.batch, shards.active)
+    weights = seeds_lib.tower_weights(rule, shards.sizes, shards.batch, shards.active)
     return specs_lib.weighted_sum(losses, weights, shards.nonempty)
 
 

@@ -20,6 +20,7 @@ import tensorflow as tf
 import testlib
 import estimator_towers as et
 from estimator_towers import logs
+from estimator_towers import seeds
 
 ModeKeys = tf.estimator.ModeKeys
 VOCAB = 11
@@ -435,3 +436,54 @@ def test_error_micro_batches_with_a_stateful_normaliser():
   with pytest.raises(ValueError, match=r'micro_batches > 1: the loss .* through the stateful '
                                        r'op .*RandomUniform'):
     _run(towered, num_cpus=1)
+
+
+def _masked_mean(labels, logits, mask, features):
+  """The mean over real tokens by tf.boolean_mask: its count is not per example."""
+  return tf.reduce_mean(tf.boolean_mask(_xent(labels, logits), mask > 0))
+
+
+def test_masked_mean_on_towers_equals_plain():
+  plain_1, _, _, _ = _run(functools.partial(_model_fn, _masked_mean, optimizer=_adam))
+  towered = et.replicate_model_fn(functools.partial(_model_fn, _masked_mean, optimizer=_adam),
+                                  devices=testlib.cpu_devices(3))
+  towered_1, _, _, _ = _run(towered, num_cpus=3)
+  _assert_rule(towered_1, plain_1)
+
+
+def test_error_micro_batches_with_a_count_of_value_dependent_rows():
+  towered = et.replicate_model_fn(functools.partial(_model_fn, _masked_mean, optimizer=_adam),
+                                  devices=['/cpu:0'], micro_batches=2)
+  with pytest.raises(ValueError, match=r'micro_batches > 1 cannot train the loss .* exactly: '
+                                       r'it divides by the element count of .*whose rows '
+                                       r'depend on values'):
+    _run(towered, num_cpus=1)
+
+
+def test_run_time_check_of_a_count_not_proportional_to_examples(monkeypatch):
+  """Where the graph does not show it (here: the Where check patched out), the
+  step fails instead of training with a wrong count."""
+  monkeypatch.setattr(seeds, '_check_per_example', lambda expression: None)
+  towered = et.replicate_model_fn(functools.partial(_model_fn, _masked_mean, optimizer=_adam),
+                                  devices=['/cpu:0'], micro_batches=2)
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match=r'with micro_batches > 1 the whole batch.*counts are not '
+                           r'proportional to their examples'):
+    _run(towered, num_cpus=1)
+
+
+def _branching(labels, logits, mask, features):
+  """Tower 0's normaliser is a sum; the other towers' a sum plus 0 (another op)."""
+  count = tf.reduce_sum(mask)
+  if et.current_tower().index > 0:
+    count = count + 0.0
+  return tf.reduce_sum(_xent(labels, logits) * mask) / tf.maximum(count, 1.0)
+
+
+def test_a_shard_without_the_statistic_warns(warnings):
+  towered_fn = et.replicate_model_fn(functools.partial(_model_fn, _branching, optimizer=_adam),
+                                     devices=testlib.cpu_devices(2))
+  testlib.make_estimator(towered_fn, num_cpus=2).train(_input_fn, steps=1)
+  found = _algebra_warnings(warnings)
+  assert len(found) == 1, found
+  assert 'but shard 1 built no matching tensor' in found[0], found[0]
