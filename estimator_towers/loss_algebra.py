@@ -449,7 +449,8 @@ def _form(expression: Expression, t: tf.Tensor) -> str | None:
     statistic = leaf.statistics[0]
     return None if statistic.counts or _is_declared(t) else 'sum'
   op = t.op
-  if op.type in ('Identity', 'Cast', 'Neg'):
+  if op.type in ('Identity', 'Cast', 'Neg', 'Reshape', 'Squeeze', 'ExpandDims') or (
+      op.type in _SUMS and _one_element(op.inputs[0])):
     return _form(expression, op.inputs[0])
   if op.type in ('Add', 'AddV2', 'Sub', 'AddN'):
     forms = {_form(expression, i) for i in op.inputs}
