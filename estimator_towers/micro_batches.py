@@ -19,10 +19,10 @@ its own statistics (a shard's, as across devices), and its moving averages
 are updated once per step from the primary shard (micro-batch 0 of device
 0). `make_plan` refuses `sync_batch_norm` with micro-batches: with
 micro-batches that run one after another, whole-batch statistics would need
-a forward pass over every micro-batch before any normalises. Likewise a loss
-divided by its own batch's denominator (`normalizers`) is refused at the
-gradient request: each micro-batch's gradient would need the denominator of
-the micro-batches after it.
+a forward pass over every micro-batch before any normalises. A loss rebuilt
+from the batch's statistics (token counts, sums of weights: `loss_algebra`)
+seeds each micro-batch's backward pass with its numerators' coefficients,
+computed from normalisers known before the first forward pass (`seeds`).
 """
 
 from __future__ import annotations
