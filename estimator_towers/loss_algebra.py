@@ -440,9 +440,9 @@ def _form(expression: Expression, t: tf.Tensor) -> str | None:
   'sum': a combination of sums with shard-independent coefficients and no
   shard-independent term.
   """
-  if not expression.dependence.shard(t):
-    return 'const'
   leaf = expression.leaves.get(t.name)
+  if leaf is None and not expression.dependence.shard(t):
+    return 'const'
   if leaf is not None:
     if leaf.mean:
       return 'mean' if leaf.statistics[1].per_example else None
