@@ -3,8 +3,8 @@
 - docs/flags.md lists exactly the flags `define_flags()` defines (on a fresh
   FlagValues), each once, with its current default and, for an enum, its
   choices.
-- Every relative link in README.md and docs/*.md resolves to a file and,
-  where it names one, to a heading of that file (GitHub's anchors).
+- Every relative link (and image) in README.md and docs/*.md resolves to a
+  file and, where it names one, to a heading of that file (GitHub's anchors).
 - The README's quick-start code runs as written, in a fresh process, trains
   its 20 steps and towers (its training graph has a tower on /cpu:1).
 """
@@ -22,7 +22,7 @@ from estimator_towers import define_flags
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, 'docs')
 FENCE = re.compile(r'^\s*```')
-LINK = re.compile(r'(?<!!)\[[^\]]*\]\(([^)\s]+)\)')
+LINK = re.compile(r'\[[^\]]*\]\(([^)\s]+)\)')  # links and images
 
 
 def read(path: str) -> str:
