@@ -5,11 +5,13 @@
   choices.
 - Every relative link (and image) in README.md and docs/*.md resolves to a
   file and, where it names one, to a heading of that file (GitHub's anchors).
+- Every test the docs name (`test_x.py::test_y`) exists.
 - The README's quick-start code runs as written, in a fresh process, trains
   its 20 steps and towers (its training graph has a tower on /cpu:1).
 """
 
 import collections
+import fnmatch
 import os
 import re
 import subprocess
@@ -165,3 +167,21 @@ def test_readme_quick_start_runs_as_written(tmp_path):
   assert len(graphs) == 1, list(tmp_path.iterdir())
   graph = read(graphs[0])
   assert 'name: "tower_1/' in graph and 'device: "/device:CPU:1"' in graph
+
+
+def test_every_test_the_docs_name_exists():
+  """`test_x.py` and `test_x.py::test_name` (or a `test_error_*` pattern) in the
+  docs name a module of tests/ and a test function in it."""
+  named = re.compile(r'`(?:tests/)?(test_\w+\.py)(?:::(test_[\w*]+))?')
+  missing, count = [], 0
+  for path in markdown_files():
+    for module, function in named.findall(read(path)):
+      count += 1
+      source = os.path.join(ROOT, 'tests', module)
+      if not os.path.exists(source):
+        missing.append(f'{os.path.relpath(path, ROOT)}: no tests/{module}')
+      elif function and not fnmatch.filter(re.findall(r'^def (test_\w+)', read(source), re.M),
+                                           function):
+        missing.append(f'{os.path.relpath(path, ROOT)}: no {function} in tests/{module}')
+  assert count > 40, count
+  assert not missing, '\n'.join(missing)
