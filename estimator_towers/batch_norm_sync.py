@@ -91,7 +91,8 @@ class BatchNormSync:
     self._devices = devices
     self._present = present
     self._group_key = _GROUP_KEY_BASE + len(devices)
-    self._keys: list[list[int]] = []      # per sync point: 4 instance keys
+    self._points: list[_SyncPoint] = []   # by index: the towers' i-th sync point
+    self._positions = {k: i for i, k in enumerate(sorted(devices))}  # row in a gather
     self._calls: dict[int, int] = {}      # per tower: sync points made so far
     self._builds: dict[int, int] = {}     # per tower: the build that made them
 
@@ -127,26 +128,61 @@ class BatchNormSync:
       return original(x, scale, offset, mean, variance, epsilon=epsilon,
                       exponential_avg_factor=exponential_avg_factor,
                       data_format=data_format, is_training=is_training, name=name)
-    channels_first = data_format.startswith('NC')
     with tf.name_scope(name or 'SyncBatchNorm'):
-      x32 = tf.cast(x, tf.float32)
-      rank = x32.shape.rank
-      axes = [a for a in range(rank) if a != (1 if channels_first else rank - 1)]
-      batch_mean, batch_var, count = self._statistics(tower, x32, axes)
-      shape = [1, -1] + [1] * (rank - 2) if channels_first else [-1]
-      inv = tf.math.rsqrt(batch_var + epsilon) * tf.reshape(scale, [-1])
-      y = (x32 - tf.reshape(batch_mean, shape)) * tf.reshape(inv, shape) + tf.reshape(
-          offset, shape)
+      point = self._sync_point(tower)
+      local = _FusedKernel(original, epsilon, data_format).moments(x)
+      batch_mean, batch_var, count = (tf.stop_gradient(t) for t in self._combine(
+          tower, point, *local, differentiable=False))
+      y = self._fused_normalise(original, tower, point, x, scale, offset, batch_mean,
+                                batch_var, count, epsilon, data_format)
       # TensorFlow's kernel returns the variance with Bessel's correction over
       # the elements per channel (all towers' here), for moving averages.
       corrected = batch_var * (count / tf.maximum(count - 1.0, 1.0))
-      batch_mean, corrected = tf.stop_gradient(batch_mean), tf.stop_gradient(corrected)
       if exponential_avg_factor not in (None, 1, 1.0):
         f = float(exponential_avg_factor)
         batch_mean = (1.0 - f) * mean + f * batch_mean
         corrected = (1.0 - f) * variance + f * corrected
-      y = tf.cast(y, x.dtype)
       return y, batch_mean, corrected, batch_mean, corrected, corrected
+
+  def _fused_normalise(self, original, tower, point, x, scale, offset, mean, variance, count,
+                       epsilon, data_format):
+    """TensorFlow's fused kernel on the global statistics; the global batch's gradient.
+
+    Forward, the inference kernel normalises the shard with the global mean
+    and variance. Backward, with s = sqrt(variance + epsilon), n the global
+    count and x^ = (x - mean) / s, plain batch norm's input gradient is
+
+        dx = scale / s * (dy - sum(dy) / n - x^ * sum(dy * x^) / n)
+
+    with the sums over the global batch: the inference kernel's gradient
+    gives scale / s * dy and the shard's sum(dy * x^) and sum(dy) (the
+    shard's share of the scale's and offset's gradients, which the towers'
+    backward passes add up on the variables), one all-reduce of those 2C
+    floats gives the global sums, and the inference kernel applied to x with
+    scale / (s n) * (sum(dy * x^), sum(dy)) as its scale and offset gives the
+    last two terms.
+    """
+    kernel = _FusedKernel(original, epsilon, data_format)
+    present = tf.cast(self._present[tower], tf.float32)
+
+    @tf.custom_gradient
+    def normalise(x, scale, offset, mean, variance, count):
+      y, reserve = kernel.apply(x, scale, offset, mean, variance)
+
+      def grad(dy):
+        dx, dscale, doffset = kernel.gradient(dy, x, scale, mean, variance, reserve)
+        dscale, doffset = dscale * present, doffset * present  # an empty shard adds nothing
+        sums = self._all_reduce(tf.concat([dscale, doffset], 0),
+                                self._backward_key(point, tower))
+        channels = tf.shape(dscale)[0]
+        # The statistics do not depend on an empty shard's (borrowed) row.
+        factor = scale * tf.math.rsqrt(variance + kernel.epsilon) * (
+            present / tf.maximum(count, 1.0))
+        correction, _ = kernel.apply(x, factor * sums[:channels], factor * sums[channels:],
+                                     mean, variance)
+        return dx - correction, dscale, doffset, None, None, None
+      return y, grad
+    return normalise(x, scale, offset, mean, variance, count)
 
   def _moments(self, original, x, axes, shift=None, name=None, keep_dims=None,
                keepdims=None):
@@ -161,7 +197,8 @@ class BatchNormSync:
     with tf.name_scope(name or 'sync_moments'):
       y = tf.cast(x, tf.float32) if x.dtype == tf.float16 else x
       axes = sorted(int(a) % rank for a in np.ravel(axes))
-      mean, variance, _ = self._statistics(tower, y, axes)
+      mean, variance, _ = self._combine(tower, self._sync_point(tower),
+                                        *_local_moments(y, axes), differentiable=True)
       shape = _dims(y, [a for a in range(rank) if keep or a not in axes], ones=axes)
       mean, variance = tf.reshape(mean, shape), tf.reshape(variance, shape)
       if x.dtype == tf.float16:
@@ -170,26 +207,36 @@ class BatchNormSync:
 
   # -- The statistics ----------------------------------------------------------
 
-  def _statistics(self, tower: int, x: tf.Tensor, axes: Sequence[int]):
-    """Mean, (biased) variance and element count over `axes` of the global batch.
+  def _combine(self, tower: int, point: '_SyncPoint', count: tf.Tensor, mean: tf.Tensor,
+               m2: tf.Tensor, differentiable: bool):
+    """Global mean, (biased) variance and count from every shard's count, mean and M2.
 
-    The results have the shape of `x` without `axes`, flattened to a vector.
+    One all-reduce gathers the towers' (count, mean, M2): tower i fills row i
+    of an otherwise zero [towers, 2C + 1] matrix, so the sum is every row, in
+    every tower. Chan et al.'s parallel combination then gives the global
+    statistics without cancellation: with N the global count and mu the global
+    mean, mu = sum(n_i mean_i) / N and M2 = sum(M2_i) + sum(n_i (mean_i - mu)^2).
     """
-    keys = self._sync_point(tower)
-    present = tf.cast(self._present[tower], x.dtype)
-    flat = _rows(x, axes)
-    count = tf.cast(tf.shape(flat)[0], x.dtype) * present
-    local = tf.concat([tf.reduce_sum(flat, 0) * present, tf.reshape(count, [1])], 0)
-    total = self._all_reduce(local, keys[0], keys[1])
-    channels = tf.shape(local)[0] - 1
-    count = total[-1]
-    mean = total[:channels] / tf.maximum(count, 1.0)
-    deviations = tf.math.squared_difference(flat, tf.stop_gradient(mean))
-    squares = self._all_reduce(tf.reduce_sum(deviations, 0) * present, keys[2], keys[3])
-    return mean, squares / tf.maximum(count, 1.0), count
+    present = tf.cast(self._present[tower], mean.dtype)
+    count = tf.cast(count, mean.dtype) * present
+    row = tf.concat([tf.reshape(count, [1]), mean, m2 * present], 0)
+    towers, i = len(self._devices), self._positions[tower]
+    table = tf.pad(row[None], [[i, towers - 1 - i], [0, 0]])
+    if differentiable:
+      table = self._differentiable_all_reduce(table, point, tower)
+    else:
+      table = self._all_reduce(table, point.forward)
+    channels = tf.shape(mean)[0]
+    counts, means, m2s = table[:, :1], table[:, 1:channels + 1], table[:, channels + 1:]
+    total = tf.reduce_sum(counts)
+    safe = tf.maximum(total, 1.0)
+    global_mean = tf.reduce_sum(counts * means, 0) / safe
+    squares = tf.reduce_sum(m2s, 0) + tf.reduce_sum(
+        counts * tf.math.squared_difference(means, global_mean), 0)
+    return global_mean, squares / safe, total
 
-  def _sync_point(self, tower: int) -> list[int]:
-    """The instance keys of this tower's next sync point (shared by the towers)."""
+  def _sync_point(self, tower: int) -> '_SyncPoint':
+    """This tower's next sync point (shared by the towers)."""
     build = tower_context.current_build()
     if self._builds.setdefault(tower, build) != build:
       raise BatchNormSyncError(
@@ -200,22 +247,93 @@ class BatchNormSync:
           f'the tensor you pass to the optimizer, or turn sync_batch_norm off.')
     i = self._calls.get(tower, 0)
     self._calls[tower] = i + 1
-    while len(self._keys) <= i:
-      self._keys.append(_instance_keys(self._graph, 4))
-    return self._keys[i]
+    while len(self._points) <= i:
+      self._points.append(_SyncPoint(_instance_keys(self._graph, 1)[0]))
+    return self._points[i]
 
-  def _all_reduce(self, t: tf.Tensor, forward_key: int, backward_key: int) -> tf.Tensor:
+  def _backward_key(self, point: '_SyncPoint', tower: int) -> int:
+    """The instance key of this tower's next backward exchange at `point`.
+
+    Each backward pass built through a sync point (one per gradient request
+    that reaches it) exchanges once; the towers' j-th passes share a key.
+    """
+    j = point.backward_uses.get(tower, 0)
+    point.backward_uses[tower] = j + 1
+    while len(point.backward) <= j:
+      point.backward.append(_instance_keys(self._graph, 1)[0])
+    return point.backward[j]
+
+  def _all_reduce(self, t: tf.Tensor, key: int) -> tf.Tensor:
+    """Sum of `t` over the towers (no gradient)."""
+    return collective_ops.all_reduce(t, len(self._devices), self._group_key, key, 'Add', 'Id')
+
+  def _differentiable_all_reduce(self, t: tf.Tensor, point: '_SyncPoint', tower: int
+                                 ) -> tf.Tensor:
     """Sum of `t` over the towers; its gradient is the sum of theirs."""
-    size, group = len(self._devices), self._group_key
 
     @tf.custom_gradient
     def reduce(value):
-      total = collective_ops.all_reduce(value, size, group, forward_key, 'Add', 'Id')
-
       def grad(upstream):
-        return collective_ops.all_reduce(upstream, size, group, backward_key, 'Add', 'Id')
-      return total, grad
+        return self._all_reduce(upstream, self._backward_key(point, tower))
+      return self._all_reduce(value, point.forward), grad
     return reduce(t)
+
+
+class _SyncPoint:
+  """One batch statistic's exchanges: forward, and one per backward pass built."""
+
+  def __init__(self, forward: int):
+    self.forward = forward
+    self.backward: list[int] = []
+    self.backward_uses: dict[int, int] = {}  # per tower
+
+
+class _FusedKernel:
+  """TensorFlow's fused batch-norm kernels, with one call's epsilon and data format."""
+
+  def __init__(self, original, epsilon: float, data_format: str):
+    self._original, self.epsilon, self._format = original, epsilon, data_format
+
+  def moments(self, x: tf.Tensor):
+    """The shard's element count per channel, mean and M2 (float32), by the training kernel.
+
+    The kernel's variance has Bessel's correction over the count n (n / 1 when
+    n is 1): M2 = variance * max(n - 1, 1).
+    """
+    channels = x.shape[1 if self._format.startswith('NC') else -1]
+    channels = channels if channels is not None else tf.shape(x)[
+        1 if self._format.startswith('NC') else -1]
+    ones = tf.ones([channels], tf.float32)
+    empty = tf.constant([], tf.float32)
+    _, mean, variance, _, _, _ = self._original(
+        x, ones, tf.zeros([channels], tf.float32), empty, empty, epsilon=self.epsilon,
+        exponential_avg_factor=1, data_format=self._format, is_training=True)
+    count = tf.cast(tf.size(x) // tf.cast(channels, tf.int32), tf.float32)
+    return count, mean, variance * tf.maximum(count - 1.0, 1.0)
+
+  def apply(self, x, scale, offset, mean, variance):
+    """scale * (x - mean) / sqrt(variance + epsilon) + offset per channel; reserve space 3."""
+    y, _, _, _, _, reserve = self._original(
+        x, scale, offset, mean, variance, epsilon=self.epsilon, exponential_avg_factor=1,
+        data_format=self._format, is_training=False)
+    return y, reserve
+
+  def gradient(self, dy, x, scale, mean, variance, reserve):
+    """scale / s * dy, sum(dy * (x - mean) / s) and sum(dy), s = sqrt(variance + epsilon)."""
+    dx, dscale, doffset, _, _ = tf.raw_ops.FusedBatchNormGradV3(
+        y_backprop=dy, x=x, scale=scale, reserve_space_1=mean, reserve_space_2=variance,
+        reserve_space_3=reserve, epsilon=self.epsilon, data_format=self._format,
+        is_training=False)
+    return dx, dscale, doffset
+
+
+def _local_moments(x: tf.Tensor, axes: Sequence[int]):
+  """The shard's count, mean and M2 over `axes` (two passes), flattened per the rest."""
+  flat = _rows(x, axes)
+  count = tf.cast(tf.shape(flat)[0], x.dtype)
+  mean = tf.reduce_mean(flat, 0)
+  m2 = tf.reduce_sum(tf.math.squared_difference(flat, tf.stop_gradient(mean)), 0)
+  return count, mean, m2
 
 
 def _dims(x: tf.Tensor, axes: Sequence[int], ones: Sequence[int] = ()) -> list:
