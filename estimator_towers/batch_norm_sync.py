@@ -129,23 +129,27 @@ class BatchNormSync:
                       exponential_avg_factor=exponential_avg_factor,
                       data_format=data_format, is_training=is_training, name=name)
     with tf.name_scope(name or 'SyncBatchNorm'):
+      kernel = _FusedKernel(original, epsilon, data_format)
       point = self._sync_point(tower)
-      local = _FusedKernel(original, epsilon, data_format).moments(x)
-      batch_mean, batch_var, count = (tf.stop_gradient(t) for t in self._combine(
-          tower, point, *local, differentiable=False))
-      y = self._fused_normalise(original, tower, point, x, scale, offset, batch_mean,
-                                batch_var, count, epsilon, data_format)
+      count, local_mean, local_variance = kernel.moments(x)
+      local_m2 = local_variance * tf.maximum(count - 1.0, 1.0)
+      batch_mean, m2, total = self._combine(tower, point, count, local_mean, local_m2,
+                                            differentiable=False)
+      batch_var = m2 / tf.maximum(total, 1.0)
+      y = self._fused_normalise(kernel, tower, point, x, scale, offset, batch_mean, batch_var,
+                                total)
       # TensorFlow's kernel returns the variance with Bessel's correction over
       # the elements per channel (all towers' here), for moving averages.
-      corrected = batch_var * (count / tf.maximum(count - 1.0, 1.0))
+      corrected = m2 / tf.maximum(total - 1.0, 1.0)
+      batch_mean, corrected = tf.stop_gradient(batch_mean), tf.stop_gradient(corrected)
       if exponential_avg_factor not in (None, 1, 1.0):
         f = float(exponential_avg_factor)
         batch_mean = (1.0 - f) * mean + f * batch_mean
         corrected = (1.0 - f) * variance + f * corrected
       return y, batch_mean, corrected, batch_mean, corrected, corrected
 
-  def _fused_normalise(self, original, tower, point, x, scale, offset, mean, variance, count,
-                       epsilon, data_format):
+  def _fused_normalise(self, kernel: '_FusedKernel', tower: int, point: '_SyncPoint', x, scale,
+                       offset, mean, variance, count):
     """TensorFlow's fused kernel on the global statistics; the global batch's gradient.
 
     Forward, the inference kernel normalises the shard with the global mean
@@ -154,35 +158,32 @@ class BatchNormSync:
 
         dx = scale / s * (dy - sum(dy) / n - x^ * sum(dy * x^) / n)
 
-    with the sums over the global batch: the inference kernel's gradient
-    gives scale / s * dy and the shard's sum(dy * x^) and sum(dy) (the
-    shard's share of the scale's and offset's gradients, which the towers'
-    backward passes add up on the variables), one all-reduce of those 2C
+    with the sums over the global batch. The inference kernel's gradient gives
+    scale / s * dy and the shard's sum(dy * x^) and sum(dy), which are the
+    shard's share of the scale's and offset's gradients (the towers' backward
+    passes add the shares up on the variables); one all-reduce of those 2C
     floats gives the global sums, and the inference kernel applied to x with
     scale / (s n) * (sum(dy * x^), sum(dy)) as its scale and offset gives the
-    last two terms.
+    last two terms. An empty shard's borrowed row is not in the statistics:
+    its gradient is scale / s * dy alone.
     """
-    kernel = _FusedKernel(original, epsilon, data_format)
-    present = tf.cast(self._present[tower], tf.float32)
+    present = self._present[tower]
 
     @tf.custom_gradient
-    def normalise(x, scale, offset, mean, variance, count):
+    def normalise(x, scale, offset, mean, variance):
       y, reserve = kernel.apply(x, scale, offset, mean, variance)
 
       def grad(dy):
         dx, dscale, doffset = kernel.gradient(dy, x, scale, mean, variance, reserve)
-        dscale, doffset = dscale * present, doffset * present  # an empty shard adds nothing
-        sums = self._all_reduce(tf.concat([dscale, doffset], 0),
+        sums = self._all_reduce(_times(tf.stack([dscale, doffset]), present),
                                 self._backward_key(point, tower))
-        channels = tf.shape(dscale)[0]
-        # The statistics do not depend on an empty shard's (borrowed) row.
         factor = scale * tf.math.rsqrt(variance + kernel.epsilon) * (
             present / tf.maximum(count, 1.0))
-        correction, _ = kernel.apply(x, factor * sums[:channels], factor * sums[channels:],
-                                     mean, variance)
-        return dx - correction, dscale, doffset, None, None, None
+        sum_scale, sum_offset = tf.unstack(sums * factor)
+        correction, _ = kernel.apply(x, sum_scale, sum_offset, mean, variance)
+        return dx - correction, dscale, doffset, None, None
       return y, grad
-    return normalise(x, scale, offset, mean, variance, count)
+    return normalise(x, scale, offset, mean, variance)
 
   def _moments(self, original, x, axes, shift=None, name=None, keep_dims=None,
                keepdims=None):
@@ -197,8 +198,9 @@ class BatchNormSync:
     with tf.name_scope(name or 'sync_moments'):
       y = tf.cast(x, tf.float32) if x.dtype == tf.float16 else x
       axes = sorted(int(a) % rank for a in np.ravel(axes))
-      mean, variance, _ = self._combine(tower, self._sync_point(tower),
-                                        *_local_moments(y, axes), differentiable=True)
+      mean, squares, count = self._combine(tower, self._sync_point(tower),
+                                           *_local_moments(y, axes), differentiable=True)
+      variance = squares / tf.maximum(count, 1.0)
       shape = _dims(y, [a for a in range(rank) if keep or a not in axes], ones=axes)
       mean, variance = tf.reshape(mean, shape), tf.reshape(variance, shape)
       if x.dtype == tf.float16:
@@ -207,33 +209,31 @@ class BatchNormSync:
 
   # -- The statistics ----------------------------------------------------------
 
-  def _combine(self, tower: int, point: '_SyncPoint', count: tf.Tensor, mean: tf.Tensor,
+  def _combine(self, tower: int, point: '_SyncPoint', count, mean: tf.Tensor,
                m2: tf.Tensor, differentiable: bool):
-    """Global mean, (biased) variance and count from every shard's count, mean and M2.
+    """The global batch's mean, M2 and count from every shard's count, mean and M2.
 
     One all-reduce gathers the towers' (count, mean, M2): tower i fills row i
     of an otherwise zero [towers, 2C + 1] matrix, so the sum is every row, in
     every tower. Chan et al.'s parallel combination then gives the global
-    statistics without cancellation: with N the global count and mu the global
-    mean, mu = sum(n_i mean_i) / N and M2 = sum(M2_i) + sum(n_i (mean_i - mu)^2).
+    statistics without cancellation: with n the global count and mu the global
+    mean, mu = sum(n_i mean_i) / n and M2 = sum(M2_i + n_i (mean_i - mu)^2).
+    An empty shard (its borrowed row) counts 0.
     """
-    present = tf.cast(self._present[tower], mean.dtype)
-    count = tf.cast(count, mean.dtype) * present
-    row = tf.concat([tf.reshape(count, [1]), mean, m2 * present], 0)
+    row = tf.concat([tf.reshape(tf.cast(count, mean.dtype), [1]), mean, m2], 0)
+    row = _times(row, self._present[tower])
     towers, i = len(self._devices), self._positions[tower]
     table = tf.pad(row[None], [[i, towers - 1 - i], [0, 0]])
     if differentiable:
       table = self._differentiable_all_reduce(table, point, tower)
     else:
       table = self._all_reduce(table, point.forward)
-    channels = tf.shape(mean)[0]
-    counts, means, m2s = table[:, :1], table[:, 1:channels + 1], table[:, channels + 1:]
+    channels = mean.shape[0] if mean.shape[0] is not None else tf.shape(mean)[0]
+    counts, means, m2s = tf.split(table, [1, channels, channels], axis=1)
     total = tf.reduce_sum(counts)
-    safe = tf.maximum(total, 1.0)
-    global_mean = tf.reduce_sum(counts * means, 0) / safe
-    squares = tf.reduce_sum(m2s, 0) + tf.reduce_sum(
-        counts * tf.math.squared_difference(means, global_mean), 0)
-    return global_mean, squares / safe, total
+    global_mean = tf.reduce_sum(counts * means, 0) / tf.maximum(total, 1.0)
+    squares = tf.reduce_sum(m2s + counts * tf.math.squared_difference(means, global_mean), 0)
+    return global_mean, squares, total
 
   def _sync_point(self, tower: int) -> '_SyncPoint':
     """This tower's next sync point (shared by the towers)."""
@@ -295,21 +295,20 @@ class _FusedKernel:
     self._original, self.epsilon, self._format = original, epsilon, data_format
 
   def moments(self, x: tf.Tensor):
-    """The shard's element count per channel, mean and M2 (float32), by the training kernel.
+    """The shard's element count per channel, mean and variance, by the training kernel.
 
-    The kernel's variance has Bessel's correction over the count n (n / 1 when
-    n is 1): M2 = variance * max(n - 1, 1).
+    The variance has Bessel's correction over the count n (n / 1 when n is 1);
+    the count is a Python float when x's shape is known.
     """
-    channels = x.shape[1 if self._format.startswith('NC') else -1]
-    channels = channels if channels is not None else tf.shape(x)[
-        1 if self._format.startswith('NC') else -1]
-    ones = tf.ones([channels], tf.float32)
-    empty = tf.constant([], tf.float32)
+    axis = 1 if self._format.startswith('NC') else x.shape.rank - 1
+    channels = x.shape[axis] if x.shape[axis] is not None else tf.shape(x)[axis]
     _, mean, variance, _, _, _ = self._original(
-        x, ones, tf.zeros([channels], tf.float32), empty, empty, epsilon=self.epsilon,
+        x, tf.ones([channels], tf.float32), tf.zeros([channels], tf.float32),
+        tf.constant([], tf.float32), tf.constant([], tf.float32), epsilon=self.epsilon,
         exponential_avg_factor=1, data_format=self._format, is_training=True)
-    count = tf.cast(tf.size(x) // tf.cast(channels, tf.int32), tf.float32)
-    return count, mean, variance * tf.maximum(count - 1.0, 1.0)
+    if x.shape.is_fully_defined():
+      return float(x.shape.num_elements() // channels), mean, variance
+    return tf.cast(tf.size(x) // channels, tf.float32), mean, variance
 
   def apply(self, x, scale, offset, mean, variance):
     """scale * (x - mean) / sqrt(variance + epsilon) + offset per channel; reserve space 3."""
@@ -325,6 +324,11 @@ class _FusedKernel:
         reserve_space_3=reserve, epsilon=self.epsilon, data_format=self._format,
         is_training=False)
     return dx, dscale, doffset
+
+
+def _times(t: tf.Tensor, factor) -> tf.Tensor:
+  """t * factor, without an op when factor is the Python float 1.0."""
+  return t if isinstance(factor, float) and factor == 1.0 else t * tf.cast(factor, t.dtype)
 
 
 def _local_moments(x: tf.Tensor, axes: Sequence[int]):
