@@ -94,6 +94,8 @@ class BatchNormSync:
     self._points: list[_SyncPoint] = []   # by index: the towers' i-th sync point
     self._positions = {k: i for i, k in enumerate(sorted(devices))}  # row in a gather
     self._calls: dict[int, int] = {}      # per tower: sync points made so far
+    self._graph_functions = None
+    self._padding_constants: dict[int, tf.Tensor] = {}
     self._builds: dict[int, int] = {}     # per tower: the build that made them
 
   @contextlib.contextmanager
@@ -131,22 +133,16 @@ class BatchNormSync:
     with tf.name_scope(name or 'SyncBatchNorm'):
       kernel = _FusedKernel(original, epsilon, data_format)
       point = self._sync_point(tower)
-      count, local_mean, local_variance = kernel.moments(x)
-      local_m2 = local_variance * tf.maximum(count - 1.0, 1.0)
-      batch_mean, m2, total = self._combine(tower, point, count, local_mean, local_m2,
-                                            differentiable=False)
-      batch_var = m2 / tf.maximum(total, 1.0)
+      functions = self._functions(original)
+      row = functions.local_row(x, self._present[tower], self._paddings(tower),
+                                epsilon=epsilon, data_format=data_format)
+      table = self._all_reduce(row, point.forward)
+      f = 1.0 if exponential_avg_factor is None else float(exponential_avg_factor)
+      batch_mean, batch_var, total, new_mean, new_variance = functions.global_statistics(
+          table, mean, variance, factor=f)
       y = self._fused_normalise(kernel, tower, point, x, scale, offset, batch_mean, batch_var,
                                 total)
-      # TensorFlow's kernel returns the variance with Bessel's correction over
-      # the elements per channel (all towers' here), for moving averages.
-      corrected = m2 / tf.maximum(total - 1.0, 1.0)
-      batch_mean, corrected = tf.stop_gradient(batch_mean), tf.stop_gradient(corrected)
-      if exponential_avg_factor not in (None, 1, 1.0):
-        f = float(exponential_avg_factor)
-        batch_mean = (1.0 - f) * mean + f * batch_mean
-        corrected = (1.0 - f) * variance + f * corrected
-      return y, batch_mean, corrected, batch_mean, corrected, corrected
+      return y, new_mean, new_variance, new_mean, new_variance, new_variance
 
   def _fused_normalise(self, kernel: '_FusedKernel', tower: int, point: '_SyncPoint', x, scale,
                        offset, mean, variance, count):
@@ -177,9 +173,8 @@ class BatchNormSync:
         dx, dscale, doffset = kernel.gradient(dy, x, scale, mean, variance, reserve)
         sums = self._all_reduce(_times(tf.stack([dscale, doffset]), present),
                                 self._backward_key(point, tower))
-        factor = scale * tf.math.rsqrt(variance + kernel.epsilon) * (
-            present / tf.maximum(count, 1.0))
-        sum_scale, sum_offset = tf.unstack(sums * factor)
+        sum_scale, sum_offset = self._functions().correction_scales(
+            sums, scale, variance, count, present, epsilon=kernel.epsilon)
         correction, _ = kernel.apply(x, sum_scale, sum_offset, mean, variance)
         return dx - correction, dscale, doffset, None, None
       return y, grad
@@ -199,7 +194,7 @@ class BatchNormSync:
       y = tf.cast(x, tf.float32) if x.dtype == tf.float16 else x
       axes = sorted(int(a) % rank for a in np.ravel(axes))
       mean, squares, count = self._combine(tower, self._sync_point(tower),
-                                           *_local_moments(y, axes), differentiable=True)
+                                           *_local_moments(y, axes))
       variance = squares / tf.maximum(count, 1.0)
       shape = _dims(y, [a for a in range(rank) if keep or a not in axes], ones=axes)
       mean, variance = tf.reshape(mean, shape), tf.reshape(variance, shape)
@@ -209,8 +204,7 @@ class BatchNormSync:
 
   # -- The statistics ----------------------------------------------------------
 
-  def _combine(self, tower: int, point: '_SyncPoint', count, mean: tf.Tensor,
-               m2: tf.Tensor, differentiable: bool):
+  def _combine(self, tower: int, point: '_SyncPoint', count, mean: tf.Tensor, m2: tf.Tensor):
     """The global batch's mean, M2 and count from every shard's count, mean and M2.
 
     One all-reduce gathers the towers' (count, mean, M2): tower i fills row i
@@ -224,16 +218,19 @@ class BatchNormSync:
     row = _times(row, self._present[tower])
     towers, i = len(self._devices), self._positions[tower]
     table = tf.pad(row[None], [[i, towers - 1 - i], [0, 0]])
-    if differentiable:
-      table = self._differentiable_all_reduce(table, point, tower)
-    else:
-      table = self._all_reduce(table, point.forward)
-    channels = mean.shape[0] if mean.shape[0] is not None else tf.shape(mean)[0]
-    counts, means, m2s = tf.split(table, [1, channels, channels], axis=1)
-    total = tf.reduce_sum(counts)
-    global_mean = tf.reduce_sum(counts * means, 0) / tf.maximum(total, 1.0)
-    squares = tf.reduce_sum(m2s + counts * tf.math.squared_difference(means, global_mean), 0)
-    return global_mean, squares, total
+    return _chan(self._differentiable_all_reduce(table, point, tower))
+
+  def _functions(self, original=None) -> '_GraphFunctions':
+    if self._graph_functions is None:
+      self._graph_functions = _GraphFunctions(original)
+    return self._graph_functions
+
+  def _paddings(self, tower: int) -> tf.Tensor:
+    """Pads tower's row to its place in the [towers, 2C + 1] gather table."""
+    if tower not in self._padding_constants:
+      i, towers = self._positions[tower], len(self._devices)
+      self._padding_constants[tower] = tf.constant([[i, towers - 1 - i], [0, 0]])
+    return self._padding_constants[tower]
 
   def _sync_point(self, tower: int) -> '_SyncPoint':
     """This tower's next sync point (shared by the towers)."""
@@ -288,27 +285,79 @@ class _SyncPoint:
     self.backward_uses: dict[int, int] = {}  # per tower
 
 
+def _chan(table: tf.Tensor):
+  """Global mean, M2 and count from a gather table's rows (count, mean, M2): Chan et al."""
+  channels = (table.shape[1] - 1) // 2 if table.shape[1] is not None else (
+      tf.shape(table)[1] - 1) // 2
+  counts, means, m2s = tf.split(table, [1, channels, channels], axis=1)
+  total = tf.reduce_sum(counts)
+  mean = tf.reduce_sum(counts * means, 0) / tf.maximum(total, 1.0)
+  m2 = tf.reduce_sum(m2s + counts * tf.math.squared_difference(means, mean), 0)
+  return mean, m2, total
+
+
+class _GraphFunctions:
+  """The fused path's arithmetic on per-channel vectors, as graph functions.
+
+  Per layer and tower a sync point computes a few dozen tiny things (counts,
+  the combination, Bessel's correction, moving averages, the backward
+  scales). Built as ops, they doubled the towered graph (measured: 67 ops per
+  layer and tower, ResNet-8 at N = 8: 7,542 ops against 3,782 unsynced), and
+  graph construction and optimisation take time per op. As functions, traced
+  once per graph and shape, each is one call op; TensorFlow inlines the calls
+  when it optimises the graph, so the step runs the same kernels.
+  """
+
+  def __init__(self, original):
+    self._original = original
+    self.local_row = tf.function(self._local_row, autograph=False)
+    self.global_statistics = tf.function(self._global_statistics, autograph=False)
+    self.correction_scales = tf.function(self._correction_scales, autograph=False)
+
+  def _local_row(self, x, present, paddings, epsilon, data_format):
+    """The shard's (count, mean, M2) per channel, by the training kernel, as row i of a table.
+
+    The kernel's variance has Bessel's correction over the count n (n / 1 when
+    n is 1): M2 = variance * max(n - 1, 1). An empty shard's row is zeros.
+    """
+    axis = 1 if data_format.startswith('NC') else x.shape.rank - 1
+    channels = x.shape[axis] if x.shape[axis] is not None else tf.shape(x)[axis]
+    empty = tf.constant([], tf.float32)
+    _, mean, variance, _, _, _ = self._original(
+        x, tf.ones([channels], tf.float32), tf.zeros([channels], tf.float32), empty, empty,
+        epsilon=epsilon, exponential_avg_factor=1, data_format=data_format, is_training=True)
+    count = tf.cast(tf.size(x) // channels, tf.float32)
+    row = tf.concat([count[None], mean, variance * tf.maximum(count - 1.0, 1.0)], 0)
+    return tf.pad(_times(row, present)[None], paddings)
+
+  @staticmethod
+  def _global_statistics(table, moving_mean, moving_variance, factor):
+    """Global mean, variance and count; the kernel's mean and variance outputs.
+
+    TensorFlow's kernel returns the variance with Bessel's correction over the
+    elements per channel (all towers' here), mixed into the moving averages
+    with `factor` (exponential_avg_factor) when it is not 1.
+    """
+    mean, m2, total = (tf.stop_gradient(t) for t in _chan(table))  # the caller's gradient
+    corrected = m2 / tf.maximum(total - 1.0, 1.0)
+    new_mean, new_variance = mean, corrected
+    if factor != 1.0:
+      new_mean = (1.0 - factor) * moving_mean + factor * mean
+      new_variance = (1.0 - factor) * moving_variance + factor * corrected
+    return mean, m2 / tf.maximum(total, 1.0), total, new_mean, new_variance
+
+  @staticmethod
+  def _correction_scales(sums, scale, variance, count, present, epsilon):
+    """scale / (s n) * (sum(dy * x^), sum(dy)); zeros for an empty shard."""
+    factor = scale * tf.math.rsqrt(variance + epsilon) * (present / tf.maximum(count, 1.0))
+    return tf.unstack(sums * factor)
+
+
 class _FusedKernel:
   """TensorFlow's fused batch-norm kernels, with one call's epsilon and data format."""
 
   def __init__(self, original, epsilon: float, data_format: str):
     self._original, self.epsilon, self._format = original, epsilon, data_format
-
-  def moments(self, x: tf.Tensor):
-    """The shard's element count per channel, mean and variance, by the training kernel.
-
-    The variance has Bessel's correction over the count n (n / 1 when n is 1);
-    the count is a Python float when x's shape is known.
-    """
-    axis = 1 if self._format.startswith('NC') else x.shape.rank - 1
-    channels = x.shape[axis] if x.shape[axis] is not None else tf.shape(x)[axis]
-    _, mean, variance, _, _, _ = self._original(
-        x, tf.ones([channels], tf.float32), tf.zeros([channels], tf.float32),
-        tf.constant([], tf.float32), tf.constant([], tf.float32), epsilon=self.epsilon,
-        exponential_avg_factor=1, data_format=self._format, is_training=True)
-    if x.shape.is_fully_defined():
-      return float(x.shape.num_elements() // channels), mean, variance
-    return tf.cast(tf.size(x) // channels, tf.float32), mean, variance
 
   def apply(self, x, scale, offset, mean, variance):
     """scale * (x - mean) / sqrt(variance + epsilon) + offset per channel; reserve space 3."""
