@@ -43,7 +43,8 @@ import tensorflow as tf
 import towers_bench as tb
 from benchlib import machine  # pylint: disable=g-import-not-at-top
 
-flags.DEFINE_integer('first_step_n', 8, 'N of the first-step comparison with plain and mirrored.')
+flags.DEFINE_integer('first_step_n', 8, 'N of the first-step comparison with plain and mirrored '
+                     '(0: skip it).')
 FLAGS = flags.FLAGS
 
 
@@ -147,6 +148,8 @@ def print_tables(rates: list[dict], firsts: dict, n: int) -> None:
           f"{r['synced_examples_per_sec']:,.0f} | {r['ratio_examples_per_sec']:.2f} | "
           f"{r['towered_first_step_sec']:.2f} | {r['synced_first_step_sec']:.2f} | "
           f"{r['ratio_first_step_sec']:.2f} |")
+  if not firsts:
+    return
   print(f'\ntime to first step, ResNet-8, N={n} (plain: one device), medians in seconds:\n')
   print('| contender | first step | graph | of which model_fn | session | first run | '
         '/ plain | / mirrored |')
@@ -167,14 +170,14 @@ def main(argv):
   counts = [int(n) for n in FLAGS.num_devices]
   n = FLAGS.first_step_n
   # MirroredStrategy must exist before any session ran.
-  strategies = {n: tf.distribute.MirroredStrategy([f'/cpu:{i}' for i in range(n)])}
+  strategies = {n: tf.distribute.MirroredStrategy([f'/cpu:{i}' for i in range(n)])} if n else {}
   header = (f'{datetime.date.today()}  {machine()}  TensorFlow {tf.__version__}; global batch '
             f'{FLAGS.batch_size}, {FLAGS.rounds} rounds, {FLAGS.build_rounds} builds')
   print(f'# {header}\n# {tb.load()} at start', flush=True)
   started = time.perf_counter()
-  for contender in ('plain', 'towered', 'synced', 'mirrored'):  # one-off costs of the process
-    tb.time_first_step('mlp', contender, 1 if contender == 'plain' else n, strategies)
-  firsts = first_steps(n, strategies, started)
+  for contender in ('plain', 'towered', 'synced', 'mirrored')[:4 if n else 3]:  # one-off costs
+    tb.time_first_step('mlp', contender, 1 if contender == 'plain' else n or 2, strategies)
+  firsts = first_steps(n, strategies, started) if n else {}
   rates = sync_rates(counts, strategies, started)
   print(f'\n# {header}; {(time.perf_counter() - started) / 60:.1f} min; {tb.load()} at end')
   print_tables(rates, firsts, n)

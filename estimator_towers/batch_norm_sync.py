@@ -94,8 +94,7 @@ class BatchNormSync:
     self._points: list[_SyncPoint] = []   # by index: the towers' i-th sync point
     self._positions = {k: i for i, k in enumerate(sorted(devices))}  # row in a gather
     self._calls: dict[int, int] = {}      # per tower: sync points made so far
-    self._graph_functions = None
-    self._padding_constants: dict[int, tf.Tensor] = {}
+    self._arithmetics: dict[int, _Arithmetic] = {}  # per tower
     self._builds: dict[int, int] = {}     # per tower: the build that made them
 
   @contextlib.contextmanager
@@ -133,13 +132,16 @@ class BatchNormSync:
     with tf.name_scope(name or 'SyncBatchNorm'):
       kernel = _FusedKernel(original, epsilon, data_format)
       point = self._sync_point(tower)
-      functions = self._functions(original)
-      row = functions.local_row(x, self._present[tower], self._paddings(tower),
-                                epsilon=epsilon, data_format=data_format)
-      table = self._all_reduce(row, point.forward)
-      f = 1.0 if exponential_avg_factor is None else float(exponential_avg_factor)
-      batch_mean, batch_var, total, new_mean, new_variance = functions.global_statistics(
-          table, mean, variance, factor=f)
+      arithmetic = self._arithmetic(tower, original)
+      row = arithmetic.local_row(x, scale, self._present[tower], self._paddings(tower, arithmetic),
+                                 epsilon, data_format)
+      table = tf.stop_gradient(self._all_reduce(row, point.forward))  # see _fused_normalise
+      batch_mean, batch_var, corrected, total = arithmetic.global_statistics(table)
+      new_mean, new_variance = batch_mean, corrected
+      if exponential_avg_factor not in (None, 1, 1.0):
+        f = float(exponential_avg_factor)
+        new_mean = (1.0 - f) * mean + f * batch_mean
+        new_variance = (1.0 - f) * variance + f * corrected
       y = self._fused_normalise(kernel, tower, point, x, scale, offset, batch_mean, batch_var,
                                 total)
       return y, new_mean, new_variance, new_mean, new_variance, new_variance
@@ -173,7 +175,7 @@ class BatchNormSync:
         dx, dscale, doffset = kernel.gradient(dy, x, scale, mean, variance, reserve)
         sums = self._all_reduce(_times(tf.stack([dscale, doffset]), present),
                                 self._backward_key(point, tower))
-        sum_scale, sum_offset = self._functions().correction_scales(
+        sum_scale, sum_offset = self._arithmetic(tower).correction_scales(
             sums, scale, variance, count, present, epsilon=kernel.epsilon)
         correction, _ = kernel.apply(x, sum_scale, sum_offset, mean, variance)
         return dx - correction, dscale, doffset, None, None
@@ -220,17 +222,15 @@ class BatchNormSync:
     table = tf.pad(row[None], [[i, towers - 1 - i], [0, 0]])
     return _chan(self._differentiable_all_reduce(table, point, tower))
 
-  def _functions(self, original=None) -> '_GraphFunctions':
-    if self._graph_functions is None:
-      self._graph_functions = _GraphFunctions(original)
-    return self._graph_functions
+  def _arithmetic(self, tower: int, original=None) -> '_Arithmetic':
+    if tower not in self._arithmetics:
+      self._arithmetics[tower] = _Arithmetic(original)
+    return self._arithmetics[tower]
 
-  def _paddings(self, tower: int) -> tf.Tensor:
+  def _paddings(self, tower: int, arithmetic: '_Arithmetic') -> tf.Tensor:
     """Pads tower's row to its place in the [towers, 2C + 1] gather table."""
-    if tower not in self._padding_constants:
-      i, towers = self._positions[tower], len(self._devices)
-      self._padding_constants[tower] = tf.constant([[i, towers - 1 - i], [0, 0]])
-    return self._padding_constants[tower]
+    i, towers = self._positions[tower], len(self._devices)
+    return arithmetic.const([[i, towers - 1 - i], [0, 0]], tf.int32)
 
   def _sync_point(self, tower: int) -> '_SyncPoint':
     """This tower's next sync point (shared by the towers)."""
@@ -296,61 +296,81 @@ def _chan(table: tf.Tensor):
   return mean, m2, total
 
 
-class _GraphFunctions:
-  """The fused path's arithmetic on per-channel vectors, as graph functions.
+class _Arithmetic:
+  """One tower's per-channel arithmetic of the fused path, in few graph ops.
 
-  Per layer and tower a sync point computes a few dozen tiny things (counts,
-  the combination, Bessel's correction, moving averages, the backward
-  scales). Built as ops, they doubled the towered graph (measured: 67 ops per
-  layer and tower, ResNet-8 at N = 8: 7,542 ops against 3,782 unsynced), and
-  graph construction and optimisation take time per op. As functions, traced
-  once per graph and shape, each is one call op; TensorFlow inlines the calls
-  when it optimises the graph, so the step runs the same kernels.
+  Per layer and tower a sync point computes a few dozen small things (the
+  shard's row, the combination, Bessel's correction, the backward scales).
+  Graph construction and TensorFlow's graph optimisation take time per op,
+  and the first version of this path doubled the towered graph (67 ops per
+  layer and tower, 7,542 ops for ResNet-8 at N = 8 against 3,782 unsynced),
+  so constants are made once per tower and the combination works on the
+  whole gathered table at once. (Graph functions, one call op each, made
+  construction cheaper but optimisation dearer: inlined, each call adds some
+  30 nodes.)
   """
 
   def __init__(self, original):
     self._original = original
-    self.local_row = tf.function(self._local_row, autograph=False)
-    self.global_statistics = tf.function(self._global_statistics, autograph=False)
-    self.correction_scales = tf.function(self._correction_scales, autograph=False)
+    self._constants: dict[Any, tf.Tensor] = {}
 
-  def _local_row(self, x, present, paddings, epsilon, data_format):
-    """The shard's (count, mean, M2) per channel, by the training kernel, as row i of a table.
+  def const(self, value, dtype=tf.float32) -> tf.Tensor:
+    key = (repr(value), dtype)
+    if key not in self._constants:
+      self._constants[key] = tf.constant(value, dtype)
+    return self._constants[key]
 
-    The kernel's variance has Bessel's correction over the count n (n / 1 when
-    n is 1): M2 = variance * max(n - 1, 1). An empty shard's row is zeros.
+  def local_row(self, x, scale, present, paddings, epsilon, data_format):
+    """Row i of the gather table: the shard's (count, mean, variance) per channel.
+
+    By the training kernel: its variance has Bessel's correction over the
+    shard's count. An empty shard's row is zeros.
     """
     axis = 1 if data_format.startswith('NC') else x.shape.rank - 1
-    channels = x.shape[axis] if x.shape[axis] is not None else tf.shape(x)[axis]
-    empty = tf.constant([], tf.float32)
+    channels = x.shape[axis]
+    if channels is None:  # known at run time only
+      ones = tf.ones_like(scale, tf.float32)
+      channels = tf.shape(x)[axis]
+      ones_zeros = (ones, ones * 0.0)
+    else:
+      ones_zeros = (self.const([1.0] * channels), self.const([0.0] * channels))
+    empty = self.const([])
     _, mean, variance, _, _, _ = self._original(
-        x, tf.ones([channels], tf.float32), tf.zeros([channels], tf.float32), empty, empty,
-        epsilon=epsilon, exponential_avg_factor=1, data_format=data_format, is_training=True)
-    count = tf.cast(tf.size(x) // channels, tf.float32)
-    row = tf.concat([count[None], mean, variance * tf.maximum(count - 1.0, 1.0)], 0)
-    return tf.pad(_times(row, present)[None], paddings)
+        x, *ones_zeros, empty, empty, epsilon=epsilon, exponential_avg_factor=1,
+        data_format=data_format, is_training=True)
+    if x.shape.is_fully_defined():
+      count = self.const([x.shape.num_elements() / channels])
+    else:
+      count = tf.reshape(tf.cast(tf.size(x) // channels, tf.float32), self.const([1], tf.int32))
+    row = _times(tf.concat([count, mean, variance], self.const(0, tf.int32)), present)
+    return tf.pad(tf.reshape(row, self.const([1, -1], tf.int32)), paddings)
 
-  @staticmethod
-  def _global_statistics(table, moving_mean, moving_variance, factor):
-    """Global mean, variance and count; the kernel's mean and variance outputs.
+  def global_statistics(self, table):
+    """Global mean, variance and Bessel-corrected variance, and count: Chan et al.
 
-    TensorFlow's kernel returns the variance with Bessel's correction over the
-    elements per channel (all towers' here), mixed into the moving averages
-    with `factor` (exponential_avg_factor) when it is not 1.
+    With n_i, mean_i and M2_i = variance_i * max(n_i - 1, 1) the rows', n the
+    global count and mu the global mean: mu = sum(n_i mean_i) / n and
+    M2 = sum(M2_i + n_i (mean_i - mu)^2), without cancellation.
     """
-    mean, m2, total = (tf.stop_gradient(t) for t in _chan(table))  # the caller's gradient
-    corrected = m2 / tf.maximum(total - 1.0, 1.0)
-    new_mean, new_variance = mean, corrected
-    if factor != 1.0:
-      new_mean = (1.0 - factor) * moving_mean + factor * mean
-      new_variance = (1.0 - factor) * moving_variance + factor * corrected
-    return mean, m2 / tf.maximum(total, 1.0), total, new_mean, new_variance
+    one, zero = self.const(1.0), self.const(0, tf.int32)
+    if table.shape[1] is None:
+      channels = (tf.shape(table)[1] - 1) // 2
+      sizes = tf.stack([1, channels, channels])
+    else:
+      channels = (table.shape[1] - 1) // 2
+      sizes = self.const([1, channels, channels], tf.int32)
+    counts, means, variances = tf.split(table, sizes, self.const(1, tf.int32), num=3)
+    total = tf.reduce_sum(counts, self.const([0, 1], tf.int32))
+    safe = tf.maximum(total, one)
+    mean = tf.reduce_sum(counts / safe * means, zero)
+    m2 = tf.reduce_sum(variances * tf.maximum(counts - one, one) + counts *
+                       tf.math.squared_difference(means, mean), zero)
+    return mean, m2 / safe, m2 / tf.maximum(total - one, one), total
 
-  @staticmethod
-  def _correction_scales(sums, scale, variance, count, present, epsilon):
+  def correction_scales(self, sums, scale, variance, count, present, epsilon):
     """scale / (s n) * (sum(dy * x^), sum(dy)); zeros for an empty shard."""
-    factor = scale * tf.math.rsqrt(variance + epsilon) * (present / tf.maximum(count, 1.0))
-    return tf.unstack(sums * factor)
+    inverse = tf.math.rsqrt(variance + self.const(epsilon)) / tf.maximum(count, self.const(1.0))
+    return tf.unstack(sums * _times(scale * inverse, present))
 
 
 class _FusedKernel:
