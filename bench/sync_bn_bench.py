@@ -49,19 +49,28 @@ FLAGS = flags.FLAGS
 
 
 class _ModelFnClock:
-  """Seconds spent calling the model_fn (all calls: MirroredStrategy calls it per replica)."""
+  """Wall time from the first model_fn call's start to the last one's end.
+
+  MirroredStrategy calls the model_fn once per replica, in threads of its
+  own; the span covers them all.
+  """
 
   def __init__(self, estimator: tf.estimator.Estimator):
-    self.seconds = 0.0
+    self._start = self._end = None
     call = estimator._call_model_fn  # pylint: disable=protected-access
 
     def timed(*args, **kwargs):
       start = time.perf_counter()
+      self._start = start if self._start is None else min(self._start, start)
       try:
         return call(*args, **kwargs)
       finally:
-        self.seconds += time.perf_counter() - start
+        self._end = max(self._end or 0.0, time.perf_counter())
     estimator._call_model_fn = timed  # pylint: disable=protected-access
+
+  @property
+  def seconds(self) -> float:
+    return self._end - self._start
 
 
 def first_step(contender: str, n: int, strategies: dict) -> dict:
