@@ -34,12 +34,10 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers import interception
 from estimator_towers import tower_context
@@ -48,25 +46,8 @@ from estimator_towers import tower_context
 # split; the value that turns each off.
 _UNSYNCABLE = (('renorm', False), ('virtual_batch_size', None), ('adjustment', None))
 
-# Instance keys are unique per graph (collectives of one step must not share
-# one); group keys identify a set of devices.
-_next_instance_key: 'weakref.WeakKeyDictionary[tf.Graph, int]' = weakref.WeakKeyDictionary()
-_GROUP_KEY_BASE = 0x5B00
-# No timeout on the collectives: TensorFlow 2.15 keeps a sleeping thread per
-# collective call for its timeout, so a timeout of T seconds holds about
-# (sync points per step x steps per second x T) threads, which exhausted the
-# process's threads within a minute of training (measured: 30,000 threads
-# after 60 s of the example's ResNet-20, then an abort).
-
-
 class BatchNormSyncError(ValueError):
   """A batch norm that cannot be synchronised across towers."""
-
-
-def _instance_keys(graph: tf.Graph, count: int) -> list[int]:
-  start = _next_instance_key.get(graph, 1)
-  _next_instance_key[graph] = start + count
-  return list(range(start, start + count))
 
 
 class BatchNormSync:
@@ -84,15 +65,13 @@ class BatchNormSync:
       raise BatchNormSyncError(
           f'sync_batch_norm=True needs every tower on its own device, but the '
           f'towers run on {sorted(devices.values())}: statistics are exchanged '
-          f'with collective ops, one per device. Give distinct devices (e.g. '
+          f'between the towers\' devices. Give distinct devices (e.g. '
           f'--num_cpu_devices=N on a machine without GPUs instead of '
           f'--allow_cpu_fallback), or turn sync_batch_norm off.')
     self._graph = graph
     self._devices = devices
     self._present = present
-    self._group_key = _GROUP_KEY_BASE + len(devices)
     self._points: list[_SyncPoint] = []   # by index: the towers' i-th sync point
-    self._positions = {k: i for i, k in enumerate(sorted(devices))}  # row in a gather
     self._calls: dict[int, int] = {}      # per tower: sync points made so far
     self._arithmetics: dict[int, _Arithmetic] = {}  # per tower
     self._builds: dict[int, int] = {}     # per tower: the build that made them
@@ -133,10 +112,10 @@ class BatchNormSync:
       kernel = _FusedKernel(original, epsilon, data_format)
       point = self._sync_point(tower)
       arithmetic = self._arithmetic(tower, original)
-      row = arithmetic.local_row(x, scale, self._present[tower], self._paddings(tower, arithmetic),
-                                 epsilon, data_format)
-      table = tf.stop_gradient(self._all_reduce(row, point.forward))  # see _fused_normalise
-      batch_mean, batch_var, corrected, total = arithmetic.global_statistics(table)
+      row = arithmetic.local_row(x, scale, self._present[tower], epsilon, data_format)
+      # No gradient through the statistics: _fused_normalise's gradient has it.
+      batch_mean, batch_var, corrected, total = point.forward.join(
+          tower, row, lambda rows: arithmetic.global_statistics(tf.stop_gradient(tf.stack(rows))))
       new_mean, new_variance = batch_mean, corrected
       if exponential_avg_factor not in (None, 1, 1.0):
         f = float(exponential_avg_factor)
@@ -159,7 +138,7 @@ class BatchNormSync:
     with the sums over the global batch. The inference kernel's gradient gives
     scale / s * dy and the shard's sum(dy * x^) and sum(dy), which are the
     shard's share of the scale's and offset's gradients (the towers' backward
-    passes add the shares up on the variables); one all-reduce of those 2C
+    passes add the shares up on the variables); one exchange of those 2C
     floats gives the global sums, and the inference kernel applied to x with
     scale / (s n) * (sum(dy * x^), sum(dy)) as its scale and offset gives the
     last two terms. An empty shard's borrowed row is not in the statistics:
@@ -173,10 +152,11 @@ class BatchNormSync:
 
       def grad(dy):
         dx, dscale, doffset = kernel.gradient(dy, x, scale, mean, variance, reserve)
-        sums = self._all_reduce(_times(tf.stack([dscale, doffset]), present),
-                                self._backward_key(point, tower))
-        sum_scale, sum_offset = self._arithmetic(tower).correction_scales(
-            sums, scale, variance, count, present, epsilon=kernel.epsilon)
+        sum_scale, sum_offset = point.backward(tower).join(
+            tower, _times(tf.stack([dscale, doffset]), present),
+            lambda sums: self._arithmetic(tower).correction_scales(
+                tf.add_n(sums), scale, variance, count, kernel.epsilon))
+        sum_scale, sum_offset = _times(sum_scale, present), _times(sum_offset, present)
         correction, _ = kernel.apply(x, sum_scale, sum_offset, mean, variance)
         return dx - correction, dscale, doffset, None, None
       return y, grad
@@ -209,28 +189,17 @@ class BatchNormSync:
   def _combine(self, tower: int, point: '_SyncPoint', count, mean: tf.Tensor, m2: tf.Tensor):
     """The global batch's mean, M2 and count from every shard's count, mean and M2.
 
-    One all-reduce gathers the towers' (count, mean, M2): tower i fills row i
-    of an otherwise zero [towers, 2C + 1] matrix, so the sum is every row, in
-    every tower. Chan et al.'s parallel combination then gives the global
-    statistics without cancellation: with n the global count and mu the global
-    mean, mu = sum(n_i mean_i) / n and M2 = sum(M2_i + n_i (mean_i - mu)^2).
-    An empty shard (its borrowed row) counts 0.
+    Differentiable: the gradient flows through the exchange to every tower's
+    statistics. An empty shard (its borrowed row) counts 0.
     """
     row = tf.concat([tf.reshape(tf.cast(count, mean.dtype), [1]), mean, m2], 0)
-    row = _times(row, self._present[tower])
-    towers, i = len(self._devices), self._positions[tower]
-    table = tf.pad(row[None], [[i, towers - 1 - i], [0, 0]])
-    return _chan(self._differentiable_all_reduce(table, point, tower))
+    return point.forward.join(tower, _times(row, self._present[tower]),
+                              lambda rows: _chan(tf.stack(rows)))
 
   def _arithmetic(self, tower: int, original=None) -> '_Arithmetic':
     if tower not in self._arithmetics:
       self._arithmetics[tower] = _Arithmetic(original)
     return self._arithmetics[tower]
-
-  def _paddings(self, tower: int, arithmetic: '_Arithmetic') -> tf.Tensor:
-    """Pads tower's row to its place in the [towers, 2C + 1] gather table."""
-    i, towers = self._positions[tower], len(self._devices)
-    return arithmetic.const([[i, towers - 1 - i], [0, 0]], tf.int32)
 
   def _sync_point(self, tower: int) -> '_SyncPoint':
     """This tower's next sync point (shared by the towers)."""
@@ -245,44 +214,66 @@ class BatchNormSync:
     i = self._calls.get(tower, 0)
     self._calls[tower] = i + 1
     while len(self._points) <= i:
-      self._points.append(_SyncPoint(_instance_keys(self._graph, 1)[0]))
+      self._points.append(_SyncPoint(sorted(self._devices)))
     return self._points[i]
 
-  def _backward_key(self, point: '_SyncPoint', tower: int) -> int:
-    """The instance key of this tower's next backward exchange at `point`.
 
-    Each backward pass built through a sync point (one per gradient request
-    that reaches it) exchanges once; the towers' j-th passes share a key.
-    """
-    j = point.backward_uses.get(tower, 0)
-    point.backward_uses[tower] = j + 1
-    while len(point.backward) <= j:
-      point.backward.append(_instance_keys(self._graph, 1)[0])
-    return point.backward[j]
+class _Exchange:
+  """One sync point's tensors of every tower, joined once, in the graph.
 
-  def _all_reduce(self, t: tf.Tensor, key: int) -> tf.Tensor:
-    """Sum of `t` over the towers (no gradient)."""
-    return collective_ops.all_reduce(t, len(self._devices), self._group_key, key, 'Add', 'Id')
+  `join(k, value, fn)` is called by every tower k with its value; it returns
+  fn(the towers' values, in tower order), built once, by the first tower to
+  call, on its device (the hub), and shared by all: TensorFlow sends the
+  other towers' values to the hub and the result back (a few hundred bytes,
+  two hops, no collective). The towers are built one after another, so the
+  first gets a placeholder for each later tower's value, replaced by the
+  value when that tower builds it (a placeholder left over, a tower that
+  never came, fails the step with its name instead of waiting).
+  """
 
-  def _differentiable_all_reduce(self, t: tf.Tensor, point: '_SyncPoint', tower: int
-                                 ) -> tf.Tensor:
-    """Sum of `t` over the towers; its gradient is the sum of theirs."""
+  def __init__(self, towers: Sequence[int]):
+    self._towers = list(towers)
+    self._values: dict[int, tf.Tensor] = {}
+    self._waiting: dict[int, list] = {}  # tower: [(op, input index)] awaiting its value
+    self._result = None
 
-    @tf.custom_gradient
-    def reduce(value):
-      def grad(upstream):
-        return self._all_reduce(upstream, self._backward_key(point, tower))
-      return self._all_reduce(value, point.forward), grad
-    return reduce(t)
+  def join(self, tower: int, value: tf.Tensor, fn: Callable[[list], Any]) -> Any:
+    self._values[tower] = value
+    for op, index in self._waiting.pop(tower, []):
+      interception.replace_input(op, index, value)
+    if self._result is None:
+      parts = [self._values.get(k) for k in self._towers]
+      for i, k in enumerate(self._towers):
+        if parts[i] is None:
+          parts[i] = tf.compat.v1.placeholder(value.dtype, value.shape,
+                                              name=f'tower_{k}_statistics')
+      self._result = fn(parts)
+      for k, part in zip(self._towers, parts):
+        if part.op.type == 'Placeholder' and k not in self._values:
+          self._waiting[k] = [(op, index) for op in part.consumers()
+                              for index, t in enumerate(op.inputs) if t is part]
+    return self._result
 
 
 class _SyncPoint:
-  """One batch statistic's exchanges: forward, and one per backward pass built."""
+  """One batch statistic's exchanges: forward, and one per backward pass built.
 
-  def __init__(self, forward: int):
-    self.forward = forward
-    self.backward: list[int] = []
-    self.backward_uses: dict[int, int] = {}  # per tower
+  Each backward pass built through the sync point (one per gradient request
+  that reaches it) exchanges once; the towers' j-th passes share one.
+  """
+
+  def __init__(self, towers: Sequence[int]):
+    self._towers = towers
+    self.forward = _Exchange(towers)
+    self._backward: list[_Exchange] = []
+    self._backward_uses: dict[int, int] = {}  # per tower
+
+  def backward(self, tower: int) -> _Exchange:
+    j = self._backward_uses.get(tower, 0)
+    self._backward_uses[tower] = j + 1
+    while len(self._backward) <= j:
+      self._backward.append(_Exchange(self._towers))
+    return self._backward[j]
 
 
 def _chan(table: tf.Tensor):
@@ -320,8 +311,8 @@ class _Arithmetic:
       self._constants[key] = tf.constant(value, dtype)
     return self._constants[key]
 
-  def local_row(self, x, scale, present, paddings, epsilon, data_format):
-    """Row i of the gather table: the shard's (count, mean, variance) per channel.
+  def local_row(self, x, scale, present, epsilon, data_format):
+    """The shard's (count, mean, variance) per channel: its row of the statistics' table.
 
     By the training kernel: its variance has Bessel's correction over the
     shard's count. An empty shard's row is zeros.
@@ -342,8 +333,7 @@ class _Arithmetic:
       count = self.const([x.shape.num_elements() / channels])
     else:
       count = tf.reshape(tf.cast(tf.size(x) // channels, tf.float32), self.const([1], tf.int32))
-    row = _times(tf.concat([count, mean, variance], self.const(0, tf.int32)), present)
-    return tf.pad(tf.reshape(row, self.const([1, -1], tf.int32)), paddings)
+    return _times(tf.concat([count, mean, variance], self.const(0, tf.int32)), present)
 
   def global_statistics(self, table):
     """Global mean, variance and Bessel-corrected variance, and count: Chan et al.
@@ -367,10 +357,10 @@ class _Arithmetic:
                        tf.math.squared_difference(means, mean), zero)
     return mean, m2 / safe, m2 / tf.maximum(total - one, one), total
 
-  def correction_scales(self, sums, scale, variance, count, present, epsilon):
-    """scale / (s n) * (sum(dy * x^), sum(dy)); zeros for an empty shard."""
+  def correction_scales(self, sums, scale, variance, count, epsilon):
+    """scale / (s n) * (sum(dy * x^), sum(dy))."""
     inverse = tf.math.rsqrt(variance + self.const(epsilon)) / tf.maximum(count, self.const(1.0))
-    return tf.unstack(sums * _times(scale * inverse, present))
+    return tf.unstack(sums * (scale * inverse))
 
 
 class _FusedKernel:
