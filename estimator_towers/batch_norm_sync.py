@@ -12,14 +12,17 @@ the towers, like a gradient request:
   batch axis 0 among `axes` (Keras' non-fused path and hand-written batch
   norm). Moments over other axes (layer norm) are per example and stay per
   tower.
-- How: tower k sums its shard (`n_k` rows; an empty shard, which borrows a
-  row in training, counts 0), the towers' sums meet in one collective
-  all-reduce (`CollectiveReduce`, what MirroredStrategy uses between devices),
-  then the sum of squared deviations from the global mean in a second: two
-  all-reduces of C + 1 and C floats per layer and step, for C channels. The
-  collective ops meet at run time, so the towers are still built one after
-  another. The gradient of an all-reduce is the all-reduce of the incoming
-  gradients, so the backward pass flows through the global statistics.
+- How: each tower's shard statistics (count, per-channel mean and M2; an
+  empty shard, which borrows a row in training, counts 0) are joined once per
+  sync point, on the device of the first tower to reach it, and combined by
+  Chan et al.'s parallel formula (no E[x^2] - E[x]^2); every tower uses the
+  result. The exchange is ordinary graph edges between the towers' devices
+  (`_Exchange`): the towers are built one after another, so the first
+  tower's join holds placeholders for the later towers' statistics until
+  they are built. The fused path normalises with TensorFlow's fused kernel
+  (inference mode, on the global statistics) and has a gradient of its own
+  that joins the two per-channel sums sum(dy) and sum(dy * x^) the same way;
+  `tf.nn.moments` is differentiated through the join.
 - What it returns is what the plain call returns on the whole batch: the
   fused call's batch variance carries Bessel's correction over the global
   count, as TensorFlow's kernel does, so Keras' moving averages (updated once
