@@ -26,10 +26,9 @@ and loss, optimizer hyperparameters sent to a variable's device, ...) and
 anything else by tensor.
 
 - synced: the cpu strategy with `sync_batch_norm=True`: its bound is cpu's;
-  on top, every batch-norm layer exchanges its statistics between devices
-  (forward 2C + 1 floats per tower for C channels, backward 2C, to the
-  joining tower and back), listed by tensor. (Collective all-reduces, as
-  before issue 22, are reported per layer and as the ring traffic they make.)
+  on top, every batch-norm layer exchanges its statistics with collective
+  all-reduces (forward: C + 1 and C floats for C channels; backward the same
+  again), reported per layer and as the ring traffic they make.
 
   python bench/towers_bytes.py                # mlp and resnet, N = 2, 4, 8
   python bench/towers_bytes.py --models=resnet --strategies=cpu,synced  # sync_batch_norm
@@ -176,9 +175,9 @@ def measure(model: str, strategy: str, n: int, strategies: dict) -> dict:
 
 
 def _sync_points(graph: tf.Graph, collectives: Collectives, n: int) -> dict:
-  """Collective all-reduces of batch statistics, per layer (2 each; none since issue 22)."""
+  """sync_batch_norm's exchanges: per batch-norm layer (4 all-reduces each)."""
   reduces = [op for op in graph.get_operations() if op.type == 'CollectiveReduce']
-  layers = len(reduces) // (2 * n)  # one forward and one backward per tower
+  layers = len(reduces) // (4 * n)  # two forward and two backward per tower
   if not layers or not collectives.payload:
     return {}
   per_device = max(collectives.payload.values())
