@@ -12,14 +12,17 @@ the towers, like a gradient request:
   batch axis 0 among `axes` (Keras' non-fused path and hand-written batch
   norm). Moments over other axes (layer norm) are per example and stay per
   tower.
-- How: tower k sums its shard (`n_k` rows; an empty shard, which borrows a
-  row in training, counts 0), the towers' sums meet in one collective
-  all-reduce (`CollectiveReduce`, what MirroredStrategy uses between devices),
-  then the sum of squared deviations from the global mean in a second: two
-  all-reduces of C + 1 and C floats per layer and step, for C channels. The
-  collective ops meet at run time, so the towers are still built one after
-  another. The gradient of an all-reduce is the all-reduce of the incoming
-  gradients, so the backward pass flows through the global statistics.
+- How: each tower's shard statistics (count, per-channel mean and M2; an
+  empty shard, which borrows a row in training, counts 0) are joined once per
+  sync point, on the device of the first tower to reach it, and combined by
+  Chan et al.'s parallel formula (no E[x^2] - E[x]^2); every tower uses the
+  result. The exchange is ordinary graph edges between the towers' devices
+  (`_Exchange`): the towers are built one after another, so the first
+  tower's join holds placeholders for the later towers' statistics until
+  they are built. The fused path normalises with TensorFlow's fused kernel
+  (inference mode, on the global statistics) and has a gradient of its own
+  that joins the two per-channel sums sum(dy) and sum(dy * x^) the same way;
+  `tf.nn.moments` is differentiated through the join.
 - What it returns is what the plain call returns on the whole batch: the
   fused call's batch variance carries Bessel's correction over the global
   count, as TensorFlow's kernel does, so Keras' moving averages (updated once
@@ -34,12 +37,10 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers import interception
 from estimator_towers import tower_context
@@ -48,25 +49,8 @@ from estimator_towers import tower_context
 # split; the value that turns each off.
 _UNSYNCABLE = (('renorm', False), ('virtual_batch_size', None), ('adjustment', None))
 
-# Instance keys are unique per graph (collectives of one step must not share
-# one); group keys identify a set of devices.
-_next_instance_key: 'weakref.WeakKeyDictionary[tf.Graph, int]' = weakref.WeakKeyDictionary()
-_GROUP_KEY_BASE = 0x5B00
-# No timeout on the collectives: TensorFlow 2.15 keeps a sleeping thread per
-# collective call for its timeout, so a timeout of T seconds holds about
-# (sync points per step x steps per second x T) threads, which exhausted the
-# process's threads within a minute of training (measured: 30,000 threads
-# after 60 s of the example's ResNet-20, then an abort).
-
-
 class BatchNormSyncError(ValueError):
   """A batch norm that cannot be synchronised across towers."""
-
-
-def _instance_keys(graph: tf.Graph, count: int) -> list[int]:
-  start = _next_instance_key.get(graph, 1)
-  _next_instance_key[graph] = start + count
-  return list(range(start, start + count))
 
 
 class BatchNormSync:
@@ -84,15 +68,15 @@ class BatchNormSync:
       raise BatchNormSyncError(
           f'sync_batch_norm=True needs every tower on its own device, but the '
           f'towers run on {sorted(devices.values())}: statistics are exchanged '
-          f'with collective ops, one per device. Give distinct devices (e.g. '
+          f'between the towers\' devices. Give distinct devices (e.g. '
           f'--num_cpu_devices=N on a machine without GPUs instead of '
           f'--allow_cpu_fallback), or turn sync_batch_norm off.')
     self._graph = graph
     self._devices = devices
     self._present = present
-    self._group_key = _GROUP_KEY_BASE + len(devices)
-    self._keys: list[list[int]] = []      # per sync point: 4 instance keys
+    self._points: list[_SyncPoint] = []   # by index: the towers' i-th sync point
     self._calls: dict[int, int] = {}      # per tower: sync points made so far
+    self._arithmetics: dict[int, _Arithmetic] = {}  # per tower
     self._builds: dict[int, int] = {}     # per tower: the build that made them
 
   @contextlib.contextmanager
@@ -127,26 +111,59 @@ class BatchNormSync:
       return original(x, scale, offset, mean, variance, epsilon=epsilon,
                       exponential_avg_factor=exponential_avg_factor,
                       data_format=data_format, is_training=is_training, name=name)
-    channels_first = data_format.startswith('NC')
     with tf.name_scope(name or 'SyncBatchNorm'):
-      x32 = tf.cast(x, tf.float32)
-      rank = x32.shape.rank
-      axes = [a for a in range(rank) if a != (1 if channels_first else rank - 1)]
-      batch_mean, batch_var, count = self._statistics(tower, x32, axes)
-      shape = [1, -1] + [1] * (rank - 2) if channels_first else [-1]
-      inv = tf.math.rsqrt(batch_var + epsilon) * tf.reshape(scale, [-1])
-      y = (x32 - tf.reshape(batch_mean, shape)) * tf.reshape(inv, shape) + tf.reshape(
-          offset, shape)
-      # TensorFlow's kernel returns the variance with Bessel's correction over
-      # the elements per channel (all towers' here), for moving averages.
-      corrected = batch_var * (count / tf.maximum(count - 1.0, 1.0))
-      batch_mean, corrected = tf.stop_gradient(batch_mean), tf.stop_gradient(corrected)
+      kernel = _FusedKernel(original, epsilon, data_format)
+      point = self._sync_point(tower)
+      arithmetic = self._arithmetic(tower, original)
+      row = arithmetic.local_row(x, scale, self._present[tower], epsilon, data_format)
+      # No gradient through the statistics: _fused_normalise's gradient has it.
+      batch_mean, batch_var, corrected, total = point.forward.join(
+          tower, row, lambda rows: arithmetic.global_statistics(tf.stop_gradient(tf.stack(rows))))
+      new_mean, new_variance = batch_mean, corrected
       if exponential_avg_factor not in (None, 1, 1.0):
         f = float(exponential_avg_factor)
-        batch_mean = (1.0 - f) * mean + f * batch_mean
-        corrected = (1.0 - f) * variance + f * corrected
-      y = tf.cast(y, x.dtype)
-      return y, batch_mean, corrected, batch_mean, corrected, corrected
+        new_mean = (1.0 - f) * mean + f * batch_mean
+        new_variance = (1.0 - f) * variance + f * corrected
+      y = self._fused_normalise(kernel, tower, point, x, scale, offset, batch_mean, batch_var,
+                                total)
+      return y, new_mean, new_variance, new_mean, new_variance, new_variance
+
+  def _fused_normalise(self, kernel: '_FusedKernel', tower: int, point: '_SyncPoint', x, scale,
+                       offset, mean, variance, count):
+    """TensorFlow's fused kernel on the global statistics; the global batch's gradient.
+
+    Forward, the inference kernel normalises the shard with the global mean
+    and variance. Backward, with s = sqrt(variance + epsilon), n the global
+    count and x^ = (x - mean) / s, plain batch norm's input gradient is
+
+        dx = scale / s * (dy - sum(dy) / n - x^ * sum(dy * x^) / n)
+
+    with the sums over the global batch. The inference kernel's gradient gives
+    scale / s * dy and the shard's sum(dy * x^) and sum(dy), which are the
+    shard's share of the scale's and offset's gradients (the towers' backward
+    passes add the shares up on the variables); one exchange of those 2C
+    floats gives the global sums, and the inference kernel applied to x with
+    scale / (s n) * (sum(dy * x^), sum(dy)) as its scale and offset gives the
+    last two terms. An empty shard's borrowed row is not in the statistics:
+    its gradient is scale / s * dy alone.
+    """
+    present = self._present[tower]
+
+    @tf.custom_gradient
+    def normalise(x, scale, offset, mean, variance):
+      y, reserve = kernel.apply(x, scale, offset, mean, variance)
+
+      def grad(dy):
+        dx, dscale, doffset = kernel.gradient(dy, x, scale, mean, variance, reserve)
+        sum_scale, sum_offset = point.backward(tower).join(
+            tower, _times(tf.stack([dscale, doffset]), present),
+            lambda sums: self._arithmetic(tower).correction_scales(
+                tf.add_n(sums), scale, variance, count, kernel.epsilon))
+        sum_scale, sum_offset = _times(sum_scale, present), _times(sum_offset, present)
+        correction, _ = kernel.apply(x, sum_scale, sum_offset, mean, variance)
+        return dx - correction, dscale, doffset, None, None
+      return y, grad
+    return normalise(x, scale, offset, mean, variance)
 
   def _moments(self, original, x, axes, shift=None, name=None, keep_dims=None,
                keepdims=None):
@@ -161,7 +178,9 @@ class BatchNormSync:
     with tf.name_scope(name or 'sync_moments'):
       y = tf.cast(x, tf.float32) if x.dtype == tf.float16 else x
       axes = sorted(int(a) % rank for a in np.ravel(axes))
-      mean, variance, _ = self._statistics(tower, y, axes)
+      mean, squares, count = self._combine(tower, self._sync_point(tower),
+                                           *_local_moments(y, axes))
+      variance = squares / tf.maximum(count, 1.0)
       shape = _dims(y, [a for a in range(rank) if keep or a not in axes], ones=axes)
       mean, variance = tf.reshape(mean, shape), tf.reshape(variance, shape)
       if x.dtype == tf.float16:
@@ -170,26 +189,23 @@ class BatchNormSync:
 
   # -- The statistics ----------------------------------------------------------
 
-  def _statistics(self, tower: int, x: tf.Tensor, axes: Sequence[int]):
-    """Mean, (biased) variance and element count over `axes` of the global batch.
+  def _combine(self, tower: int, point: '_SyncPoint', count, mean: tf.Tensor, m2: tf.Tensor):
+    """The global batch's mean, M2 and count from every shard's count, mean and M2.
 
-    The results have the shape of `x` without `axes`, flattened to a vector.
+    Differentiable: the gradient flows through the exchange to every tower's
+    statistics. An empty shard (its borrowed row) counts 0.
     """
-    keys = self._sync_point(tower)
-    present = tf.cast(self._present[tower], x.dtype)
-    flat = _rows(x, axes)
-    count = tf.cast(tf.shape(flat)[0], x.dtype) * present
-    local = tf.concat([tf.reduce_sum(flat, 0) * present, tf.reshape(count, [1])], 0)
-    total = self._all_reduce(local, keys[0], keys[1])
-    channels = tf.shape(local)[0] - 1
-    count = total[-1]
-    mean = total[:channels] / tf.maximum(count, 1.0)
-    deviations = tf.math.squared_difference(flat, tf.stop_gradient(mean))
-    squares = self._all_reduce(tf.reduce_sum(deviations, 0) * present, keys[2], keys[3])
-    return mean, squares / tf.maximum(count, 1.0), count
+    row = tf.concat([tf.reshape(tf.cast(count, mean.dtype), [1]), mean, m2], 0)
+    return point.forward.join(tower, _times(row, self._present[tower]),
+                              lambda rows: _chan(tf.stack(rows)))
 
-  def _sync_point(self, tower: int) -> list[int]:
-    """The instance keys of this tower's next sync point (shared by the towers)."""
+  def _arithmetic(self, tower: int, original=None) -> '_Arithmetic':
+    if tower not in self._arithmetics:
+      self._arithmetics[tower] = _Arithmetic(original)
+    return self._arithmetics[tower]
+
+  def _sync_point(self, tower: int) -> '_SyncPoint':
+    """This tower's next sync point (shared by the towers)."""
     build = tower_context.current_build()
     if self._builds.setdefault(tower, build) != build:
       raise BatchNormSyncError(
@@ -200,22 +216,190 @@ class BatchNormSync:
           f'the tensor you pass to the optimizer, or turn sync_batch_norm off.')
     i = self._calls.get(tower, 0)
     self._calls[tower] = i + 1
-    while len(self._keys) <= i:
-      self._keys.append(_instance_keys(self._graph, 4))
-    return self._keys[i]
+    while len(self._points) <= i:
+      self._points.append(_SyncPoint(sorted(self._devices)))
+    return self._points[i]
 
-  def _all_reduce(self, t: tf.Tensor, forward_key: int, backward_key: int) -> tf.Tensor:
-    """Sum of `t` over the towers; its gradient is the sum of theirs."""
-    size, group = len(self._devices), self._group_key
 
-    @tf.custom_gradient
-    def reduce(value):
-      total = collective_ops.all_reduce(value, size, group, forward_key, 'Add', 'Id')
+class _Exchange:
+  """One sync point's tensors of every tower, joined once, in the graph.
 
-      def grad(upstream):
-        return collective_ops.all_reduce(upstream, size, group, backward_key, 'Add', 'Id')
-      return total, grad
-    return reduce(t)
+  `join(k, value, fn)` is called by every tower k with its value; it returns
+  fn(the towers' values, in tower order), built once, by the first tower to
+  call, on its device (the hub), and shared by all: TensorFlow sends the
+  other towers' values to the hub and the result back (a few hundred bytes,
+  two hops, no collective). The towers are built one after another, so the
+  first gets a placeholder for each later tower's value, replaced by the
+  value when that tower builds it (a placeholder left over, a tower that
+  never came, fails the step with its name instead of waiting).
+  """
+
+  def __init__(self, towers: Sequence[int]):
+    self._towers = list(towers)
+    self._values: dict[int, tf.Tensor] = {}
+    self._waiting: dict[int, list] = {}  # tower: [(op, input index)] awaiting its value
+    self._result = None
+
+  def join(self, tower: int, value: tf.Tensor, fn: Callable[[list], Any]) -> Any:
+    self._values[tower] = value
+    for op, index in self._waiting.pop(tower, []):
+      interception.replace_input(op, index, value)
+    if self._result is None:
+      parts = [self._values.get(k) for k in self._towers]
+      for i, k in enumerate(self._towers):
+        if parts[i] is None:
+          parts[i] = tf.compat.v1.placeholder(value.dtype, value.shape,
+                                              name=f'tower_{k}_statistics')
+      self._result = fn(parts)
+      for k, part in zip(self._towers, parts):
+        if part.op.type == 'Placeholder' and k not in self._values:
+          self._waiting[k] = [(op, index) for op in part.consumers()
+                              for index, t in enumerate(op.inputs) if t is part]
+    return self._result
+
+
+class _SyncPoint:
+  """One batch statistic's exchanges: forward, and one per backward pass built.
+
+  Each backward pass built through the sync point (one per gradient request
+  that reaches it) exchanges once; the towers' j-th passes share one.
+  """
+
+  def __init__(self, towers: Sequence[int]):
+    self._towers = towers
+    self.forward = _Exchange(towers)
+    self._backward: list[_Exchange] = []
+    self._backward_uses: dict[int, int] = {}  # per tower
+
+  def backward(self, tower: int) -> _Exchange:
+    j = self._backward_uses.get(tower, 0)
+    self._backward_uses[tower] = j + 1
+    while len(self._backward) <= j:
+      self._backward.append(_Exchange(self._towers))
+    return self._backward[j]
+
+
+def _chan(table: tf.Tensor):
+  """Global mean, M2 and count from a gather table's rows (count, mean, M2): Chan et al."""
+  channels = (table.shape[1] - 1) // 2 if table.shape[1] is not None else (
+      tf.shape(table)[1] - 1) // 2
+  counts, means, m2s = tf.split(table, [1, channels, channels], axis=1)
+  total = tf.reduce_sum(counts)
+  mean = tf.reduce_sum(counts * means, 0) / tf.maximum(total, 1.0)
+  m2 = tf.reduce_sum(m2s + counts * tf.math.squared_difference(means, mean), 0)
+  return mean, m2, total
+
+
+class _Arithmetic:
+  """One tower's per-channel arithmetic of the fused path, in few graph ops.
+
+  Per layer and tower a sync point computes a few dozen small things (the
+  shard's row, the combination, Bessel's correction, the backward scales).
+  Graph construction and TensorFlow's graph optimisation take time per op,
+  and the first version of this path doubled the towered graph (67 ops per
+  layer and tower, 7,542 ops for ResNet-8 at N = 8 against 3,782 unsynced),
+  so constants are made once per tower and the combination works on the
+  whole gathered table at once. (Graph functions, one call op each, made
+  construction cheaper but optimisation dearer: inlined, each call adds some
+  30 nodes.)
+  """
+
+  def __init__(self, original):
+    self._original = original
+    self._constants: dict[Any, tf.Tensor] = {}
+
+  def const(self, value, dtype=tf.float32) -> tf.Tensor:
+    key = (repr(value), dtype)
+    if key not in self._constants:
+      self._constants[key] = tf.constant(value, dtype)
+    return self._constants[key]
+
+  def local_row(self, x, scale, present, epsilon, data_format):
+    """The shard's (count, mean, variance) per channel: its row of the statistics' table.
+
+    By the training kernel: its variance has Bessel's correction over the
+    shard's count. An empty shard's row is zeros.
+    """
+    axis = 1 if data_format.startswith('NC') else x.shape.rank - 1
+    channels = x.shape[axis]
+    if channels is None:  # known at run time only
+      ones = tf.ones_like(scale, tf.float32)
+      channels = tf.shape(x)[axis]
+      ones_zeros = (ones, ones * 0.0)
+    else:
+      ones_zeros = (self.const([1.0] * channels), self.const([0.0] * channels))
+    empty = self.const([])
+    _, mean, variance, _, _, _ = self._original(
+        x, *ones_zeros, empty, empty, epsilon=epsilon, exponential_avg_factor=1,
+        data_format=data_format, is_training=True)
+    if x.shape.is_fully_defined():
+      count = self.const([x.shape.num_elements() / channels])
+    else:
+      count = tf.reshape(tf.cast(tf.size(x) // channels, tf.float32), self.const([1], tf.int32))
+    return _times(tf.concat([count, mean, variance], self.const(0, tf.int32)), present)
+
+  def global_statistics(self, table):
+    """Global mean, variance and Bessel-corrected variance, and count: Chan et al.
+
+    With n_i, mean_i and M2_i = variance_i * max(n_i - 1, 1) the rows', n the
+    global count and mu the global mean: mu = sum(n_i mean_i) / n and
+    M2 = sum(M2_i + n_i (mean_i - mu)^2), without cancellation.
+    """
+    one, zero = self.const(1.0), self.const(0, tf.int32)
+    if table.shape[1] is None:
+      channels = (tf.shape(table)[1] - 1) // 2
+      sizes = tf.stack([1, channels, channels])
+    else:
+      channels = (table.shape[1] - 1) // 2
+      sizes = self.const([1, channels, channels], tf.int32)
+    counts, means, variances = tf.split(table, sizes, self.const(1, tf.int32), num=3)
+    total = tf.reduce_sum(counts, self.const([0, 1], tf.int32))
+    safe = tf.maximum(total, one)
+    mean = tf.reduce_sum(counts / safe * means, zero)
+    m2 = tf.reduce_sum(variances * tf.maximum(counts - one, one) + counts *
+                       tf.math.squared_difference(means, mean), zero)
+    return mean, m2 / safe, m2 / tf.maximum(total - one, one), total
+
+  def correction_scales(self, sums, scale, variance, count, epsilon):
+    """scale / (s n) * (sum(dy * x^), sum(dy))."""
+    inverse = tf.math.rsqrt(variance + self.const(epsilon)) / tf.maximum(count, self.const(1.0))
+    return tf.unstack(sums * (scale * inverse))
+
+
+class _FusedKernel:
+  """TensorFlow's fused batch-norm kernels, with one call's epsilon and data format."""
+
+  def __init__(self, original, epsilon: float, data_format: str):
+    self._original, self.epsilon, self._format = original, epsilon, data_format
+
+  def apply(self, x, scale, offset, mean, variance):
+    """scale * (x - mean) / sqrt(variance + epsilon) + offset per channel; reserve space 3."""
+    y, _, _, _, _, reserve = self._original(
+        x, scale, offset, mean, variance, epsilon=self.epsilon, exponential_avg_factor=1,
+        data_format=self._format, is_training=False)
+    return y, reserve
+
+  def gradient(self, dy, x, scale, mean, variance, reserve):
+    """scale / s * dy, sum(dy * (x - mean) / s) and sum(dy), s = sqrt(variance + epsilon)."""
+    dx, dscale, doffset, _, _ = tf.raw_ops.FusedBatchNormGradV3(
+        y_backprop=dy, x=x, scale=scale, reserve_space_1=mean, reserve_space_2=variance,
+        reserve_space_3=reserve, epsilon=self.epsilon, data_format=self._format,
+        is_training=False)
+    return dx, dscale, doffset
+
+
+def _times(t: tf.Tensor, factor) -> tf.Tensor:
+  """t * factor, without an op when factor is the Python float 1.0."""
+  return t if isinstance(factor, float) and factor == 1.0 else t * tf.cast(factor, t.dtype)
+
+
+def _local_moments(x: tf.Tensor, axes: Sequence[int]):
+  """The shard's count, mean and M2 over `axes` (two passes), flattened per the rest."""
+  flat = _rows(x, axes)
+  count = tf.cast(tf.shape(flat)[0], x.dtype)
+  mean = tf.reduce_mean(flat, 0)
+  m2 = tf.reduce_sum(tf.math.squared_difference(flat, tf.stop_gradient(mean)), 0)
+  return count, mean, m2
 
 
 def _dims(x: tf.Tensor, axes: Sequence[int], ones: Sequence[int] = ()) -> list:

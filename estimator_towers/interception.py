@@ -36,6 +36,9 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
   the reduction of the last loss they built on the graph
   (`Graph._last_loss_reduction`), which is how TensorFlow's own distribution
   strategies tell a summed loss (v1 canned heads) from an averaged one.
+- An input replaced on an op that already exists (`Operation._update_input`):
+  a batch statistic of a tower built early takes the later towers' shard
+  statistics, which do not exist yet when it is built.
 - A control input added to an op that already exists
   (`Operation._add_control_inputs`), and telling whether an op is inside v1
   control flow (a control edge cannot cross into a v1 cond or loop).
@@ -209,3 +212,13 @@ def in_control_flow(op: tf.Operation) -> bool:
 def add_control_inputs(op: tf.Operation, controls: list[tf.Operation]) -> None:
   """Makes the existing `op` wait for `controls` (see the module docstring)."""
   op._add_control_inputs(controls)  # pylint: disable=protected-access
+
+
+def replace_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
+  """Makes `tensor` op's input `index` (`Operation._update_input`).
+
+  Sync points of batch statistics (`batch_norm_sync`) join tensors of towers
+  built one after another: a tower built earlier holds a placeholder for each
+  later tower's tensor until that tower builds it.
+  """
+  op._update_input(index, tensor)  # pylint: disable=protected-access

@@ -222,8 +222,11 @@ def test_trainer_with_sync_batch_norm(tmp_path):
   graph = tf.compat.v1.GraphDef()
   from google.protobuf import text_format  # pylint: disable=g-import-not-at-top
   text_format.Parse(open(graph_files[0]).read(), graph)
-  reduces = [node for node in graph.node if node.op == 'CollectiveReduce']
-  assert len({node.device for node in reduces}) == 3  # one per tower device
+  # Each tower normalises with the global statistics: the fused kernel in
+  # inference mode, in a TRAIN graph, on every tower's device.
+  synced = [node for node in graph.node
+            if node.op == 'FusedBatchNormV3' and not node.attr['is_training'].b]
+  assert len({node.device for node in synced}) == 3
 
 
 def test_num_gpus_zero_trains_on_the_cpu(tmp_path):

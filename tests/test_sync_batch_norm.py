@@ -231,6 +231,65 @@ def test_eval_and_predict_use_moving_statistics_as_plain():
   np.testing.assert_allclose(actual['loss'], expected['loss'], rtol=1e-5)
 
 
+# --- The gradient with respect to the input -----------------------------------
+
+def _input_gradient_model_fn(fused: bool, batch: int):
+  """Records d loss / d (batch norm's input) of every example in a variable.
+
+  The batch norm's input is a convolution plus `probe[id]`, a zero variable
+  row per example, so the gradient with respect to the probe is the gradient
+  with respect to the batch norm's input, example by example: the whole-batch
+  gradient of the towers (every shard's rows, the statistics' terms included)
+  against plain's. Only the other variables are trained.
+  """
+  def model_fn(features, labels, mode):
+    h = tf.compat.v1.layers.conv2d(
+        features['x'], 4, 3, kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1))
+    probe = tf.compat.v1.get_variable('probe', [batch, 6, 6, 4],
+                                      initializer=tf.compat.v1.zeros_initializer())
+    h = h + tf.gather(probe, features['id'])
+    if fused:
+      h = tf.compat.v1.layers.batch_normalization(h, training=True, fused=True)
+    else:  # tf.nn.moments
+      h = tf.keras.layers.BatchNormalization(fused=False)(h, training=True)
+    loss = _head(tf.reduce_mean(tf.nn.relu(h), [1, 2]), labels, mode)
+    optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+    grads = optimizer.compute_gradients(loss)
+    recorded = tf.compat.v1.get_variable('input_gradient', [batch, 6, 6, 4], trainable=False,
+                                         initializer=tf.compat.v1.zeros_initializer())
+    record = recorded.assign(tf.convert_to_tensor(dict((v, g) for g, v in grads)[probe]))
+    train_op = tf.group(record, optimizer.apply_gradients(
+        [(g, v) for g, v in grads if v is not probe], tf.compat.v1.train.get_global_step()))
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  return model_fn
+
+
+@pytest.mark.parametrize('batch', [10, 2])
+@pytest.mark.parametrize('fused', [True, False])
+def test_input_gradient_equals_plain(fused, batch):
+  """Batch 10 (shards 4/3/3) and 2 (1/1/0: an empty shard at run time)."""
+  x, y = _images(batch)
+
+  def input_fn():
+    features = {'x': x, 'id': np.arange(batch, dtype=np.int32)}
+    return tf.data.Dataset.from_tensor_slices((features, y)).batch(batch)
+
+  model_fn = _input_gradient_model_fn(fused, batch)
+  gradients = {}
+  for name, fn, num_cpus in (('plain', model_fn, 1),
+                             ('synced', _towered(model_fn, sync_batch_norm=True), NUM_TOWERS),
+                             ('unsynced', _towered(model_fn), NUM_TOWERS)):
+    estimator = testlib.make_estimator(fn, num_cpus=num_cpus)
+    estimator.train(input_fn, steps=1)
+    gradients[name] = estimator.get_variable_value('input_gradient')
+  expected = gradients['plain']
+  scale = float(np.max(np.abs(expected)))
+  assert scale > 1e-3
+  np.testing.assert_allclose(gradients['synced'], expected, rtol=0, atol=1e-5 * scale)
+  if batch > NUM_TOWERS:  # the test can fail: per-shard statistics give other gradients
+    assert np.max(np.abs(gradients['unsynced'] - expected)) > 1e-2 * scale
+
+
 # --- Errors -------------------------------------------------------------------
 
 def _keras_bn_model_fn(**options):

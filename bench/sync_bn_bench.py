@@ -1,0 +1,198 @@
+"""Synchronised batch norm against unsynced towers; time to first step at N = 8.
+
+One run prints the two tables issue 22 asks for, on bench/towers_bench.py's
+ResNet-8 (CIFAR-shaped input, seven fused batch norms, Momentum; global batch
+--batch_size) on virtual CPU devices:
+
+1. synced (`sync_batch_norm=True`) against unsynced towers at each N of
+   --num_devices: steady-state examples/second and time to first step. The
+   configurations are built in interleaved rounds (--build_rounds, order
+   reversed every other round); the last build of each keeps training in a
+   thread of its own and, in each of --rounds rounds, every configuration
+   runs one chunk of about --chunk_sec in turn while the others wait
+   (towers_bench.OpenRun). The ratio synced / unsynced is taken within a
+   round; its median over rounds is quoted.
+2. time to first step at N = --first_step_n of plain (one device), towered,
+   synced and MirroredStrategy, --build_rounds interleaved builds each, split
+   into: graph (train() until the graph is finished: input_fn, model_fn with
+   the towers and the backward pass, Estimator's own ops; `model_fn` is the
+   part inside the model_fn), session (session creation and variable
+   initialisation) and first run (graph optimisation, partitioning, executor
+   creation and the first step).
+
+  python bench/sync_bn_bench.py            # the full run (about 10 minutes on 2 cores)
+  python bench/sync_bn_bench.py --quick    # smoke run
+
+Where a step's time goes op by op:
+  python bench/towers_profile.py --model=resnet --n=4 --profile_contenders=towered,synced
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import sys
+import time
+
+from absl import app
+from absl import flags
+from absl import logging as absl_logging
+import tensorflow as tf
+
+import towers_bench as tb
+from benchlib import machine  # pylint: disable=g-import-not-at-top
+
+flags.DEFINE_integer('first_step_n', 8, 'N of the first-step comparison with plain and mirrored '
+                     '(0: skip it).')
+FLAGS = flags.FLAGS
+
+
+class _ModelFnClock:
+  """Wall time from the first model_fn call's start to the last one's end.
+
+  MirroredStrategy calls the model_fn once per replica, in threads of its
+  own; the span covers them all.
+  """
+
+  def __init__(self, estimator: tf.estimator.Estimator):
+    self._start = self._end = None
+    call = estimator._call_model_fn  # pylint: disable=protected-access
+
+    def timed(*args, **kwargs):
+      start = time.perf_counter()
+      self._start = start if self._start is None else min(self._start, start)
+      try:
+        return call(*args, **kwargs)
+      finally:
+        self._end = max(self._end or 0.0, time.perf_counter())
+    estimator._call_model_fn = timed  # pylint: disable=protected-access
+
+  @property
+  def seconds(self) -> float:
+    return self._end - self._start
+
+
+def first_step(contender: str, n: int, strategies: dict) -> dict:
+  """A fresh Estimator's times to its first step, with the model_fn's share."""
+  estimator, input_fn = tb.make_estimator('resnet', contender, n, strategies)
+  clock = _ModelFnClock(estimator)
+  hook = tb.FirstStep()
+  start = time.perf_counter()
+  estimator.train(input_fn, steps=1, hooks=[hook])
+  return dict(tb.first_step_times(start, hook), model_fn_sec=clock.seconds)
+
+
+def _median(values):
+  return statistics.median(values) if values else float('nan')
+
+
+def sync_rates(counts: list[int], strategies: dict, started: float) -> list[dict]:
+  """Table 1: per N, synced and unsynced examples/second and first step (medians)."""
+  configs = [(c, n) for n in counts for c in ('towered', 'synced')]
+  builds, runs = [], {}
+  for b in range(FLAGS.build_rounds):
+    for contender, n in (configs if b % 2 == 0 else configs[::-1]):
+      if b < FLAGS.build_rounds - 1:
+        times = tb.time_first_step('resnet', contender, n, strategies)
+      else:  # the last build is the steady-state run's own
+        runs[contender, n] = tb.OpenRun('resnet', contender, n, strategies)
+        times = runs[contender, n].first_step
+      builds.append(dict(times, contender=contender, n=n, round=b))
+      print(f'{time.perf_counter() - started:6.1f}s build {b} {contender:8s} N={n}: first '
+            f'step {times["first_step_sec"]:.2f} s', flush=True)
+  chunks = {}
+  for key, run in runs.items():
+    seconds = run.chunk(FLAGS.warmup_steps)
+    chunks[key] = max(2, min(500, round(FLAGS.chunk_sec * FLAGS.warmup_steps / seconds)))
+  speeds = []
+  for r in range(FLAGS.rounds):
+    for contender, n in (configs if r % 2 == 0 else configs[::-1]):
+      steps = chunks[contender, n]
+      speeds.append(dict(contender=contender, n=n, round=r, examples_per_sec=steps *
+                         FLAGS.batch_size / runs[contender, n].chunk(steps)))
+    print(f'{time.perf_counter() - started:6.1f}s round {r:2d} ex/s: ' + ' '.join(
+        f'{s["contender"][0]}{s["n"]}={s["examples_per_sec"]:.0f}'
+        for s in speeds if s['round'] == r), flush=True)
+
+  def of(rows, contender, n, key, round_=None):
+    return [x[key] for x in rows if x['contender'] == contender and x['n'] == n
+            and (round_ is None or x['round'] == round_)]
+
+  table = []
+  for n in counts:
+    row = {'n': n}
+    for key, rows in (('examples_per_sec', speeds), ('first_step_sec', builds)):
+      for contender in ('towered', 'synced'):
+        row[f'{contender}_{key}'] = _median(of(rows, contender, n, key))
+      rounds = sorted({x['round'] for x in rows})
+      row[f'ratio_{key}'] = _median([of(rows, 'synced', n, key, r)[0] /
+                                     of(rows, 'towered', n, key, r)[0] for r in rounds])
+    table.append(row)
+  return table
+
+
+def first_steps(n: int, strategies: dict, started: float) -> dict:
+  """Table 2: per contender at N = n, median first step and its parts."""
+  contenders = [('plain', 1), ('towered', n), ('synced', n), ('mirrored', n)]
+  times = {c: [] for c, _ in contenders}
+  for b in range(FLAGS.build_rounds):
+    for contender, k in (contenders if b % 2 == 0 else contenders[::-1]):
+      times[contender].append(first_step(contender, k, strategies))
+      t = times[contender][-1]
+      print(f'{time.perf_counter() - started:6.1f}s first step {contender:8s} N={k}: '
+            f'{t["first_step_sec"]:.2f} s (graph {t["graph_sec"]:.2f} of which model_fn '
+            f'{t["model_fn_sec"]:.2f}, session {t["session_sec"]:.2f}, run '
+            f'{t["first_run_sec"]:.2f})', flush=True)
+  return {c: {key: _median([t[key] for t in ts]) for key in ts[0]} for c, ts in times.items()}
+
+
+def print_tables(rates: list[dict], firsts: dict, n: int) -> None:
+  print('\nsynced (sync_batch_norm=True) / unsynced towers, ResNet-8:\n')
+  print('| N | unsynced ex/s | synced ex/s | synced / unsynced | unsynced first step (s) | '
+        'synced first step (s) | synced / unsynced |')
+  print('|---|---|---|---|---|---|---|')
+  for r in rates:
+    print(f"| {r['n']} | {r['towered_examples_per_sec']:,.0f} | "
+          f"{r['synced_examples_per_sec']:,.0f} | {r['ratio_examples_per_sec']:.2f} | "
+          f"{r['towered_first_step_sec']:.2f} | {r['synced_first_step_sec']:.2f} | "
+          f"{r['ratio_first_step_sec']:.2f} |")
+  if not firsts:
+    return
+  print(f'\ntime to first step, ResNet-8, N={n} (plain: one device), medians in seconds:\n')
+  print('| contender | first step | graph | of which model_fn | session | first run | '
+        '/ plain | / mirrored |')
+  print('|---|---|---|---|---|---|---|---|')
+  for contender, t in firsts.items():
+    print(f"| {contender} | {t['first_step_sec']:.2f} | {t['graph_sec']:.2f} | "
+          f"{t['model_fn_sec']:.2f} | {t['session_sec']:.2f} | {t['first_run_sec']:.2f} | "
+          f"{t['first_step_sec'] / firsts['plain']['first_step_sec']:.2f} | "
+          f"{t['first_step_sec'] / firsts['mirrored']['first_step_sec']:.2f} |")
+
+
+def main(argv):
+  del argv
+  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+  absl_logging.set_verbosity(absl_logging.ERROR)
+  if FLAGS.quick:
+    FLAGS.rounds, FLAGS.build_rounds, FLAGS.warmup_steps, FLAGS.chunk_sec = 2, 1, 2, 0.02
+  counts = [int(n) for n in FLAGS.num_devices]
+  n = FLAGS.first_step_n
+  # MirroredStrategy must exist before any session ran.
+  strategies = {n: tf.distribute.MirroredStrategy([f'/cpu:{i}' for i in range(n)])} if n else {}
+  header = (f'{datetime.date.today()}  {machine()}  TensorFlow {tf.__version__}; global batch '
+            f'{FLAGS.batch_size}, {FLAGS.rounds} rounds, {FLAGS.build_rounds} builds')
+  print(f'# {header}\n# {tb.load()} at start', flush=True)
+  started = time.perf_counter()
+  for contender in ('plain', 'towered', 'synced', 'mirrored')[:4 if n else 3]:  # one-off costs
+    tb.time_first_step('mlp', contender, 1 if contender == 'plain' else n or 2, strategies)
+  firsts = first_steps(n, strategies, started) if n else {}
+  rates = sync_rates(counts, strategies, started)
+  print(f'\n# {header}; {(time.perf_counter() - started) / 60:.1f} min; {tb.load()} at end')
+  print_tables(rates, firsts, n)
+  sys.stdout.flush()
+  os._exit(0)  # pylint: disable=protected-access  # sessions of MirroredStrategy: see towers_bench
+
+
+if __name__ == '__main__':
+  app.run(main)
