@@ -174,10 +174,28 @@ _CALL_OPS = ('If', 'StatelessIf', 'While', 'StatelessWhile', 'Case', 'StatelessC
              'PartitionedCall', 'StatefulPartitionedCall')
 
 
+class CollectivePlacement(ReplicatedPlacement):
+  """Every worker of a TF_CONFIG cluster (chief and workers, no ps) keeps the variables.
+
+  Within a worker, placed as 'replicated' (a copy per tower); across workers,
+  each worker's gradient is all-reduced with TensorFlow's collective ops
+  (`cross_worker`), and every worker applies the same update to its own
+  variables, which start from the chief's values. Without a cluster it is
+  'replicated'.
+  """
+
+  name = 'collective'
+
+  def describe(self):
+    return (super().describe() + '; gradients all-reduced across the workers of a '
+            'TF_CONFIG cluster, if any')
+
+
 STRATEGIES: dict[str, type[Placement]] = {
     CpuPlacement.name: CpuPlacement,
     GpuPlacement.name: GpuPlacement,
     ReplicatedPlacement.name: ReplicatedPlacement,
+    CollectivePlacement.name: CollectivePlacement,
 }
 
 

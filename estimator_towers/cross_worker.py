@@ -1,0 +1,288 @@
+"""The sync point across workers: sums of tensors over the training tasks of a cluster.
+
+Rule: under `variable_strategy='collective'` with a TF_CONFIG cluster, the W
+training tasks (the chief and the workers, `cluster.Cluster`) each build the
+same TRAIN graph and meet at all-reduces (`collective_ops.all_reduce`, merge
+'Add', final 'Id', on each task's host CPU; TensorFlow runs them as a ring on
+CPUs and NCCL between GPUs). A step's all-reduces are made in graph-construction
+order and keyed by that order (one group key, instance keys counted per
+graph), so every task pairs the same tensors. Tensors of one dtype are packed
+into one buffer per all-reduce.
+
+Within a step:
+
+1. `live`: each task says whether its input gave a batch; the first
+   all-reduce counts the tasks with data. A task whose input has ended gets
+   one zero example of weight zero (its shards count 0 examples), so it still
+   meets every all-reduce; when no task has data, the step ends with
+   OutOfRangeError on every task before any other all-reduce or update runs
+   (`gate`), which ends Estimator's training on all of them together.
+2. `global_total(t)`: a statistic's total over the cluster, whose gradient
+   flows to this task's `t` only: stop_gradient(sum) + (t - stop_gradient(t)),
+   equal to the sum bit for bit on every task.
+3. `sum(gradients)`: each task's part of the whole-batch gradient, summed.
+
+At session start (`broadcast_from_chief`) every task sets its variables to
+the chief's values (an all-reduce of the chief's values and the others'
+zeros).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Sequence
+
+from absl import logging
+import tensorflow as tf
+from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
+
+from estimator_towers import cluster as cluster_lib
+from estimator_towers import interception
+
+GROUP_KEY = 0x2400
+_INSTANCE_KEY_BASE = 1 << 20
+_next_key: 'weakref.WeakKeyDictionary[tf.Graph, int]' = weakref.WeakKeyDictionary()
+_SUPPORTED = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+def _instance_key(graph: tf.Graph) -> int:
+  key = _next_key.get(graph, _INSTANCE_KEY_BASE)
+  _next_key[graph] = key + 1
+  return key
+
+
+class CrossWorker:
+  """The all-reduces of one TRAIN graph across the cluster's training tasks.
+
+  Args:
+    cluster: the cluster (this task trains in it).
+    communication_hint: the collective's implementation ('ring' on CPUs,
+      'nccl' between GPUs, 'auto').
+  """
+
+  def __init__(self, cluster: cluster_lib.Cluster, communication_hint: str = 'ring',
+               timeout_secs: float = 120.0):
+    self.cluster = cluster
+    self.timeout_secs = timeout_secs
+    self.has_data: tf.Tensor | None = None
+    self.size = cluster.num_workers
+    self.rank = cluster.rank
+    self.device = cluster.device
+    self.communication_hint = communication_hint
+    self.graph = tf.compat.v1.get_default_graph()
+    self.gate: tf.Tensor | None = None
+    self._timeout = 0  # the collective's own timeout: only at session start
+    self.live_workers: tf.Tensor | None = None
+
+  def _all_reduce(self, value: tf.Tensor, gated: bool) -> tf.Tensor:
+    controls = [self.gate] if gated and self.gate is not None else []
+    with tf.device(self.device), tf.control_dependencies(controls):
+      return collective_ops.all_reduce(
+          tf.identity(value), self.size, GROUP_KEY, _instance_key(self.graph), 'Add', 'Id',
+          communication_hint=self.communication_hint,
+          timeout=self._timeout)
+
+  def sum(self, tensors: Sequence[Any], gated: bool = True) -> list:
+    """Each tensor summed over the tasks (None stays None); one all-reduce per dtype."""
+    dense = [None if t is None else tf.convert_to_tensor(t) for t in tensors]
+    out: list = [None] * len(dense)
+    by_dtype: dict = {}
+    for i, t in enumerate(dense):
+      if t is not None:
+        by_dtype.setdefault(t.dtype.base_dtype, []).append(i)
+    with tf.name_scope('across_workers'):
+      for dtype, members in by_dtype.items():
+        if dtype not in _SUPPORTED:
+          raise ValueError(
+              f'variable_strategy=\'collective\' across workers sums tensors of '
+              f'dtypes {[d.name for d in _SUPPORTED]}, got {dtype.name} '
+              f'({dense[members[0]].name}).')
+        with tf.device(self.device):
+          shapes = [tf.shape(dense[i]) for i in members]
+          flat = tf.concat([tf.reshape(dense[i], [-1]) for i in members], 0)
+        total = self._all_reduce(flat, gated)
+        with tf.device(self.device):
+          sizes = [tf.reduce_prod(s) for s in shapes]
+          pieces = tf.split(total, tf.stack(sizes), num=len(members))
+          for i, piece, shape in zip(members, pieces, shapes):
+            out[i] = tf.reshape(piece, shape)
+            out[i].set_shape(dense[i].shape)
+    return out
+
+  def global_total(self, tensors: Sequence[tf.Tensor]) -> list:
+    """The cluster's totals, differentiable to this task's own parts (see module doc)."""
+    totals = self.sum(tensors)
+    return [tf.stop_gradient(s) + (t - tf.stop_gradient(t)) for s, t in zip(totals, tensors)]
+
+  def set_live(self, has_data: tf.Tensor) -> None:
+    """The step's first all-reduce: how many tasks have data; the gate after it."""
+    self.has_data = has_data
+    with tf.name_scope('across_workers'):
+      self.live_workers = self._all_reduce(tf.cast(has_data, tf.float32)[None], gated=False)[0]
+      with tf.device(self.device):
+        ended = tf.compat.v1.data.make_one_shot_iterator(tf.data.Dataset.range(0))
+        self.gate = tf.cond(self.live_workers > 0, lambda: tf.constant(0, tf.int64),
+                            ended.get_next, name='every_input_ended')
+
+  def broadcast_from_chief(self, variables: Sequence[tf.Variable]) -> tf.Operation:
+    """An op setting every task's `variables` to the chief's values.
+
+    Its all-reduces time out after `timeout_secs` (a worker that never
+    starts): DeadlineExceededError at session start.
+    """
+    chosen = [v for v in variables if v.dtype.base_dtype in _SUPPORTED]
+    with tf.name_scope('broadcast_from_chief'):
+      values = []
+      for v in chosen:
+        with tf.device(self.device):
+          value = tf.identity(v.read_value() if hasattr(v, 'read_value') else v)
+          values.append(value if self.rank == 0 else tf.zeros_like(value))
+      saved, self._timeout = self._timeout, self.timeout_secs
+      try:
+        chiefs = self.sum(values, gated=False)
+      finally:
+        self._timeout = saved
+      assigns = [v.assign(c, read_value=False) for v, c in zip(chosen, chiefs)]
+      return tf.group(*assigns)
+
+  def attach(self, spec: tf.estimator.EstimatorSpec) -> tf.estimator.EstimatorSpec:
+    """`spec` with the cluster's session start (`scaffold`) and the step timeout hook."""
+    hook = StepTimeoutHook(self.timeout_secs, self.cluster)
+    return spec._replace(scaffold=self.scaffold(spec.scaffold),
+                         training_hooks=tuple(spec.training_hooks) + (hook,))
+
+  def scaffold(self, scaffold: tf.compat.v1.train.Scaffold | None
+               ) -> tf.compat.v1.train.Scaffold:
+    """A Scaffold whose local init sets every task's variables to the chief's.
+
+    Every task runs the local init op: the chief after restoring or
+    initialising its variables, a worker after initialising its own (it does
+    not wait for the chief to initialise them, which it never sees).
+    """
+    scaffold = scaffold or tf.compat.v1.train.Scaffold()
+    variables = tf.compat.v1.global_variables()
+    first = [] if self.rank == 0 else [tf.compat.v1.variables_initializer(variables)]
+    with tf.control_dependencies(first):
+      broadcast = self.broadcast_from_chief(variables)
+    # Local variables (the towers' copies of the variables) start from the
+    # chief's values: their initial values are read after the broadcast.
+    for v in tf.compat.v1.local_variables():
+      initial = getattr(v, 'initial_value', None)
+      for op in [v.initializer] + ([initial.op] if initial is not None else []) + [
+          t.op for t in (initial.op.inputs if initial is not None else [])
+          if t.op.type == 'ReadVariableOp']:
+        if op.type != 'Const' and broadcast not in op.control_inputs:
+          interception.add_control_inputs(op, [broadcast])
+    local = (scaffold.local_init_op if scaffold.local_init_op is not None
+             else tf.compat.v1.train.Scaffold.default_local_init_op())
+    return tf.compat.v1.train.Scaffold(
+        init_op=scaffold.init_op, init_feed_dict=scaffold.init_feed_dict,
+        init_fn=scaffold._init_fn,  # pylint: disable=protected-access
+        ready_op=scaffold.ready_op,
+        ready_for_local_init_op=tf.constant([], tf.string, name='ready_for_broadcast'),
+        local_init_op=tf.group(broadcast, local, name='local_init_from_chief'),
+        summary_op=scaffold.summary_op, saver=scaffold.saver,
+        local_init_feed_dict=scaffold.local_init_feed_dict)
+
+
+def check_no_updates(update_ops: Sequence[tf.Operation], across: CrossWorker) -> None:
+  """Raises for updates that are not gradient steps (they would differ per worker)."""
+  if update_ops:
+    raise ValueError(
+        f'variable_strategy=\'collective\' across {across.size} workers cannot run '
+        f'the model_fn\'s UPDATE_OPS ({", ".join(op.name for op in update_ops[:3])}'
+        f'{", ..." if len(update_ops) > 3 else ""}, e.g. batch-norm moving averages): '
+        f'each worker would update them from its own batch, so the workers\' '
+        f'variables would differ and none would equal one device\'s. Train such a '
+        f'model on one machine (its towers update them from tower 0\'s shard).')
+
+
+class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
+  """Every training step fails after `timeout_secs` instead of waiting for a lost worker.
+
+  When a worker dies, the others' all-reduces would wait for it forever; the
+  step's RunOptions.timeout_in_ms makes them fail with DeadlineExceededError,
+  and this hook logs which cluster and bound it was.
+  """
+
+  def __init__(self, timeout_secs: float, cluster: cluster_lib.Cluster):
+    self._timeout_secs = timeout_secs
+    self._cluster = cluster
+    self._timer = None
+
+  def before_run(self, run_context):
+    import threading  # pylint: disable=g-import-not-at-top
+    self._timer = threading.Timer(self._timeout_secs, self._report)
+    self._timer.daemon = True
+    self._timer.start()
+    return tf.compat.v1.train.SessionRunArgs(
+        fetches=None, options=tf.compat.v1.RunOptions(
+            timeout_in_ms=int(self._timeout_secs * 1000)))
+
+  def after_run(self, run_context, run_values):
+    self._timer.cancel()
+
+  def end(self, session):
+    if self._timer is not None:
+      self._timer.cancel()
+
+  def _report(self):
+    logging.error(
+        'estimator_towers: %s (rank %d of %d training tasks: %s) has waited %.0f s '
+        '(the step timeout, make_plan(worker_timeout_secs=...)) for the other '
+        'workers\' all-reduce: a worker has died or stopped. This step fails '
+        'with DeadlineExceededError; restart the job, which resumes from the '
+        'chief\'s last checkpoint.', self._cluster.device, self._cluster.rank,
+        self._cluster.num_workers, ', '.join(self._cluster.training_tasks),
+        self._timeout_secs)
+
+
+def live_inputs(features: Any, labels: Any) -> tuple[Any, Any, tf.Tensor]:
+  """features and labels read so that an ended input gives one zero example.
+
+  Estimator's features and labels are the outputs of one `IteratorGetNext`
+  of the input_fn's dataset; they are read instead with
+  `IteratorGetNextAsOptional` from the same iterator.
+
+  Returns:
+    (features, labels, has_data): has_data is False once the input ended,
+    and then every leaf holds one example of zeros.
+
+  Raises:
+    ValueError: if the inputs do not all come from one dataset iterator.
+  """
+  leaves = tf.nest.flatten((features, labels), expand_composites=True)
+  ops = {t.op for t in leaves if isinstance(t, tf.Tensor)}
+  op = next(iter(ops)) if len(ops) == 1 else None
+  if op is None or op.type != 'IteratorGetNext' or len(leaves) != len(op.outputs) or any(
+      not isinstance(t, tf.Tensor) for t in leaves):
+    raise ValueError(
+        'variable_strategy=\'collective\' across workers needs the input_fn to '
+        'return a tf.data.Dataset of dense Tensors (features, labels), read by '
+        'Estimator: when one worker\'s input ends before the others\', it '
+        'keeps meeting their all-reduces with empty batches, which it can only '
+        f'do by reading the dataset itself. Got inputs made by {sorted(o.type for o in ops)}.')
+  types = op.get_attr('output_types')
+  shapes = [tf.TensorShape(s) for s in op.get_attr('output_shapes')]
+  with tf.name_scope('live_inputs'), tf.device(op.device):
+    optional = tf.raw_ops.IteratorGetNextAsOptional(
+        iterator=op.inputs[0], output_types=types, output_shapes=shapes)
+    has_data = tf.raw_ops.OptionalHasValue(optional=optional)
+
+    def present():
+      return tf.raw_ops.OptionalGetValue(optional=optional, output_types=types,
+                                         output_shapes=shapes)
+
+    def absent():
+      return [tf.zeros([1] + [d if d is not None else 1 for d in s.as_list()[1:]], dtype)
+              for s, dtype in zip(shapes, types)]
+
+    values = tf.cond(has_data, present, absent)
+  by_output = {}
+  for value, output, shape in zip(values, op.outputs, shapes):
+    value.set_shape(tf.TensorShape([None]).concatenate(shape[1:]))
+    by_output[output.ref()] = value
+  structure = (features, labels)
+  replaced = tf.nest.map_structure(lambda t: by_output[t.ref()], structure,
+                                   expand_composites=True)
+  return replaced[0], replaced[1], has_data
