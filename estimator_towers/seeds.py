@@ -276,16 +276,24 @@ def whole_batch_loss(expression: Expression, statistics: Sequence[dict],
     return expression.rebuild(totals)
 
 
-def whole_batch_totals(statistics: Sequence[dict], nonempty: Sequence, across: Any = None
-                       ) -> dict:
-  """key -> the sum of the shards' statistics (the cluster's, with `across`)."""
+def whole_batch_totals(statistics: Sequence[dict], nonempty: Sequence, across: Any = None,
+                       trained: frozenset = frozenset()) -> dict:
+  """key -> the sum of the shards' statistics (the cluster's, with `across`).
+
+  Across workers, the statistics whose keys are in `trained` are summed by an
+  all-reduce of their own, so that the others' totals (a micro-batch's
+  normalisers) do not wait for them.
+  """
   with tf.device(None), tf.name_scope('whole_batch_loss'):
     totals = {key: masked_sum([s[key] for s in statistics], nonempty)
               for key in statistics[0]}
   if across is None:
     return totals
-  keys = list(totals)
-  return dict(zip(keys, across.global_total([totals[k] for k in keys])))
+  result = {}
+  for group in ([k for k in totals if k not in trained], [k for k in totals if k in trained]):
+    if group:
+      result.update(zip(group, across.global_total([totals[k] for k in group])))
+  return result
 
 
 def micro_batch(expression: Expression, find: Callable, ungated: Callable,
@@ -323,7 +331,8 @@ def micro_batch(expression: Expression, find: Callable, ungated: Callable,
         source = _clone(statistic.source, expression, ungated(i), sizes[i], sizes[0])
       found[statistic.key] = statistic.of(source)
     values.append(found)
-  totals = whole_batch_totals(values, nonempty, across)
+  totals = whole_batch_totals(values, nonempty, across,
+                              frozenset(s.key for s in statistics if s.trained))
   numerators = [s for s in statistics if s.trained]
   ys, grad_ys, checks = [], [], []
   for i, found in enumerate(values):

@@ -108,6 +108,22 @@ class DumpVariables(tf.compat.v1.train.SessionRunHook):
     np.savez(self._path, **{v.op.name: x for v, x in zip(self._variables, values)})
 
 
+class MetricsExporter(tf.estimator.Exporter):
+  """Writes the evaluator's final metrics to `path` as JSON."""
+
+  def __init__(self, path):
+    self._path = path
+
+  @property
+  def name(self):
+    return 'metrics'
+
+  def export(self, estimator, export_path, checkpoint_path, eval_result, is_the_final_export):
+    if is_the_final_export:
+      with open(self._path, 'w') as f:
+        json.dump({k: float(v) for k, v in eval_result.items()}, f)
+
+
 def main(spec_path):
   with open(spec_path) as f:
     spec = json.load(f)
@@ -135,13 +151,10 @@ def main(spec_path):
   suffix = str(rank) if task['type'] != 'evaluator' else 'e'
   train_spec = tf.estimator.TrainSpec(input_fn(data, suffix, spec['batch']),
                                       max_steps=spec.get('max_steps'), hooks=hooks)
-  eval_spec = tf.estimator.EvalSpec(input_fn(data, 'e', spec['batch']), steps=None,
-                                    start_delay_secs=0, throttle_secs=0)
-  result = tf.estimator.train_and_evaluate(estimator, train_spec, eval_spec)
-  if task['type'] == 'evaluator' and result:
-    metrics = {k: float(v) for k, v in result[0].items()}
-    with open(os.path.join(spec['dump'], 'eval.json'), 'w') as f:
-      json.dump(metrics, f)
+  eval_spec = tf.estimator.EvalSpec(
+      input_fn(data, 'e', spec['batch']), steps=None, start_delay_secs=0, throttle_secs=0,
+      exporters=[MetricsExporter(os.path.join(spec['dump'], 'eval.json'))])
+  tf.estimator.train_and_evaluate(estimator, train_spec, eval_spec)
 
 
 if __name__ == '__main__':
