@@ -33,6 +33,7 @@ import weakref
 from typing import Any, Sequence
 
 from absl import logging
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
@@ -72,6 +73,7 @@ class CrossWorker:
     self.graph = tf.compat.v1.get_default_graph()
     self.gate: tf.Tensor | None = None
     self._timeout = 0  # the collective's own timeout: only at session start
+    self._progress = _Progress()
     self.live_workers: tf.Tensor | None = None
 
   def _all_reduce(self, value: tf.Tensor, gated: bool) -> tf.Tensor:
@@ -147,7 +149,7 @@ class CrossWorker:
 
   def attach(self, spec: tf.estimator.EstimatorSpec) -> tf.estimator.EstimatorSpec:
     """`spec` with the cluster's session start (`scaffold`) and the step timeout hook."""
-    hook = StepTimeoutHook(self.timeout_secs, self.cluster)
+    hook = StepTimeoutHook(self.timeout_secs, self.cluster, self._progress)
     return spec._replace(scaffold=self.scaffold(spec.scaffold),
                          training_hooks=tuple(spec.training_hooks) + (hook,))
 
@@ -179,10 +181,45 @@ class CrossWorker:
         init_op=scaffold.init_op, init_feed_dict=scaffold.init_feed_dict,
         init_fn=scaffold._init_fn,  # pylint: disable=protected-access
         ready_op=scaffold.ready_op,
-        ready_for_local_init_op=tf.constant([], tf.string, name='ready_for_broadcast'),
+        ready_for_local_init_op=self._first_session(),
         local_init_op=tf.group(broadcast, local, name='local_init_from_chief'),
         summary_op=scaffold.summary_op, saver=scaffold.saver,
         local_init_feed_dict=scaffold.local_init_feed_dict)
+
+
+  def _first_session(self) -> tf.Tensor:
+    """The Scaffold's ready_for_local_init_op: ready, unless training already started.
+
+    A peer that dies makes a step fail with UnavailableError, on which
+    MonitoredSession recreates the session and runs the local init again,
+    whose broadcast would wait for the lost peer, again and again. This op
+    raises instead, once a step has run in this process.
+    """
+    progress, cluster = self._progress, self.cluster
+
+    def check():
+      if progress.steps:
+        raise RuntimeError(
+            f'estimator_towers: a training step of {cluster.device} (rank '
+            f'{cluster.rank} of {cluster.num_workers} training tasks: '
+            f'{", ".join(cluster.training_tasks)}) failed after {progress.steps} '
+            f'step(s) because another worker is lost (see the error above), and '
+            f'variable_strategy=\'collective\' cannot continue without it. Restart '
+            f'the job: it resumes from the chief\'s last checkpoint.')
+      return np.zeros([0], dtype=object)
+
+    with tf.device(self.device):
+      ready = tf.compat.v1.py_func(check, [], tf.string, stateful=True,
+                                   name='ready_for_broadcast')
+    ready.set_shape([0])
+    return ready
+
+
+class _Progress:
+  """Training steps run in this process (shared by the hook and the scaffold)."""
+
+  def __init__(self):
+    self.steps = 0
 
 
 def check_no_updates(update_ops: Sequence[tf.Operation], across: CrossWorker) -> None:
@@ -205,9 +242,11 @@ class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
   and this hook logs which cluster and bound it was.
   """
 
-  def __init__(self, timeout_secs: float, cluster: cluster_lib.Cluster):
+  def __init__(self, timeout_secs: float, cluster: cluster_lib.Cluster,
+               progress: '_Progress'):
     self._timeout_secs = timeout_secs
     self._cluster = cluster
+    self._progress = progress
     self._timer = None
 
   def before_run(self, run_context):
@@ -221,6 +260,7 @@ class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
 
   def after_run(self, run_context, run_values):
     self._timer.cancel()
+    self._progress.steps += 1
 
   def end(self, session):
     if self._timer is not None:

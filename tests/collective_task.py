@@ -6,7 +6,8 @@ SPEC: model_dir, data (an .npz with x<r>, y<r>, w<r> per training rank r, and
 xe, ye, we for the evaluator), model (a key of MODELS), towers, micro_batches,
 batch (per worker), timeout (worker_timeout_secs), max_steps (None: until the
 inputs end), dump (a directory: each training task writes its variables there
-as rank<r>.npz at the end), step_sleep (seconds each step of this task waits,
+as rank<r>.npz at the end, and its global_step at session start in
+rank<r>.npz.start), step_sleep (seconds each step of this task waits,
 to let a test kill it mid-training), eval (the evaluator writes its metrics to
 dump/eval.json).
 """
@@ -98,6 +99,11 @@ class DumpVariables(tf.compat.v1.train.SessionRunHook):
 
   def begin(self):
     self._variables = tf.compat.v1.global_variables()
+    self._step = tf.compat.v1.train.get_global_step()
+
+  def after_create_session(self, session, coord):
+    with open(self._path + '.start', 'w') as f:
+      f.write(str(int(session.run(self._step))))
 
   def before_run(self, run_context):
     if self._sleep:
