@@ -41,15 +41,23 @@ from estimator_towers import cluster as cluster_lib
 from estimator_towers import interception
 
 GROUP_KEY = 0x2400
+LOCAL_GROUP_KEY_BASE = 0x2500
 _INSTANCE_KEY_BASE = 1 << 20
 _next_key: 'weakref.WeakKeyDictionary[tf.Graph, int]' = weakref.WeakKeyDictionary()
 _SUPPORTED = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
-def _instance_key(graph: tf.Graph) -> int:
+def instance_key(graph: tf.Graph) -> int:
+  """The next collective instance key of `graph` (the same sequence on every worker)."""
   key = _next_key.get(graph, _INSTANCE_KEY_BASE)
   _next_key[graph] = key + 1
   return key
+
+
+def local_group_key() -> int:
+  """The group key of the all-reduces between this task's devices (one per task)."""
+  cluster = cluster_lib.parse()
+  return LOCAL_GROUP_KEY_BASE + (cluster.rank if cluster is not None and cluster.trains else 0)
 
 
 class CrossWorker:
@@ -80,7 +88,7 @@ class CrossWorker:
     controls = [self.gate] if gated and self.gate is not None else []
     with tf.device(self.device), tf.control_dependencies(controls):
       return collective_ops.all_reduce(
-          tf.identity(value), self.size, GROUP_KEY, _instance_key(self.graph), 'Add', 'Id',
+          tf.identity(value), self.size, GROUP_KEY, instance_key(self.graph), 'Add', 'Id',
           communication_hint=self.communication_hint,
           timeout=self._timeout)
 

@@ -199,6 +199,9 @@ class WholeBatchGradients:
     after_backward: with micro-batches, `after_backward(k, grads)` is called
       once shard k's backward pass of the first request is built, with its
       gradients (to order the next micro-batch of its device after them).
+    combine: `combine(parts)`: a variable's gradient from its parts, one per
+      tower device in device order (the 'collective' placement's all-reduce),
+      or None where it cannot; None: parts are added.
     across: a `cross_worker.CrossWorker` when the global batch spans the
       workers of a cluster (then `batch` is the cluster's and each answer is
       this worker's part summed over the workers, see `_across`), else None.
@@ -215,8 +218,9 @@ class WholeBatchGradients:
                ungated: Callable[[int], list] | None = None,
                device_of: Callable[[int], str] | None = None,
                after_backward: Callable[[int, list], None] | None = None,
-               across: Any = None):
+               across: Any = None, combine: Callable[[list], Any] | None = None):
     self._across = across
+    self._combine = combine
     self._graph = graph
     self._inputs = list(inputs)
     self._nonempty = nonempty if nonempty is not None else {k: True for k in towers}
@@ -359,6 +363,10 @@ class WholeBatchGradients:
       if len(part) == 1:
         combined.append(grads[part[0]])
         continue
+      reduced = self._combine([grads[j] for j in part]) if self._combine else None
+      if reduced is not None:
+        combined.append(reduced)
+        continue
       with tf.device(self._aggregation_device(x)), tf.name_scope('combine_gradients'):
         combined.append(_add([grads[j] for j in part]))
     return combined
@@ -439,6 +447,11 @@ class WholeBatchGradients:
       parts = [grads[i] for grads in by_device.values()]
       if sum(p is not None for p in parts) <= 1:
         combined.append(_add(parts))
+        continue
+      reduced = (self._combine(parts) if self._combine and isinstance(x, tf.Variable)
+                 and 'whole_batch_loss' not in by_device else None)
+      if reduced is not None:
+        combined.append(reduced)
         continue
       device = self._aggregation_device(x) if isinstance(x, tf.Variable) else None
       with tf.device(device), tf.name_scope('combine_gradients'):

@@ -593,7 +593,7 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
       ungated=lambda k: shards.ungated.get(k) or _flat_shard(shards, k),
       device_of=(lambda k: builder.tower_devices[layout.device_of(k)]) if micro else None,
       after_backward=functools.partial(_order_next, shards) if micro else None,
-      across=across)
+      across=across, combine=getattr(builder.placement, 'combine', None))
   kept = {}
   statistics = _batch_norm_statistics(plan, builder)
   with interception.gradient_requests(broker.handle), broker.building(builder.primary), \

@@ -347,3 +347,36 @@ def test_a_model_fn_without_gradients_across_workers_is_an_error(monkeypatch):
 def test_worker_timeout_must_be_positive():
   with pytest.raises(ValueError, match=r"worker_timeout_secs must be a positive number"):
     et.make_plan(variable_strategy='collective', worker_timeout_secs=0)
+
+
+# --- One machine: the same strategy between devices ----------------------------
+
+
+@pytest.mark.parametrize('micro_batches', [1, 2])
+def test_collective_on_one_machine_trains_as_plain(micro_batches):
+  x, y = testlib.data(21)
+  fn = testlib.input_fn(x, y, 7, epochs=10)
+  reference = testlib.PlainTraining(testlib.v1_model_fn, fn)
+  towered = et.replicate_model_fn(testlib.v1_model_fn, devices=testlib.cpu_devices(2),
+                                  variable_strategy='collective', micro_batches=micro_batches)
+  testlib.check_towered_training(testlib.v1_model_fn, towered, 2, fn, reference,
+                                 resume=micro_batches == 1)
+
+
+@pytest.mark.parametrize('devices, hint', [(['/cpu:0', '/cpu:1'], b'ring'),
+                                            (['/gpu:0', '/gpu:1'], b'nccl')])
+def test_collective_on_one_machine_all_reduces_between_the_devices(devices, hint):
+  towered = et.replicate_model_fn(testlib.v1_model_fn, devices=devices,
+                                  variable_strategy='collective')
+  x, y = testlib.data(8)
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.create_global_step()
+    towered({'x': tf.constant(x)}, tf.constant(y), tf.estimator.ModeKeys.TRAIN, None, None)
+  reduces = [op for op in graph.get_operations() if op.type.startswith('CollectiveReduce')]
+  assert len(reduces) == 2 * 4  # one per device for each of the 4 variables
+  for op in reduces:
+    assert op.get_attr('communication_hint') == hint, op.name
+    assert op.get_attr('group_size') == 2
+  spec = tf.DeviceSpec.from_string
+  assert sorted({(spec(op.device).device_type, spec(op.device).device_index) for op in reduces}) == \
+      sorted({(spec(d).device_type, spec(d).device_index) for d in devices})
