@@ -306,13 +306,15 @@ class WholeBatchGradients:
       return self._sum_across(tower_requests[0], answer, direct)
     return self._by_micro_batch(tower_requests, found, ordered)
 
-  def _sum_across(self, primary: Request, answer: list, direct: list | None) -> list:
+  def _sum_across(self, primary: Request, answer: list, direct: list | None,
+                  included: bool = True) -> list:
     """Across workers: each variable's gradient summed over the workers.
 
-    `direct` (or None): the part of this worker's `answer` that does not come
-    through its own statistics (the backward pass of the loss stopped at the
-    cluster's totals: a regulariser's gradient), the same on every worker; it
-    is taken out before the sum and added once after it.
+    `direct` (or None): the part of the gradient that does not come through
+    this worker's own statistics (the backward pass of the loss stopped at
+    the cluster's totals: a regulariser's gradient), the same on every
+    worker; added once after the sum (and, if `included` in `answer`, taken
+    out of it before).
     """
     if self._across is None:
       return answer
@@ -322,7 +324,8 @@ class WholeBatchGradients:
     own = []
     for i in chosen:
       g = tf.convert_to_tensor(answer[i])
-      own.append(g if direct[i] is None else g - tf.convert_to_tensor(direct[i]))
+      own.append(g if direct[i] is None or not included
+                 else g - tf.convert_to_tensor(direct[i]))
     summed = self._across.sum(own)
     answer = list(answer)
     for i, total in zip(chosen, summed):
@@ -456,7 +459,7 @@ class WholeBatchGradients:
       device = self._aggregation_device(x) if isinstance(x, tf.Variable) else None
       with tf.device(device), tf.name_scope('combine_gradients'):
         combined.append(_add(parts))
-    return self._sum_across(primary, combined, direct)
+    return self._sum_across(primary, combined, direct, included=False)
 
   def _shard_gradients(self, k: int | Sequence[int], request: Request, ys: list, grad_ys: list,
                        primary: Request, stops: Sequence = ()) -> list:

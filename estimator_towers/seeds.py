@@ -277,12 +277,13 @@ def whole_batch_loss(expression: Expression, statistics: Sequence[dict],
 
 
 def whole_batch_totals(statistics: Sequence[dict], nonempty: Sequence, across: Any = None,
-                       trained: frozenset = frozenset()) -> dict:
+                       groups: Sequence[frozenset] = ()) -> dict:
   """key -> the sum of the shards' statistics (the cluster's, with `across`).
 
-  Across workers, the statistics whose keys are in `trained` are summed by an
-  all-reduce of their own, so that the others' totals (a micro-batch's
-  normalisers) do not wait for them.
+  Across workers, the statistics of each of `groups` (sets of keys) are
+  summed by an all-reduce of their own, and the rest by another, so that a
+  micro-batch's normalisers do not wait for the statistics of later
+  micro-batches' forward passes.
   """
   with tf.device(None), tf.name_scope('whole_batch_loss'):
     totals = {key: masked_sum([s[key] for s in statistics], nonempty)
@@ -290,7 +291,8 @@ def whole_batch_totals(statistics: Sequence[dict], nonempty: Sequence, across: A
   if across is None:
     return totals
   result = {}
-  for group in ([k for k in totals if k not in trained], [k for k in totals if k in trained]):
+  rest = [k for k in totals if not any(k in g for g in groups)]
+  for group in [rest] + [[k for k in totals if k in g] for g in groups]:
     if group:
       result.update(zip(group, across.global_total([totals[k] for k in group])))
   return result
@@ -331,8 +333,9 @@ def micro_batch(expression: Expression, find: Callable, ungated: Callable,
         source = _clone(statistic.source, expression, ungated(i), sizes[i], sizes[0])
       found[statistic.key] = statistic.of(source)
     values.append(found)
-  totals = whole_batch_totals(values, nonempty, across,
-                              frozenset(s.key for s in statistics if s.trained))
+  totals = whole_batch_totals(values, nonempty, across, (
+      frozenset(s.key for s in statistics if s.trained),
+      frozenset(s.key for s in statistics if s.counts and not s.trained)))
   numerators = [s for s in statistics if s.trained]
   ys, grad_ys, checks = [], [], []
   for i, found in enumerate(values):

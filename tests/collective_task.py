@@ -58,18 +58,8 @@ def mean_model_fn(features, labels, mode, params):
                tf.compat.v1.train.GradientDescentOptimizer(params['learning_rate']))
 
 
-def token_model_fn(features, labels, mode, params):
-  """A token-weighted ratio sum(w * xent) / sum(w), Adam with active clipping."""
-  logits = _dense(features['x'])
-  xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
-  w = features['w']
-  loss = tf.reduce_sum(xent * w) / (tf.reduce_sum(w) + 1e-5)
-  return _spec(mode, loss, logits, labels,
-               tf.compat.v1.train.AdamOptimizer(params['learning_rate']), clip=0.05)
-
-
 def two_terms_model_fn(features, labels, mode, params):
-  """BERT's shape: a masked ratio plus a mean, plus an L2 penalty; Adam."""
+  """BERT's shape: a token-weighted ratio plus a mean, plus an L2 penalty; Adam, clipping."""
   logits = _dense(features['x'])
   xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
   w = features['w']
@@ -78,10 +68,10 @@ def two_terms_model_fn(features, labels, mode, params):
   kernels = [v for v in tf.compat.v1.trainable_variables() if 'kernel' in v.name]
   loss = ratio + 0.5 * second + 1e-2 * tf.add_n([tf.nn.l2_loss(k) for k in kernels])
   return _spec(mode, loss, logits, labels,
-               tf.compat.v1.train.AdamOptimizer(params['learning_rate']))
+               tf.compat.v1.train.AdamOptimizer(params['learning_rate']), clip=0.05)
 
 
-MODELS = {'mean': mean_model_fn, 'token': token_model_fn, 'two_terms': two_terms_model_fn}
+MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn}
 
 
 def input_fn(data, suffix, batch):

@@ -24,6 +24,7 @@ import collective_task
 import testlib
 import estimator_towers as et
 from estimator_towers import cluster as cluster_lib
+from estimator_towers import cross_worker
 
 BATCH = 6
 SIZES = {0: 30, 1: 14}  # the worker's input ends after 3 of the chief's 5 batches
@@ -142,8 +143,8 @@ def _spec(tmp_path, model, towers, micro_batches=1, **extra):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize('model, micro_batches, evaluator', [
     ('mean', 1, True),        # plain gradient descent on a mean; an evaluator
-    ('token', 2, False),      # a token-weighted ratio, Adam, active clipping; micro-batches
-    ('two_terms', 1, False),  # a ratio + a mean + an L2 penalty, Adam
+    ('two_terms', 1, False),  # a token-weighted ratio + a mean + an L2 penalty, Adam, clipping
+    ('two_terms', 2, False),  # the same with micro-batches
 ])
 def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
     tmp_path, model, micro_batches, evaluator):
@@ -190,7 +191,7 @@ def test_a_dead_worker_stops_the_chief_within_the_timeout_and_a_restart_resumes(
   _data(tmp_path / 'data.npz', sizes)
   timeout = 8
   spec = _spec(tmp_path, 'mean', 1, timeout=timeout, max_steps=20, save_every=5,
-               step_sleep={'0': 0.2})
+               step_sleep={'0': 0.1})
   cluster = Cluster(tmp_path, spec)
   model_dir = spec['model_dir']
   try:
@@ -297,10 +298,15 @@ def test_collective_graph_all_reduces_the_gradients_across_workers(monkeypatch):
   graph = _train_graph(testlib.v1_model_fn, monkeypatch, CHIEF_AND_WORKER)
   reduces = [op for op in graph.get_operations() if op.type.startswith('CollectiveReduce')]
   assert reduces
-  for op in reduces:
+  across = [op for op in reduces if 'across_workers' in op.name]
+  assert len(across) >= 2  # the live inputs, the gradients, ...
+  for op in across:
     assert op.get_attr('communication_hint') == b'ring'
     assert op.get_attr('group_size') == 2 and op.device.startswith('/job:worker/replica:0/task:0')
-  keys = [op.get_attr('instance_key') for op in reduces]
+  between = [op for op in reduces if 'across_workers' not in op.name]
+  assert between and {op.get_attr('group_key') for op in between} == {
+      cross_worker.LOCAL_GROUP_KEY_BASE + 1}  # worker 0 is rank 1
+  keys = [(op.get_attr('instance_key'), op.device) for op in reduces]
   assert len(set(keys)) == len(keys)
 
 
