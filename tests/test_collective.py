@@ -206,6 +206,7 @@ def test_a_dead_worker_stops_the_chief_within_the_timeout_and_a_restart_resumes(
     killed = time.time()
     code = cluster.wait('chief', timeout + 60)
     stopped = time.time() - killed
+    print(f'chief stopped {stopped:.1f} s after the worker was killed')
   finally:
     cluster.kill()
   log = cluster.log('chief')
@@ -227,6 +228,23 @@ def test_a_dead_worker_stops_the_chief_within_the_timeout_and_a_restart_resumes(
   worker = np.load(tmp_path / 'dump' / 'rank1.npz')
   for name in final:
     np.testing.assert_array_equal(worker[name], final[name], err_msg=name)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_never_starts_stops_the_chief_after_the_timeout(tmp_path):
+  _data(tmp_path / 'data.npz', SIZES)
+  timeout = 4
+  cluster = Cluster(tmp_path, _spec(tmp_path, 'mean', 1, timeout=timeout))
+  started = time.time()
+  try:
+    cluster.start('chief')
+    code = cluster.wait('chief', 90)
+  finally:
+    cluster.kill()
+  log = cluster.log('chief')
+  assert code != 0
+  assert 'DeadlineExceededError' in log and 'broadcast_from_chief' in log, log[-3000:]
+  print(f'chief stopped {time.time() - started:.1f} s after its start')
 
 
 # --- TF_CONFIG errors, one per message -------------------------------------------
