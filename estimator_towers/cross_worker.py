@@ -22,9 +22,9 @@ Within a step:
    equal to the sum bit for bit on every task.
 3. `sum(gradients)`: each task's part of the whole-batch gradient, summed.
 
-At session start (`broadcast_from_chief`) every task sets its variables to
-the chief's values (an all-reduce of the chief's values and the others'
-zeros).
+At session start (`broadcast_from_chief`, run by `cluster_session`'s
+Scaffold) every task sets its variables to the chief's values (an
+all-reduce of the chief's values and the others' zeros).
 """
 
 from __future__ import annotations
@@ -32,13 +32,10 @@ from __future__ import annotations
 import weakref
 from typing import Any, Sequence
 
-from absl import logging
-import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers import cluster as cluster_lib
-from estimator_towers import interception
 
 GROUP_KEY = 0x2400
 LOCAL_GROUP_KEY_BASE = 0x2500
@@ -81,7 +78,6 @@ class CrossWorker:
     self.graph = tf.compat.v1.get_default_graph()
     self.gate: tf.Tensor | None = None
     self._timeout = 0  # the collective's own timeout: only at session start
-    self._progress = _Progress()
     self.live_workers: tf.Tensor | None = None
 
   def _all_reduce(self, value: tf.Tensor, gated: bool) -> tf.Tensor:
@@ -155,80 +151,6 @@ class CrossWorker:
       assigns = [v.assign(c, read_value=False) for v, c in zip(chosen, chiefs)]
       return tf.group(*assigns)
 
-  def attach(self, spec: tf.estimator.EstimatorSpec) -> tf.estimator.EstimatorSpec:
-    """`spec` with the cluster's session start (`scaffold`) and the step timeout hook."""
-    hook = StepTimeoutHook(self.timeout_secs, self.cluster, self._progress)
-    return spec._replace(scaffold=self.scaffold(spec.scaffold),
-                         training_hooks=tuple(spec.training_hooks) + (hook,))
-
-  def scaffold(self, scaffold: tf.compat.v1.train.Scaffold | None
-               ) -> tf.compat.v1.train.Scaffold:
-    """A Scaffold whose local init sets every task's variables to the chief's.
-
-    Every task runs the local init op: the chief after restoring or
-    initialising its variables, a worker after initialising its own (it does
-    not wait for the chief to initialise them, which it never sees).
-    """
-    scaffold = scaffold or tf.compat.v1.train.Scaffold()
-    variables = tf.compat.v1.global_variables()
-    first = [] if self.rank == 0 else [tf.compat.v1.variables_initializer(variables)]
-    with tf.control_dependencies(first):
-      broadcast = self.broadcast_from_chief(variables)
-    # Local variables (the towers' copies of the variables) start from the
-    # chief's values: their initial values are read after the broadcast.
-    for v in tf.compat.v1.local_variables():
-      initial = getattr(v, 'initial_value', None)
-      for op in [v.initializer] + ([initial.op] if initial is not None else []) + [
-          t.op for t in (initial.op.inputs if initial is not None else [])
-          if t.op.type == 'ReadVariableOp']:
-        if op.type != 'Const' and broadcast not in op.control_inputs:
-          interception.add_control_inputs(op, [broadcast])
-    local = (scaffold.local_init_op if scaffold.local_init_op is not None
-             else tf.compat.v1.train.Scaffold.default_local_init_op())
-    return tf.compat.v1.train.Scaffold(
-        init_op=scaffold.init_op, init_feed_dict=scaffold.init_feed_dict,
-        init_fn=scaffold._init_fn,  # pylint: disable=protected-access
-        ready_op=scaffold.ready_op,
-        ready_for_local_init_op=self._first_session(),
-        local_init_op=tf.group(broadcast, local, name='local_init_from_chief'),
-        summary_op=scaffold.summary_op, saver=scaffold.saver,
-        local_init_feed_dict=scaffold.local_init_feed_dict)
-
-
-  def _first_session(self) -> tf.Tensor:
-    """The Scaffold's ready_for_local_init_op: ready, unless training already started.
-
-    A peer that dies makes a step fail with UnavailableError, on which
-    MonitoredSession recreates the session and runs the local init again,
-    whose broadcast would wait for the lost peer, again and again. This op
-    raises instead, once a step has run in this process.
-    """
-    progress, cluster = self._progress, self.cluster
-
-    def check():
-      if progress.steps:
-        raise RuntimeError(
-            f'estimator_towers: a training step of {cluster.device} (rank '
-            f'{cluster.rank} of {cluster.num_workers} training tasks: '
-            f'{", ".join(cluster.training_tasks)}) failed after {progress.steps} '
-            f'step(s) because another worker is lost (see the error above), and '
-            f'variable_strategy=\'collective\' cannot continue without it. Restart '
-            f'the job: it resumes from the chief\'s last checkpoint.')
-      return np.zeros([0], dtype=object)
-
-    with tf.device(self.device):
-      ready = tf.compat.v1.py_func(check, [], tf.string, stateful=True,
-                                   name='ready_for_broadcast')
-    ready.set_shape([0])
-    return ready
-
-
-class _Progress:
-  """Training steps run in this process (shared by the hook and the scaffold)."""
-
-  def __init__(self):
-    self.steps = 0
-
 
 def check_no_updates(update_ops: Sequence[tf.Operation], across: CrossWorker) -> None:
   """Raises for updates that are not gradient steps (they would differ per worker)."""
@@ -240,49 +162,6 @@ def check_no_updates(update_ops: Sequence[tf.Operation], across: CrossWorker) ->
         f'each worker would update them from its own batch, so the workers\' '
         f'variables would differ and none would equal one device\'s. Train such a '
         f'model on one machine (its towers update them from tower 0\'s shard).')
-
-
-class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
-  """Every training step fails after `timeout_secs` instead of waiting for a lost worker.
-
-  When a worker dies, the others' all-reduces would wait for it forever; the
-  step's RunOptions.timeout_in_ms makes them fail with DeadlineExceededError,
-  and this hook logs which cluster and bound it was.
-  """
-
-  def __init__(self, timeout_secs: float, cluster: cluster_lib.Cluster,
-               progress: '_Progress'):
-    self._timeout_secs = timeout_secs
-    self._cluster = cluster
-    self._progress = progress
-    self._timer = None
-
-  def before_run(self, run_context):
-    import threading  # pylint: disable=g-import-not-at-top
-    self._timer = threading.Timer(self._timeout_secs, self._report)
-    self._timer.daemon = True
-    self._timer.start()
-    return tf.compat.v1.train.SessionRunArgs(
-        fetches=None, options=tf.compat.v1.RunOptions(
-            timeout_in_ms=int(self._timeout_secs * 1000)))
-
-  def after_run(self, run_context, run_values):
-    self._timer.cancel()
-    self._progress.steps += 1
-
-  def end(self, session):
-    if self._timer is not None:
-      self._timer.cancel()
-
-  def _report(self):
-    logging.error(
-        'estimator_towers: %s (rank %d of %d training tasks: %s) has waited %.0f s '
-        '(the step timeout, make_plan(worker_timeout_secs=...)) for the other '
-        'workers\' all-reduce: a worker has died or stopped. This step fails '
-        'with DeadlineExceededError; restart the job, which resumes from the '
-        'chief\'s last checkpoint.', self._cluster.device, self._cluster.rank,
-        self._cluster.num_workers, ', '.join(self._cluster.training_tasks),
-        self._timeout_secs)
 
 
 def live_inputs(features: Any, labels: Any) -> tuple[Any, Any, tf.Tensor]:

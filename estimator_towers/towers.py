@@ -14,6 +14,7 @@ from tensorflow.python.util import function_utils  # pylint: disable=g-direct-te
 
 from estimator_towers import batch_norm_sync
 from estimator_towers import cluster as cluster_lib
+from estimator_towers import cluster_session
 from estimator_towers import counterparts
 from estimator_towers import cross_worker
 from estimator_towers import empty_shards
@@ -630,7 +631,7 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
             for k, t in zip(shards.active, found)]
 
   merged = specs_lib.merge_train(spec, loss, train_op, counterparts)
-  return merged if across is None else across.attach(merged)
+  return merged if across is None else cluster_session.attach(merged, across)
 
 
 def _order_next(shards: _Shards, k: int, done: Any) -> None:
