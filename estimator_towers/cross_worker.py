@@ -36,6 +36,7 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers import cluster as cluster_lib
+from estimator_towers import interception
 
 GROUP_KEY = 0x2400
 LOCAL_GROUP_KEY_BASE = 0x2500
@@ -77,6 +78,7 @@ class CrossWorker:
     self.communication_hint = communication_hint
     self.graph = tf.compat.v1.get_default_graph()
     self.gate: tf.Tensor | None = None
+    self.first_op = len(self.graph.get_operations())  # where this TRAIN graph's model_fn began
     self._timeout = 0  # the collective's own timeout: only at session start
     self.live_workers: tf.Tensor | None = None
 
@@ -150,6 +152,34 @@ class CrossWorker:
         self._timeout = saved
       assigns = [v.assign(c, read_value=False) for v, c in zip(chosen, chiefs)]
       return tf.group(*assigns)
+
+
+# Op types that change a variable's value (checked by prefix).
+MUTATING_PREFIXES = ('Assign', 'ResourceScatter', 'Scatter', 'ResourceApply', 'Apply',
+                     'ResourceSparseApply', 'SparseApply')
+
+
+def gate_updates(across: CrossWorker, train_op: Any) -> None:
+  """Every variable update the train_op runs waits for the step's gate.
+
+  The step in which every task's input has ended fails at the gate; an update
+  that does not depend on the gradients (a global_step incremented by hand)
+  must not run before it. Only the ops this model_fn made that `train_op`
+  runs are gated (not the variables' initializers).
+  """
+  made = {op.name for op in across.graph.get_operations()[across.first_op:]}
+  start = train_op.op if isinstance(train_op, tf.Tensor) else train_op
+  pending, seen = [start], set()
+  while pending:
+    op = pending.pop()
+    if op.name in seen or op.name not in made:
+      continue
+    seen.add(op.name)
+    if (op.type.startswith(MUTATING_PREFIXES) and not interception.in_control_flow(op)
+        and across.gate.op not in op.control_inputs):
+      interception.add_control_inputs(op, [across.gate.op])
+    pending.extend(t.op for t in op.inputs)
+    pending.extend(op.control_inputs)
 
 
 def check_no_updates(update_ops: Sequence[tf.Operation], across: CrossWorker) -> None:

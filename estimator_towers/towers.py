@@ -43,8 +43,7 @@ GraphKeys = tf.compat.v1.GraphKeys
 _PER_TOWER_COLLECTIONS = (GraphKeys.UPDATE_OPS, GraphKeys.LOSSES, GraphKeys.SUMMARIES)
 
 # Op types that change a variable's value (checked by prefix).
-_MUTATING_PREFIXES = ('Assign', 'ResourceScatter', 'Scatter', 'ResourceApply',
-                      'Apply', 'ResourceSparseApply', 'SparseApply')
+_MUTATING_PREFIXES = cross_worker.MUTATING_PREFIXES
 
 _MODEL_FN_ARGS = ('features', 'labels', 'mode', 'params', 'config')
 
@@ -631,7 +630,10 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
             for k, t in zip(shards.active, found)]
 
   merged = specs_lib.merge_train(spec, loss, train_op, counterparts)
-  return merged if across is None else cluster_session.attach(merged, across)
+  if across is None:
+    return merged
+  cross_worker.gate_updates(across, merged.train_op)
+  return cluster_session.attach(merged, across)
 
 
 def _order_next(shards: _Shards, k: int, done: Any) -> None:

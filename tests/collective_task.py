@@ -58,8 +58,8 @@ def mean_model_fn(features, labels, mode, params):
                tf.compat.v1.train.GradientDescentOptimizer(params['learning_rate']))
 
 
-def two_terms_model_fn(features, labels, mode, params):
-  """BERT's shape: a token-weighted ratio plus a mean, plus an L2 penalty; Adam, clipping."""
+def _two_terms_loss(features, labels):
+  """A token-weighted ratio plus a mean, plus an L2 penalty; and the logits."""
   logits = _dense(features['x'])
   xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
   w = features['w']
@@ -67,11 +67,31 @@ def two_terms_model_fn(features, labels, mode, params):
   second = tf.reduce_mean(tf.square(logits[:, 0] - features['x'][:, 0]))
   kernels = [v for v in tf.compat.v1.trainable_variables() if 'kernel' in v.name]
   loss = ratio + 0.5 * second + 1e-2 * tf.add_n([tf.nn.l2_loss(k) for k in kernels])
+  return loss, logits
+
+
+def two_terms_model_fn(features, labels, mode, params):
+  """BERT's loss shape (`_two_terms_loss`); Adam with active clipping."""
+  loss, logits = _two_terms_loss(features, labels)
   return _spec(mode, loss, logits, labels,
                tf.compat.v1.train.AdamOptimizer(params['learning_rate']), clip=0.05)
 
 
-MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn}
+def bert_model_fn(features, labels, mode, params):
+  """BERT's optimizer: AdamWeightDecay, global-norm clipping, global_step by hand."""
+  loss, logits = _two_terms_loss(features, labels)
+  if mode == tf.estimator.ModeKeys.EVAL:
+    return _spec(mode, loss, logits, labels, None)
+  variables = tf.compat.v1.trainable_variables()
+  grads, _ = tf.clip_by_global_norm(tf.gradients(loss, variables), 0.05)
+  optimizer = testlib.AdamWeightDecayOptimizer(params['learning_rate'])
+  train_op = optimizer.apply_gradients(zip(grads, variables))
+  step = tf.compat.v1.train.get_global_step()
+  train_op = tf.group(train_op, step.assign(step + 1))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_model_fn}
 
 
 def input_fn(data, suffix, batch):
