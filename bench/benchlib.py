@@ -1,12 +1,35 @@
-"""What the bench scripts share: the machine they ran on, interleaved timing."""
+"""What the bench scripts share: the MLP they time, its flags, the machine they
+ran on, interleaved timing and paired-change reporting.
+
+A script that times the MLP calls `define_mlp_flags(...)` with its own
+defaults at import, builds `mlp_model_fn(...)` and `synthetic_data(...)`, and
+reports with `print_header` and `paired_change`. What a script measures (its
+configurations, its graph variants) stays in the script.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 import platform
+import statistics
 import subprocess
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+from absl import flags
+import numpy as np
+import tensorflow as tf
+
+import estimator_towers as et
+
+FLAGS = flags.FLAGS
+NUM_CLASSES = 10
+
+# Flags define_mlp_flags() defines belong to the script that calls it: its
+# --help lists them.
+flags.disclaim_key_flags()
 
 
 def machine() -> str:
@@ -18,6 +41,112 @@ def machine() -> str:
   except OSError:
     model = platform.processor()
   return f'{model}, {os.cpu_count()} cores'
+
+
+def define_mlp_flags(*, num_cpu_devices: int = 2, batch_size: int = 256,
+                     num_features: int = 256, hidden: int = 512, warmup_steps: int = 20,
+                     steps: int = 200, rounds: int = 5,
+                     devices_help: str = 'Towers on this many virtual CPU devices.',
+                     batch_help: str = 'Global batch size.',
+                     steps_help: str = 'Timed steps per chunk.',
+                     warmup_help: str = 'Untimed steps at the start of each run.',
+                     rounds_help: str = 'Rounds (one chunk per configuration each).') -> None:
+  """The flags of an MLP bench (devices, batch, model size, timing), with its defaults."""
+  flags.DEFINE_integer('num_cpu_devices', num_cpu_devices, devices_help)
+  flags.DEFINE_integer('batch_size', batch_size, batch_help)
+  flags.DEFINE_integer('num_features', num_features, 'Input width.')
+  flags.DEFINE_integer('hidden', hidden, 'Width of the two hidden layers.')
+  flags.DEFINE_integer('warmup_steps', warmup_steps, warmup_help)
+  flags.DEFINE_integer('steps', steps, steps_help)
+  flags.DEFINE_integer('rounds', rounds, rounds_help)
+
+
+def mlp_name() -> str:
+  """The MLP's shape as the headers print it: 256-512-512-10."""
+  return f'{FLAGS.num_features}-{FLAGS.hidden}-{FLAGS.hidden}-{NUM_CLASSES}'
+
+
+def mlp_model_fn(global_mean_accuracy: bool = False) -> Callable:
+  """A single-device model_fn: two ReLU layers of --hidden, seeded initial weights.
+
+  TRAIN: momentum SGD on a tf.compat.v1.losses cross-entropy. EVAL: the loss,
+  accuracy and the mean logit. Features are a tensor or {'x': tensor}.
+  global_mean_accuracy: also report the batch accuracy with et.global_mean.
+  """
+  def model_fn(features, labels, mode):
+    x = features['x'] if isinstance(features, dict) else features
+    for i in range(2):
+      x = tf.compat.v1.layers.dense(
+          x, FLAGS.hidden, activation=tf.nn.relu,
+          kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=i))
+    logits = tf.compat.v1.layers.dense(
+        x, NUM_CLASSES, kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=9))
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+    classes = tf.argmax(logits, 1, output_type=tf.int32)
+    if mode == tf.estimator.ModeKeys.EVAL:
+      return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+          'accuracy': tf.compat.v1.metrics.accuracy(labels, classes),
+          'mean_logit': tf.compat.v1.metrics.mean(logits)})
+    if global_mean_accuracy:
+      et.global_mean('train_accuracy',
+                     tf.reduce_mean(tf.cast(tf.equal(classes, labels), tf.float32)))
+    optimizer = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9)
+    train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  return model_fn
+
+
+def synthetic_data(num_examples: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+  """Fixed random inputs of --num_features and labels of NUM_CLASSES classes."""
+  rng = np.random.RandomState(0)
+  x = rng.randn(num_examples, FLAGS.num_features).astype(np.float32)
+  y = rng.randint(0, NUM_CLASSES, num_examples).astype(np.int32)
+  return x, y
+
+
+def cpu_devices() -> list[str]:
+  return [f'/cpu:{i}' for i in range(FLAGS.num_cpu_devices)]
+
+
+def session_config(own_threads: bool = False, **kwargs) -> tf.compat.v1.ConfigProto:
+  """--num_cpu_devices virtual CPUs. own_threads: thread pools of its own (not
+  the process-wide ones), so that open sessions waiting for their turn do not
+  hold threads of another."""
+  return tf.compat.v1.ConfigProto(device_count={'CPU': FLAGS.num_cpu_devices},
+                                  use_per_session_threads=own_threads, **kwargs)
+
+
+def print_header(*lines: str) -> None:
+  """The date, machine and TensorFlow version, then the script's own lines."""
+  print(f'# {datetime.date.today()}  {machine()}  TensorFlow {tf.__version__}')
+  for line in lines:
+    print(f'# {line}')
+
+
+class StepTimer(tf.compat.v1.train.SessionRunHook):
+  """Wall and process CPU time of the steps after the first `warmup_steps`."""
+
+  def __init__(self, warmup_steps: int):
+    self._warmup = warmup_steps
+    self._steps = 0
+    self.start = self.stop = self.cpu_start = self.cpu_stop = None
+
+  def after_run(self, run_context, run_values):
+    self._steps += 1
+    if self._steps == self._warmup:
+      self.start, self.cpu_start = time.perf_counter(), time.process_time()
+    self.stop, self.cpu_stop = time.perf_counter(), time.process_time()
+
+
+def paired_change(values: Sequence[float], baseline: Sequence[float]
+                  ) -> tuple[float, float, float]:
+  """Median, first and third quartile over rounds of the % change from `baseline`
+  in the same round (paired, so that load drifting between rounds cancels)."""
+  changes = [100 * (v / b - 1) for v, b in zip(values, baseline)]
+  if len(changes) < 2:
+    return changes[0], changes[0], changes[0]
+  q1, _, q3 = statistics.quantiles(changes, n=4)
+  return statistics.median(changes), q1, q3
 
 
 def interleaved_seconds_per_step(sessions: dict[str, tuple[Any, Any]], order: Sequence[str],
@@ -41,3 +170,32 @@ def interleaved_seconds_per_step(sessions: dict[str, tuple[Any, Any]], order: Se
         session.run(fetch)
       seconds[name].append((time.perf_counter() - start) / steps)
   return seconds
+
+
+def open_towered_session(model_fn: Callable, plan: et.DevicePlan, mode: str,
+                         data: tuple[np.ndarray, np.ndarray], drop_remainder: bool,
+                         fetch: Callable[[Any], Any], *,
+                         run_config: tf.estimator.RunConfig | None = None,
+                         hooks: Callable[[Any], list] = lambda spec: [],
+                         gating: Any = None) -> tuple[Any, Any]:
+  """A towered graph of `mode` on repeated batches of `data`, built as Estimator
+  builds it, in an open MonitoredSession of its own threads.
+
+  `fetch(spec)`: what a step runs; `hooks(spec)`: the session's hooks (both
+  called in the graph); `gating`: a context manager the model_fn is built in
+  (a graph variant). Returns (session, fetch), as interleaved_seconds_per_step
+  takes them.
+  """
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    dataset = tf.data.Dataset.from_tensor_slices(data).repeat().batch(
+        FLAGS.batch_size, drop_remainder=drop_remainder).prefetch(2)
+    features, labels = tf.compat.v1.data.make_one_shot_iterator(dataset).get_next()
+    with gating or contextlib.nullcontext():
+      spec = et.replicate_model_fn(model_fn, plan=plan)(
+          features, labels, mode=mode, config=run_config)
+    step = fetch(spec)
+    session = tf.compat.v1.train.MonitoredSession(
+        tf.compat.v1.train.ChiefSessionCreator(config=session_config(own_threads=True)),
+        hooks=hooks(spec))
+    return session, step

@@ -23,73 +23,36 @@ between the configurations in one process: much less run-to-run noise.
 
 from __future__ import annotations
 
-import datetime
 import statistics
 import tempfile
 import time
 
 from absl import app
 from absl import flags
-import numpy as np
 import tensorflow as tf
 
 import estimator_towers as et
-from benchlib import machine  # pylint: disable=g-import-not-at-top
+import benchlib  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_enum('mode', 'estimator', ['estimator', 'interleaved'],
                   'estimator: a fresh Estimator per run; interleaved: one open '
                   'session per configuration, alternating chunks of steps.')
-flags.DEFINE_integer('num_cpu_devices', 2, 'Towers on this many virtual CPU devices.')
-flags.DEFINE_integer('batch_size', 256, 'Global batch size.')
-flags.DEFINE_integer('num_features', 256, 'Input width.')
-flags.DEFINE_integer('hidden', 512, 'Width of the two hidden layers.')
+benchlib.define_mlp_flags(steps_help='Timed steps per run (per chunk when interleaved).',
+                          rounds_help='Interleaved rounds (one run per depth each).')
 flags.DEFINE_integer('num_examples', 8192, 'Synthetic examples (repeated).')
-flags.DEFINE_integer('warmup_steps', 20, 'Untimed steps at the start of each run.')
-flags.DEFINE_integer('steps', 200, 'Timed steps per run (per chunk when interleaved).')
-flags.DEFINE_integer('rounds', 5, 'Interleaved rounds (one run per depth each).')
 flags.DEFINE_list('configs', ['staging_area:1', 'staging_area:2'],
                   'backend:staging_depth pairs to compare with the unstaged run.')
 flags.DEFINE_integer('inter_op_threads', 0, 'Session inter-op threads (0: TF default).')
 flags.DEFINE_integer('intra_op_threads', 0, 'Session intra-op threads (0: TF default).')
 
 FLAGS = flags.FLAGS
-NUM_CLASSES = 10
-
-
-def model_fn(features, labels, mode):
-  x = features['x']
-  for i in range(2):
-    x = tf.compat.v1.layers.dense(
-        x, FLAGS.hidden, activation=tf.nn.relu,
-        kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=i))
-  logits = tf.compat.v1.layers.dense(x, NUM_CLASSES)
-  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-  optimizer = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9)
-  train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+model_fn = benchlib.mlp_model_fn()
 
 
 def input_fn():
-  rng = np.random.RandomState(0)
-  x = rng.randn(FLAGS.num_examples, FLAGS.num_features).astype(np.float32)
-  y = rng.randint(0, NUM_CLASSES, FLAGS.num_examples).astype(np.int32)
+  x, y = benchlib.synthetic_data(FLAGS.num_examples)
   dataset = tf.data.Dataset.from_tensor_slices(({'x': x}, y)).repeat()
   return dataset.batch(FLAGS.batch_size).prefetch(2)
-
-
-class StepTimer(tf.compat.v1.train.SessionRunHook):
-  """Wall time of the steps after the warm-up."""
-
-  def __init__(self, warmup_steps: int):
-    self._warmup = warmup_steps
-    self._steps = 0
-    self.start = self.stop = self.cpu_start = self.cpu_stop = None
-
-  def after_run(self, run_context, run_values):
-    self._steps += 1
-    if self._steps == self._warmup:
-      self.start, self.cpu_start = time.perf_counter(), time.process_time()
-    self.stop, self.cpu_stop = time.perf_counter(), time.process_time()
 
 
 UNSTAGED = 'unstaged'
@@ -97,19 +60,14 @@ UNSTAGED = 'unstaged'
 
 def plan_and_backend(config: str) -> tuple[et.DevicePlan, str]:
   backend, depth = ('staging_area', 0) if config == UNSTAGED else config.split(':')
-  plan = et.make_plan(devices=[f'/cpu:{i}' for i in range(FLAGS.num_cpu_devices)],
-                      staging_depth=int(depth))
+  plan = et.make_plan(devices=benchlib.cpu_devices(), staging_depth=int(depth))
   return plan, backend
 
 
 def session_config(own_threads: bool = False) -> tf.compat.v1.ConfigProto:
-  """own_threads: thread pools of its own (not the process-wide ones), so
-  that open sessions waiting for their turn do not hold threads of another."""
-  return tf.compat.v1.ConfigProto(
-      device_count={'CPU': FLAGS.num_cpu_devices},
-      inter_op_parallelism_threads=FLAGS.inter_op_threads,
-      intra_op_parallelism_threads=FLAGS.intra_op_threads,
-      use_per_session_threads=own_threads)
+  return benchlib.session_config(own_threads,
+                                 inter_op_parallelism_threads=FLAGS.inter_op_threads,
+                                 intra_op_parallelism_threads=FLAGS.intra_op_threads)
 
 
 def run_once(config: str) -> tuple[float, float]:
@@ -121,7 +79,7 @@ def run_once(config: str) -> tuple[float, float]:
   estimator = tf.estimator.Estimator(
       et.replicate_model_fn(model_fn, plan=plan), config=run_config,
       model_dir=tempfile.mkdtemp(prefix='staging_bench_'))
-  timer = StepTimer(FLAGS.warmup_steps)
+  timer = benchlib.StepTimer(FLAGS.warmup_steps)
   estimator.train(et.staged_input_fn(input_fn, plan, backend),
                   steps=FLAGS.warmup_steps + FLAGS.steps, hooks=[timer])
   return (FLAGS.steps * FLAGS.batch_size / (timer.stop - timer.start),
@@ -174,12 +132,11 @@ def main(argv):
   del argv
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
   configs = [UNSTAGED] + FLAGS.configs
-  print(f'# {datetime.date.today()}  {machine()}  TensorFlow {tf.__version__}')
-  print(f'# columns: {", ".join(configs)}')
-  print(f'# {FLAGS.num_cpu_devices} virtual CPU towers, batch {FLAGS.batch_size}, '
-        f'MLP {FLAGS.num_features}-{FLAGS.hidden}-{FLAGS.hidden}-{NUM_CLASSES}, '
-        f'{FLAGS.steps} timed steps after {FLAGS.warmup_steps}, {FLAGS.rounds} rounds, '
-        f'mode {FLAGS.mode}')
+  benchlib.print_header(
+      f'columns: {", ".join(configs)}',
+      f'{FLAGS.num_cpu_devices} virtual CPU towers, batch {FLAGS.batch_size}, '
+      f'MLP {benchlib.mlp_name()}, {FLAGS.steps} timed steps after {FLAGS.warmup_steps}, '
+      f'{FLAGS.rounds} rounds, mode {FLAGS.mode}')
   if FLAGS.mode == 'interleaved':
     sessions = {c: OpenSession(c) for c in configs}
     run = lambda config: sessions[config].run(FLAGS.steps)
@@ -199,8 +156,7 @@ def main(argv):
 
   def paired(values, config):
     """Median and quartiles, over rounds, of the % change from unstaged."""
-    changes = [100 * (v / b - 1) for v, b in zip(values[config], values[UNSTAGED])]
-    q1, median, q3 = statistics.quantiles(changes, n=4) if len(changes) > 1 else changes * 3
+    median, q1, q3 = benchlib.paired_change(values[config], values[UNSTAGED])
     return f'{median:+6.1f}% [{q1:+6.1f}, {q3:+6.1f}]'
 
   print(f'\n{"configuration":24s} {"ex/s":>7s}  {"change [quartiles]":>24s}'

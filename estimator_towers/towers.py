@@ -146,7 +146,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     micro_batches: k >= 1: each device's shard is split into k micro-batches
       (by the same rule) that run one after another on that device within
       the step; the model_fn still receives the whole batch's gradient and
-      updates once per global batch (see README, "Micro-batches").
+      updates once per global batch (see docs/micro_batches.md).
     plan: a `DevicePlan` from `make_plan`, instead of the arguments above.
 
   Returns:

@@ -1,4 +1,4 @@
-"""The optimizers and wrappers README.md lists as supported train like one device.
+"""The optimizers and wrappers docs/optimizers.md lists as supported train like one device.
 
 (More patterns, with other models, are in test_real_world.py and test_canned.py.)
 
