@@ -1,5 +1,6 @@
 """estimator_towers: data-parallel training of TensorFlow Estimators on several devices."""
 
+from estimator_towers.cluster import worker_index_and_count
 from estimator_towers.config import TowersConfig
 from estimator_towers.config import make_config
 from estimator_towers.config import make_run_config
@@ -32,6 +33,7 @@ __all__ = [
     'make_plan',
     'replicate_model_fn',
     'staged_input_fn',
+    'worker_index_and_count',
 ]
 
 __version__ = '0.1.0'

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import tensorflow as tf
 from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-direct-tensorflow-import
 
+from estimator_towers import cluster as cluster_lib
 from estimator_towers import devices as devices_lib
 from estimator_towers import plan as plan_lib
 from estimator_towers import spelling
@@ -180,6 +181,9 @@ def session_config(config: TowersConfig) -> tf.compat.v1.ConfigProto:
     proto.gpu_options.per_process_gpu_memory_fraction = config.gpu_memory_fraction
   proto.gpu_options.allow_growth = config.allow_growth
   proto.gpu_options.visible_device_list = config.visible_gpus
+  cluster = cluster_lib.parse() if config.variable_strategy == 'collective' else None
+  if cluster is not None and cluster.trains:  # this task's devices only: no ps
+    proto.device_filters.append(f'/job:{cluster.task_type}/task:{cluster.task_index}')
   return proto
 
 
@@ -203,6 +207,13 @@ def make_run_config(config: TowersConfig, **run_config_kwargs: Any
         f'{run_config_kwargs["session_config"]!r}). Set the session options '
         'through make_config(...) or the flags, or build the RunConfig yourself '
         'with session_config(config) edited.')
+  cluster = cluster_lib.parse()
+  if cluster is not None and cluster.trains:
+    cluster_lib.check(cluster, config.variable_strategy)
+  if config.variable_strategy == 'collective' and cluster is not None:
+    # Every worker trains from its first step: the workers wait for each
+    # other at the first all-reduce, so Estimator's start delay only costs.
+    run_config_kwargs.setdefault('experimental_max_worker_delay_secs', 0)
   return tf.estimator.RunConfig(session_config=session_config(config),
                                 **run_config_kwargs)
 

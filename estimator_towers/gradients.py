@@ -208,6 +208,12 @@ class WholeBatchGradients:
     after_backward: with micro-batches, `after_backward(k, grads)` is called
       once shard k's backward pass of the first request is built, with its
       gradients (to order the next micro-batch of its device after them).
+    combine: `combine(parts)`: a variable's gradient from its parts, one per
+      tower device in device order (the 'collective' placement's all-reduce),
+      or None where it cannot; None: parts are added.
+    across: a `cross_worker.CrossWorker` when the global batch spans the
+      workers of a cluster (then `batch` is the cluster's and each answer is
+      this worker's part summed over the workers, see `_across`), else None.
   """
 
   def __init__(self, graph: tf.Graph, towers: Sequence[int], sizes: Sequence, batch: Any,
@@ -220,7 +226,10 @@ class WholeBatchGradients:
                inputs: Sequence[tf.Tensor] = (), nonempty: Any = None,
                ungated: Callable[[int], list] | None = None,
                device_of: Callable[[int], str] | None = None,
-               after_backward: Callable[[int, list], None] | None = None):
+               after_backward: Callable[[int, list], None] | None = None,
+               across: Any = None, combine: Callable[[list], Any] | None = None):
+    self._across = across
+    self._combine = combine
     self._graph = graph
     self._inputs = list(inputs)
     self._nonempty = nonempty if nonempty is not None else {k: True for k in towers}
@@ -297,8 +306,43 @@ class WholeBatchGradients:
     """The whole-batch gradient from the rule's seeds: one backward pass, or one per shard."""
     found = self._seeds(tower_requests)
     if self._device_of is None:
-      return self._whole_batch(tower_requests, found.shards)
+      answer = self._whole_batch(tower_requests, found.shards)
+      direct = None
+      if self._across is not None and found.stops:
+        primary = tower_requests[0]
+        direct = self._shard_gradients(self.towers, primary, [found.loss],
+                                       primary.grad_ys[:1], primary, found.stops)
+      return self._sum_across(tower_requests[0], answer, direct)
     return self._by_micro_batch(tower_requests, found, ordered)
+
+  def _sum_across(self, primary: Request, answer: list, direct: list | None,
+                  included: bool = True) -> list:
+    """Across workers: each variable's gradient summed over the workers.
+
+    `direct` (or None): the part of the gradient that does not come through
+    this worker's own statistics (the backward pass of the loss stopped at
+    the cluster's totals: a regulariser's gradient), the same on every
+    worker; added once after the sum (and, if `included` in `answer`, taken
+    out of it before).
+    """
+    if self._across is None:
+      return answer
+    direct = direct or [None] * len(answer)
+    chosen = [i for i, x in enumerate(primary.xs)
+              if isinstance(x, tf.Variable) and answer[i] is not None]
+    own = []
+    for i in chosen:
+      g = tf.convert_to_tensor(answer[i])
+      own.append(g if direct[i] is None or not included
+                 else g - tf.convert_to_tensor(direct[i]))
+    summed = self._across.sum(own)
+    answer = list(answer)
+    for i, total in zip(chosen, summed):
+      if direct[i] is not None:
+        with tf.device(self._across.device):
+          total = total + tf.convert_to_tensor(direct[i])
+      answer[i] = total
+    return answer
 
   def _seeds(self, tower_requests: Sequence[Request]) -> seeds_lib.Seeds:
     """What each shard's backward pass starts from, by the loss's rule (`seeds`)."""
@@ -309,7 +353,8 @@ class WholeBatchGradients:
         [q.ys for q in tower_requests], [q.grad_ys for q in tower_requests],
         [self._nonempty[k] for k in self.towers], [self._sizes[k] for k in self.towers],
         self._batch,
-        ungated=None if self._device_of is None else lambda i: self._ungated(self.towers[i]))
+        ungated=None if self._device_of is None else lambda i: self._ungated(self.towers[i]),
+        across=self._across)
     if found.loss is not None:
       self._whole_losses.setdefault(primary.ys[0].ref(), found.loss)
     return found
@@ -329,6 +374,10 @@ class WholeBatchGradients:
     for x, part in zip(primary.xs, parts):
       if len(part) == 1:
         combined.append(grads[part[0]])
+        continue
+      reduced = self._combine([grads[j] for j in part]) if self._combine else None
+      if reduced is not None:
+        combined.append(reduced)
         continue
       with tf.device(self._aggregation_device(x)), tf.name_scope('combine_gradients'):
         combined.append(_add([grads[j] for j in part]))
@@ -389,9 +438,12 @@ class WholeBatchGradients:
     """
     primary = tower_requests[0]
     by_device: dict[str, list] = {}
+    direct = None
     if found.stops:
-      by_device['whole_batch_loss'] = self._shard_gradients(
+      direct = self._shard_gradients(
           self.towers[0], primary, [found.loss], primary.grad_ys[:1], primary, found.stops)
+      if self._across is None:
+        by_device['whole_batch_loss'] = direct
     for k, request, (ys, grad_ys) in zip(self.towers, tower_requests, found.shards):
       grads = self._shard_gradients(k, request, ys, grad_ys, primary)
       device = self._device_of(k)
@@ -408,21 +460,33 @@ class WholeBatchGradients:
       if sum(p is not None for p in parts) <= 1:
         combined.append(_add(parts))
         continue
+      reduced = (self._combine(parts) if self._combine and isinstance(x, tf.Variable)
+                 and 'whole_batch_loss' not in by_device else None)
+      if reduced is not None:
+        combined.append(reduced)
+        continue
       device = self._aggregation_device(x) if isinstance(x, tf.Variable) else None
       with tf.device(device), tf.name_scope('combine_gradients'):
         combined.append(_add(parts))
-    return combined
+    return self._sum_across(primary, combined, direct, included=False)
 
-  def _shard_gradients(self, k: int, request: Request, ys: list, grad_ys: list,
+  def _shard_gradients(self, k: int | Sequence[int], request: Request, ys: list, grad_ys: list,
                        primary: Request, stops: Sequence = ()) -> list:
-    """Shard k's gradient of its seeds with respect to each of the primary's xs."""
+    """Shard k's gradient of its seeds with respect to each of the primary's xs.
+
+    `k` may be a list of shards (every tower: the backward pass of a loss
+    made of all of them).
+    """
     if not ys:  # a shard whose seeds are all zero
       return [None] * len(primary.xs)
-    xs, parts, reads = self._xs_and_parts(primary, [k])
+    shards = list(k) if isinstance(k, (list, tuple)) else [k]
+    xs, parts, reads = self._xs_and_parts(primary, shards)
     stops = _as_list(request.options.get('stop_gradients') or []) + reads + list(stops)
+    micro = self._device_of is not None  # a micro-batch's pass keeps plain's gates
     grads = interception.graph_gradients(ys, xs, grad_ys,
-                                         **_options(primary, stops, gates=True))
-    with tf.device(self._device_of(k)), tf.name_scope('shard_gradients'):
+                                         **_options(primary, stops, gates=micro))
+    device = self._device_of(shards[0]) if micro else None
+    with tf.device(device), tf.name_scope('shard_gradients'):
       return [_add([grads[j] for j in part]) for part in parts]
 
   # -- The other towers' requests ---------------------------------------------

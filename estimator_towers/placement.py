@@ -14,6 +14,9 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
+
+from estimator_towers import cross_worker
 from estimator_towers import devices as devices_lib
 from estimator_towers import interception
 
@@ -174,10 +177,57 @@ _CALL_OPS = ('If', 'StatelessIf', 'While', 'StatelessWhile', 'Case', 'StatelessC
              'PartitionedCall', 'StatefulPartitionedCall')
 
 
+class CollectivePlacement(ReplicatedPlacement):
+  """A copy of the variables per device, gradients all-reduced by collective ops, on 1 to W machines.
+
+  On one machine: placed as 'replicated' (the variables on tower 0's device,
+  a copy on every other tower's), but each variable's per-device gradients
+  are summed by one collective all-reduce over the tower devices
+  (`combine`: TensorFlow runs it on NCCL between GPUs, as a ring on CPUs),
+  tower 0's result updating the variable. Across the workers of a TF_CONFIG
+  cluster (chief and workers, no ps), each worker's sum is all-reduced again
+  with the same collective ops (`cross_worker`), and every worker applies the
+  same update to its own variables, which start from the chief's values.
+  """
+
+  name = 'collective'
+
+  def describe(self):
+    return (super().describe() + '; gradients all-reduced between the devices and '
+            'across the workers of a TF_CONFIG cluster, if any, by collective ops')
+
+  @property
+  def communication_hint(self) -> str:
+    gpus = all(tf.DeviceSpec.from_string(d).device_type == 'GPU' for d in self.tower_devices)
+    return 'nccl' if gpus else 'ring'
+
+  def combine(self, parts: Sequence) -> tf.Tensor | None:
+    """One variable's gradient from its parts, one per tower device in order; None: cannot.
+
+    An all-reduce over the tower devices; tower 0's result is returned and
+    waits for the other devices' (so that all of them run).
+    """
+    if len(parts) != len(self.tower_devices) or len(parts) < 2 or any(p is None for p in parts):
+      return None
+    graph = tf.compat.v1.get_default_graph()
+    key = cross_worker.instance_key(graph)
+    group = cross_worker.local_group_key()
+    outputs = []
+    with tf.name_scope('all_reduce_between_devices'):
+      for device, part in zip(self.tower_devices, parts):
+        with tf.device(device):
+          outputs.append(collective_ops.all_reduce(
+              tf.convert_to_tensor(part), len(parts), group, key, 'Add', 'Id',
+              communication_hint=self.communication_hint))
+      with tf.device(self.tower_devices[0]), tf.control_dependencies(outputs[1:]):
+        return tf.identity(outputs[0])
+
+
 STRATEGIES: dict[str, type[Placement]] = {
     CpuPlacement.name: CpuPlacement,
     GpuPlacement.name: GpuPlacement,
     ReplicatedPlacement.name: ReplicatedPlacement,
+    CollectivePlacement.name: CollectivePlacement,
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from estimator_towers import cross_worker_servers
 from estimator_towers import devices as devices_lib
 from estimator_towers import micro_batches as micro_batches_lib
 from estimator_towers import placement
@@ -45,6 +46,9 @@ class DevicePlan:
       (see `batch_norm_sync`). Off by default.
     micro_batches: k, the micro-batches each device splits its shard into and
       runs one after another within a step (1: none); see `micro_batches`.
+    worker_timeout_secs: under variable_strategy='collective' across workers,
+      how long a training step (and the start, for the variables' broadcast)
+      waits for the other workers before failing with DeadlineExceededError.
   """
   devices: tuple[str, ...] | None = None
   num_gpus: int | None = None
@@ -55,6 +59,7 @@ class DevicePlan:
   allow_cpu_fallback: bool = False
   sync_batch_norm: bool = False
   micro_batches: int = 1
+  worker_timeout_secs: float = 120.0
 
   def resolve(self) -> tuple[str, ...]:
     """The devices the towers really get on this machine.
@@ -82,7 +87,8 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
               staging_backend: str = 'staging_area',
               allow_cpu_fallback: bool = False,
               sync_batch_norm: bool = False,
-              micro_batches: int = 1) -> DevicePlan:
+              micro_batches: int = 1,
+              worker_timeout_secs: float = 120.0) -> DevicePlan:
   """Validates arguments and returns a DevicePlan.
 
   Args:
@@ -97,6 +103,8 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
     sync_batch_norm: batch norms in TRAIN use the global batch's statistics.
     micro_batches: k >= 1: each device's shard is split into k micro-batches
       that run one after another on that device, within one step.
+    worker_timeout_secs: variable_strategy='collective' across workers: a
+      step waits this long for the other workers before failing.
 
   Raises:
     ValueError: for a count together with devices, a negative count,
@@ -140,10 +148,18 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
         f'every micro-batch\'s forward pass before any of them is normalised, '
         f'which is what micro-batches avoid. Use one of the two (with micro-'
         f'batches alone, each micro-batch uses its own statistics).')
+  if (isinstance(worker_timeout_secs, bool) or not isinstance(worker_timeout_secs, (int, float))
+      or not worker_timeout_secs > 0):
+    raise ValueError(
+        f'worker_timeout_secs must be a positive number of seconds (how long a '
+        f'step waits for the other workers), got {worker_timeout_secs!r}.')
+  if variable_strategy == 'collective':
+    cross_worker_servers.install()
   return DevicePlan(devices=canonical, num_gpus=num_gpus,
                     variable_strategy=variable_strategy,
                     loss_reduction=loss_reduction, staging_depth=staging_depth,
                     staging_backend=staging_backend,
                     allow_cpu_fallback=allow_cpu_fallback,
                     sync_batch_norm=sync_batch_norm,
-                    micro_batches=micro_batches)
+                    micro_batches=micro_batches,
+                    worker_timeout_secs=float(worker_timeout_secs))

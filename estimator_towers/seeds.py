@@ -65,7 +65,7 @@ class Seeds:
 def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor],
                 variables: Sequence, ys: Sequence[list], grad_ys: Sequence[list],
                 nonempty: Sequence, sizes: Sequence, batch: Any,
-                ungated: Callable | None) -> Seeds:
+                ungated: Callable | None, across: Any = None) -> Seeds:
   """The seeds of one gradient request, per shard (shard 0 the primary).
 
   Args:
@@ -78,6 +78,8 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
     batch: the global batch's number of examples.
     ungated: with micro-batches, `ungated(i)`: shard i's inputs before its
       gates; None for towers.
+    across: a `cross_worker.CrossWorker` when the batch spans workers (the
+      totals are the cluster's; `batch` is the cluster's), else None.
   """
   loss = ys[0][0] if len(ys[0]) == 1 else None
   find = counterparts.in_losses([y[0] for y in ys]) if loss is not None else None
@@ -87,10 +89,10 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
   found = None
   if analysis.rule == 'rebuild':
     if ungated is None:
-      found = rebuilt(analysis.expression, find, nonempty, grad_ys[0][0])
+      found = rebuilt(analysis.expression, find, nonempty, grad_ys[0][0], across)
     else:
       found = micro_batch(analysis.expression, find, ungated, nonempty, sizes, batch,
-                          grad_ys[0][0])
+                          grad_ys[0][0], across)
   if found is not None:
     return found
   rule = analysis.rule if analysis.rule != 'rebuild' else 'mean'
@@ -112,14 +114,22 @@ def _weighted_grad_y(y: tf.Tensor, grad_y: Any, weight: Any) -> Any:
     return base * tf.cast(weight, base.dtype)
 
 
-def rebuilt(expression: Expression, find: Callable, nonempty: Sequence, grad_y: Any
-            ) -> Seeds | None:
-  """Towers: the whole batch's loss, one backward pass through it (None: a shard unmatched)."""
+def rebuilt(expression: Expression, find: Callable, nonempty: Sequence, grad_y: Any,
+            across: Any = None) -> Seeds | None:
+  """Towers: the whole batch's loss, one backward pass through it (None: a shard unmatched).
+
+  Across workers the totals are the cluster's (`across.global_total`) and
+  `stops` holds them: the loss's backward pass stopped there is the part of
+  the gradient that is not this worker's own (its shard-independent terms).
+  """
   statistics = shard_statistics(expression, find, len(nonempty))
   if statistics is None:
     return None
-  whole = whole_batch_loss(expression, statistics, nonempty)
-  return Seeds([([whole], [grad_y])] + [([], [])] * (len(nonempty) - 1), whole)
+  totals = whole_batch_totals(statistics, nonempty, across)
+  with tf.device(None), tf.name_scope('whole_batch_loss'):
+    whole = expression.rebuild(totals)
+  return Seeds([([whole], [grad_y])] + [([], [])] * (len(nonempty) - 1), whole,
+               list(totals.values()) if across is not None else [])
 
 
 def static_counts(graph: tf.Graph, find: Callable | None, sizes: Sequence) -> Callable:
@@ -259,17 +269,38 @@ def report_unmatched(loss: tf.Tensor, source: tf.Tensor, shard: int) -> None:
 
 
 def whole_batch_loss(expression: Expression, statistics: Sequence[dict],
-                     nonempty: Sequence) -> tf.Tensor:
+                     nonempty: Sequence, across: Any = None) -> tf.Tensor:
   """f on the sums of the shards' statistics (`statistics`: per shard, key -> value)."""
+  totals = whole_batch_totals(statistics, nonempty, across)
+  with tf.device(None), tf.name_scope('whole_batch_loss'):
+    return expression.rebuild(totals)
+
+
+def whole_batch_totals(statistics: Sequence[dict], nonempty: Sequence, across: Any = None,
+                       groups: Sequence[frozenset] = ()) -> dict:
+  """key -> the sum of the shards' statistics (the cluster's, with `across`).
+
+  Across workers, the statistics of each of `groups` (sets of keys) are
+  summed by an all-reduce of their own, and the rest by another, so that a
+  micro-batch's normalisers do not wait for the statistics of later
+  micro-batches' forward passes.
+  """
   with tf.device(None), tf.name_scope('whole_batch_loss'):
     totals = {key: masked_sum([s[key] for s in statistics], nonempty)
               for key in statistics[0]}
-    return expression.rebuild(totals)
+  if across is None:
+    return totals
+  result = {}
+  rest = [k for k in totals if not any(k in g for g in groups)]
+  for group in [rest] + [[k for k in totals if k in g] for g in groups]:
+    if group:
+      result.update(zip(group, across.global_total([totals[k] for k in group])))
+  return result
 
 
 def micro_batch(expression: Expression, find: Callable, ungated: Callable,
                 nonempty: Sequence, sizes: Sequence, batch: Any,
-                grad_y: tf.Tensor | None) -> Seeds | None:
+                grad_y: tf.Tensor | None, across: Any = None) -> Seeds | None:
   """Seeds for one backward pass per shard (see the module docstring).
 
   Args:
@@ -281,6 +312,8 @@ def micro_batch(expression: Expression, find: Callable, ungated: Callable,
     sizes: per shard, its number of examples (int or int32 Tensor).
     batch: the global batch's number of examples.
     grad_y: the gradient requested for the loss (None: 1).
+    across: a `cross_worker.CrossWorker` (the totals and `batch` are the
+      cluster's), or None.
 
   Raises:
     ValueError: if a coefficient depends on a trained variable's statistic.
@@ -300,8 +333,9 @@ def micro_batch(expression: Expression, find: Callable, ungated: Callable,
         source = _clone(statistic.source, expression, ungated(i), sizes[i], sizes[0])
       found[statistic.key] = statistic.of(source)
     values.append(found)
-  with tf.device(None), tf.name_scope('whole_batch_loss'):
-    totals = {s.key: masked_sum([v[s.key] for v in values], nonempty) for s in statistics}
+  totals = whole_batch_totals(values, nonempty, across, (
+      frozenset(s.key for s in statistics if s.trained),
+      frozenset(s.key for s in statistics if s.counts and not s.trained)))
   numerators = [s for s in statistics if s.trained]
   ys, grad_ys, checks = [], [], []
   for i, found in enumerate(values):

@@ -13,7 +13,10 @@ import tensorflow as tf
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers import batch_norm_sync
+from estimator_towers import cluster as cluster_lib
+from estimator_towers import cluster_session
 from estimator_towers import counterparts
+from estimator_towers import cross_worker
 from estimator_towers import empty_shards
 from estimator_towers import gradients
 from estimator_towers import interception
@@ -40,8 +43,7 @@ GraphKeys = tf.compat.v1.GraphKeys
 _PER_TOWER_COLLECTIONS = (GraphKeys.UPDATE_OPS, GraphKeys.LOSSES, GraphKeys.SUMMARIES)
 
 # Op types that change a variable's value (checked by prefix).
-_MUTATING_PREFIXES = ('Assign', 'ResourceScatter', 'Scatter', 'ResourceApply',
-                      'Apply', 'ResourceSparseApply', 'SparseApply')
+_MUTATING_PREFIXES = cross_worker.MUTATING_PREFIXES
 
 _MODEL_FN_ARGS = ('features', 'labels', 'mode', 'params', 'config')
 
@@ -227,6 +229,12 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
         f'{f", micro_batches={plan.micro_batches}" if plan.micro_batches > 1 else ""}).')
     run = functools.partial(call_user, params=params, config=config)
     staged = staging.staged_shards(features, labels, plan, tower_devices)
+    across = _cross_worker(plan, mode, config, staged)
+    if across is not None:  # a TRAIN graph of one worker of several
+      features, labels, has_data = cross_worker.live_inputs(features, labels)
+      across.set_live(has_data)
+      throughput.record_global_batch(throughput.first_leaf_rows(features))
+      return _build_towers(run, features, labels, mode, plan, placement, None, across)
     if mode == ModeKeys.TRAIN:  # For ThroughputHook's examples/sec.
       throughput.record_global_batch(staged.batch if staged is not None
                                      else throughput.first_leaf_rows(features))
@@ -252,6 +260,36 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
        for n in names])
   del towered_model_fn.__wrapped__  # Estimator must see our signature.
   return towered_model_fn
+
+
+def _cross_worker(plan: plan_lib.DevicePlan, mode: str, config: Any, staged: Any
+                  ) -> cross_worker.CrossWorker | None:
+  """The all-reduces across workers of a TRAIN graph under a collective cluster, or None.
+
+  Raises:
+    ValueError: for a TF_CONFIG cluster the strategy cannot train on
+      (`cluster.check`), or what the collective strategy does not support
+      across workers.
+  """
+  if mode != ModeKeys.TRAIN:
+    return None
+  cluster = cluster_lib.from_run_config(config)
+  if cluster is None or not cluster.trains:
+    return None
+  cluster_lib.check(cluster, plan.variable_strategy)
+  if plan.variable_strategy != 'collective' or cluster.num_workers < 2:
+    return None
+  unsupported = [(staged is not None, 'staged_input_fn (read the dataset in the input_fn '
+                  'instead)'),
+                 (plan.sync_batch_norm, 'sync_batch_norm (batch-norm statistics are '
+                  'synchronised across one worker\'s towers only)')]
+  for bad, what in unsupported:
+    if bad:
+      raise ValueError(
+          f'variable_strategy=\'collective\' across {cluster.num_workers} workers '
+          f'does not support {what}: it would not give the single-device update. '
+          f'Train without it, or on one machine.')
+  return cross_worker.CrossWorker(cluster, timeout_secs=plan.worker_timeout_secs)
 
 
 def _is_serving_graph(features: Any) -> bool:
@@ -345,11 +383,13 @@ class _Shards:
 
 
 def _make_shards(features, labels, mode, tower_devices, staged,
-                 layout: micro_batches_lib.Layout) -> _Shards:
+                 layout: micro_batches_lib.Layout, live: Any = None) -> _Shards:
   """Splits the global batch (or the staged device shards) into the plan's shards.
 
   In training, a shard whose size is known only at run time and turns out
   empty borrows an example (weight 0), so that no tower runs on no rows.
+  `live` (across workers): False when this worker's input has ended; then
+  its batch is one zero example and every shard counts 0 examples.
   """
   num_devices = len(tower_devices)
   host = getattr(tf.nest.flatten(features, expand_composites=True)[0], 'device', '') or '/cpu:0'
@@ -378,6 +418,11 @@ def _make_shards(features, labels, mode, tower_devices, staged,
     if staged is not None:
       _split_staged(shards, mode, tower_devices)
     _gate(shards, tower_devices)
+  if live is not None:
+    with tf.device(host), tf.name_scope('shard_inputs'):
+      shards.batch = tf.where(live, shards.batch, 0)
+      shards.sizes = [tf.where(live, s, 0) for s in shards.sizes]
+      shards.nonempty = [tf.logical_and(live, ne) for ne in shards.nonempty]
   return shards
 
 
@@ -468,13 +513,14 @@ class _TowerBuilder:
       self.graph.get_collection_ref(key)[:] = self.base[key] + kept.get(key, [])
 
 
-def _build_towers(run, features, labels, mode, plan, placement, staged=None):
+def _build_towers(run, features, labels, mode, plan, placement, staged=None, across=None):
   """Shards -> towers -> the merged EstimatorSpec of `mode`."""
   layout = micro_batches_lib.Layout(len(placement.tower_devices), plan.micro_batches)
-  shards = _make_shards(features, labels, mode, placement.tower_devices, staged, layout)
+  shards = _make_shards(features, labels, mode, placement.tower_devices, staged, layout,
+                        across.has_data if across is not None else None)
   builder = _TowerBuilder(run, mode, shards, placement)
   if mode == ModeKeys.TRAIN:
-    return _build_train(builder, plan, features, labels, staged)
+    return _build_train(builder, plan, features, labels, staged, across)
   return _build_eval_predict(builder, plan)
 
 
@@ -510,7 +556,8 @@ def _build_eval_predict(builder: _TowerBuilder, plan: plan_lib.DevicePlan
 
 
 def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, labels,
-                 staged) -> tf.estimator.EstimatorSpec:
+                 staged, across: cross_worker.CrossWorker | None = None
+                 ) -> tf.estimator.EstimatorSpec:
   """TRAIN: the primary in the model_fn's own flow, the whole-batch gradient, one update."""
   shards, graph, variable_sharing = builder.shards, builder.graph, builder.variable_sharing
 
@@ -533,8 +580,9 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
 
   layout = shards.layout
   micro = layout.micro_batches > 1
+  batch = shards.batch if across is None else across.sum([shards.batch])[0]
   broker = gradients.WholeBatchGradients(
-      graph, shards.active, shards.sizes, shards.batch, plan.loss_reduction, build_other,
+      graph, shards.active, shards.sizes, batch, plan.loss_reduction, build_other,
       copy_of=lambda variable, k: variable_sharing.copy_of(variable, layout.device_of(k)),
       primary=variable_sharing.primary,
       aggregation_device=builder.placement.aggregation_device,
@@ -544,14 +592,23 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
       nonempty=dict(zip(shards.active, shards.nonempty)),
       ungated=lambda k: shards.ungated.get(k) or _flat_shard(shards, k),
       device_of=(lambda k: builder.tower_devices[layout.device_of(k)]) if micro else None,
-      after_backward=functools.partial(_order_next, shards) if micro else None)
+      after_backward=functools.partial(_order_next, shards) if micro else None,
+      across=across, combine=getattr(builder.placement, 'combine', None))
   kept = {}
   statistics = _batch_norm_statistics(plan, builder)
   with interception.gradient_requests(broker.handle), broker.building(builder.primary), \
       _tower_collections(builder.base, kept), statistics.syncing():
     spec = builder.build(builder.primary, reuse=False)
   if not broker.requests:
+    if across is not None:
+      raise ValueError(
+          f'variable_strategy=\'collective\' across {across.size} workers trains '
+          f'by summing the workers\' gradients, but this model_fn asked for no '
+          f'gradient with respect to variables (its update, like k-means\', '
+          f'cannot be split). Train it on one machine.')
     return _train_without_gradients(builder, features, labels, staged)
+  if across is not None:
+    cross_worker.check_no_updates(kept.get(GraphKeys.UPDATE_OPS, []), across)
   builder.keep_collections(kept)
   statistics.check_complete()
   with statistics.syncing():  # a tower built again meets the sync points again: an error
@@ -560,7 +617,7 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
   # A ratio loss's whole-batch loss, as differentiated when it was the gradient's.
   loss = broker.whole_batch_loss(spec.loss)
   if loss is None:
-    loss = _reported_loss(losses, losses, shards, plan, graph)
+    loss = _reported_loss(losses, losses, shards, plan, graph, batch=batch, across=across)
   _tower_summaries(shards.active, losses, shards.sizes)
   train_op = variable_sharing.refresh(spec.train_op)  # itself without copies
   sizes = shards.sizes
@@ -572,7 +629,11 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
     return [t if isinstance(sizes[k], int) else t[:sizes[k]]
             for k, t in zip(shards.active, found)]
 
-  return specs_lib.merge_train(spec, loss, train_op, counterparts)
+  merged = specs_lib.merge_train(spec, loss, train_op, counterparts)
+  if across is None:
+    return merged
+  cross_worker.gate_updates(across, merged.train_op)
+  return cluster_session.attach(merged, across)
 
 
 def _order_next(shards: _Shards, k: int, done: Any) -> None:
@@ -629,13 +690,17 @@ def _flat_shard(shards: _Shards, k: int) -> list:
 
 def _reported_loss(built: Sequence, losses: Sequence, shards: _Shards,
                    plan: plan_lib.DevicePlan, graph: tf.Graph,
-                   gated: dict | None = None) -> tf.Tensor:
+                   gated: dict | None = None, batch: Any = None,
+                   across: cross_worker.CrossWorker | None = None) -> tf.Tensor:
   """The whole batch's loss from the towers' `losses`, by `loss_algebra`'s rule.
 
   `built`: the losses as the towers built them (`losses` may be their gated
   stand-ins). `gated` (EVAL): shards that may be empty at run time; their
   statistics are taken through `empty_shards.live`, 0 when the shard is empty.
+  `batch` and `across`: the cluster's batch size and all-reduces, across
+  workers (the loss is then the cluster's).
   """
+  batch = shards.batch if batch is None else batch
   find = counterparts.in_losses(built)
 
   def counterpart(i, tensor):
@@ -654,10 +719,12 @@ def _reported_loss(built: Sequence, losses: Sequence, shards: _Shards,
     if analysis.rule == 'rebuild':
       statistics = seeds_lib.shard_statistics(analysis.expression, counterpart, len(built))
       if statistics is not None:
-        return seeds_lib.whole_batch_loss(analysis.expression, statistics, shards.nonempty)
+        return seeds_lib.whole_batch_loss(analysis.expression, statistics, shards.nonempty,
+                                          across)
     rule = analysis.rule if analysis.rule != 'rebuild' else 'mean'
-    weights = seeds_lib.tower_weights(rule, shards.sizes, shards.batch, shards.active)
-    return specs_lib.weighted_sum(losses, weights, shards.nonempty)
+    weights = seeds_lib.tower_weights(rule, shards.sizes, batch, shards.active)
+    loss = specs_lib.weighted_sum(losses, weights, shards.nonempty)
+    return loss if across is None else across.sum([loss])[0]
 
 
 class _Unsynced:

@@ -1,0 +1,177 @@
+"""One task of a local TF_CONFIG cluster under variable_strategy='collective'.
+
+Usage: python collective_task.py SPEC.json   (TF_CONFIG in the environment)
+
+SPEC: model_dir, data (an .npz with x<r>, y<r>, w<r> per training rank r, and
+xe, ye, we for the evaluator), model (a key of MODELS), towers, micro_batches,
+batch (per worker), timeout (worker_timeout_secs), max_steps (None: until the
+inputs end), dump (a directory: each training task writes its variables there
+as rank<r>.npz at the end, and its global_step at session start in
+rank<r>.npz.start), step_sleep (seconds each step of this task waits,
+to let a test kill it mid-training), eval (the evaluator writes its metrics to
+dump/eval.json).
+"""
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import testlib  # pylint: disable=g-import-not-at-top
+import estimator_towers as et  # pylint: disable=g-import-not-at-top
+
+
+def _dense(x):
+  hidden = tf.compat.v1.layers.dense(
+      x, 4, activation=tf.nn.tanh,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1))
+  return tf.compat.v1.layers.dense(
+      hidden, testlib.NUM_CLASSES,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2),
+      bias_initializer=tf.compat.v1.random_normal_initializer(seed=3))
+
+
+def _spec(mode, loss, logits, labels, optimizer, clip=None):
+  if mode == tf.estimator.ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+        'accuracy': tf.compat.v1.metrics.accuracy(labels, tf.argmax(logits, 1)),
+        'mean_logit': tf.compat.v1.metrics.mean(logits)})
+  grads_and_vars = optimizer.compute_gradients(loss)
+  if clip is not None:
+    grads, variables = zip(*grads_and_vars)
+    grads, _ = tf.clip_by_global_norm(grads, clip)
+    grads_and_vars = list(zip(grads, variables))
+  train_op = optimizer.apply_gradients(grads_and_vars, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def mean_model_fn(features, labels, mode, params):
+  """A mean cross-entropy, plain gradient descent."""
+  logits = _dense(features['x'])
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  return _spec(mode, loss, logits, labels,
+               tf.compat.v1.train.GradientDescentOptimizer(params['learning_rate']))
+
+
+def _two_terms_loss(features, labels):
+  """A token-weighted ratio plus a mean, plus an L2 penalty; and the logits."""
+  logits = _dense(features['x'])
+  xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+  w = features['w']
+  ratio = tf.reduce_sum(xent * w) / (tf.reduce_sum(w) + 1e-5)
+  second = tf.reduce_mean(tf.square(logits[:, 0] - features['x'][:, 0]))
+  kernels = [v for v in tf.compat.v1.trainable_variables() if 'kernel' in v.name]
+  loss = ratio + 0.5 * second + 1e-2 * tf.add_n([tf.nn.l2_loss(k) for k in kernels])
+  return loss, logits
+
+
+def two_terms_model_fn(features, labels, mode, params):
+  """BERT's loss shape (`_two_terms_loss`); Adam with active clipping."""
+  loss, logits = _two_terms_loss(features, labels)
+  return _spec(mode, loss, logits, labels,
+               tf.compat.v1.train.AdamOptimizer(params['learning_rate']), clip=0.05)
+
+
+def bert_model_fn(features, labels, mode, params):
+  """BERT's optimizer: AdamWeightDecay, global-norm clipping, global_step by hand."""
+  loss, logits = _two_terms_loss(features, labels)
+  if mode == tf.estimator.ModeKeys.EVAL:
+    return _spec(mode, loss, logits, labels, None)
+  variables = tf.compat.v1.trainable_variables()
+  grads, _ = tf.clip_by_global_norm(tf.gradients(loss, variables), 0.05)
+  optimizer = testlib.AdamWeightDecayOptimizer(params['learning_rate'])
+  train_op = optimizer.apply_gradients(zip(grads, variables))
+  step = tf.compat.v1.train.get_global_step()
+  train_op = tf.group(train_op, step.assign(step + 1))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_model_fn}
+
+
+def input_fn(data, suffix, batch):
+  def fn():
+    features = {'x': data['x' + suffix], 'w': data['w' + suffix]}
+    return tf.data.Dataset.from_tensor_slices((features, data['y' + suffix])).batch(batch)
+  return fn
+
+
+class DumpVariables(tf.compat.v1.train.SessionRunHook):
+  """Writes every global variable's value to `path` at the end of training."""
+
+  def __init__(self, path, sleep=0.0):
+    self._path, self._sleep = path, sleep
+
+  def begin(self):
+    self._variables = tf.compat.v1.global_variables()
+    self._step = tf.compat.v1.train.get_global_step()
+
+  def after_create_session(self, session, coord):
+    with open(self._path + '.start', 'w') as f:
+      f.write(str(int(session.run(self._step))))
+
+  def before_run(self, run_context):
+    if self._sleep:
+      time.sleep(self._sleep)
+
+  def end(self, session):
+    values = session.run(self._variables)
+    np.savez(self._path, **{v.op.name: x for v, x in zip(self._variables, values)})
+
+
+class MetricsExporter(tf.estimator.Exporter):
+  """Writes the evaluator's final metrics to `path` as JSON."""
+
+  def __init__(self, path):
+    self._path = path
+
+  @property
+  def name(self):
+    return 'metrics'
+
+  def export(self, estimator, export_path, checkpoint_path, eval_result, is_the_final_export):
+    if is_the_final_export:
+      with open(self._path, 'w') as f:
+        json.dump({k: float(v) for k, v in eval_result.items()}, f)
+
+
+def main(spec_path):
+  with open(spec_path) as f:
+    spec = json.load(f)
+  data = np.load(spec['data'])
+  tf_config = json.loads(os.environ['TF_CONFIG'])
+  task = tf_config['task']
+  rank, _ = et.worker_index_and_count()
+  config = et.make_config(num_cpu_devices=spec['towers'], variable_strategy='collective',
+                          micro_batches=spec.get('micro_batches', 1),
+                          inter_op_threads=2, intra_op_threads=1)
+  plan = et.make_plan(devices=[f'/cpu:{i}' for i in range(spec['towers'])],
+                      variable_strategy='collective',
+                      micro_batches=spec.get('micro_batches', 1),
+                      worker_timeout_secs=spec.get('timeout', 60))
+  model_fn = et.replicate_model_fn(MODELS[spec['model']], plan=plan)
+  run_config = et.make_run_config(config, model_dir=spec['model_dir'],
+                                  save_checkpoints_steps=spec.get('save_every', 1000),
+                                  save_summary_steps=1000, log_step_count_steps=1000)
+  estimator = tf.estimator.Estimator(model_fn, config=run_config,
+                                     params={'learning_rate': spec.get('learning_rate', 0.1)})
+  hooks = []
+  if task['type'] != 'evaluator':
+    hooks.append(DumpVariables(os.path.join(spec['dump'], f'rank{rank}.npz'),
+                               spec.get('step_sleep', {}).get(str(rank), 0.0)))
+  suffix = str(rank) if task['type'] != 'evaluator' else 'e'
+  train_spec = tf.estimator.TrainSpec(input_fn(data, suffix, spec['batch']),
+                                      max_steps=spec.get('max_steps'), hooks=hooks)
+  eval_spec = tf.estimator.EvalSpec(
+      input_fn(data, 'e', spec['batch']), steps=None, start_delay_secs=0, throttle_secs=0,
+      exporters=[MetricsExporter(os.path.join(spec['dump'], 'eval.json'))])
+  tf.estimator.train_and_evaluate(estimator, train_spec, eval_spec)
+
+
+if __name__ == '__main__':
+  main(sys.argv[1])

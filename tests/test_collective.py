@@ -1,0 +1,406 @@
+"""variable_strategy='collective': several machines (processes on loopback), one update.
+
+The reference is the plain single-device model_fn trained on the global
+batches (the union of the workers' batches of each step) from the chief's
+first checkpoint; every worker's variables must be bit-equal to the chief's.
+Each cluster is a set of subprocesses (tests/collective_task.py) with free
+127.0.0.1 ports, bounded in time, killed by their own pids.
+"""
+
+import glob
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import collective_task
+import testlib
+import estimator_towers as et
+from estimator_towers import cluster as cluster_lib
+from estimator_towers import cross_worker
+
+BATCH = 6
+SIZES = {0: 30, 1: 14}  # the worker's input ends after 3 of the chief's 5 batches
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'collective_task.py')
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _data(path, sizes, seed=0):
+  rng = np.random.RandomState(seed)
+  data = {}
+  for r, n in list(sizes.items()) + [('e', 9)]:
+    data[f'x{r}'] = rng.randn(n, testlib.NUM_FEATURES).astype(np.float32)
+    data[f'y{r}'] = rng.randint(0, testlib.NUM_CLASSES, n).astype(np.int32)
+    data[f'w{r}'] = (rng.rand(n) < 0.6).astype(np.float32)
+  data['w0'][:BATCH] = 0.0  # the chief's first batch has no tokens
+  np.savez(path, **data)
+  return {k: data[k] for k in data}
+
+
+class Cluster:
+  """The tasks of one TF_CONFIG cluster, as subprocesses of this test."""
+
+  def __init__(self, tmp_path, spec, evaluator=False):
+    self.tmp_path = tmp_path
+    self.spec_path = str(tmp_path / 'spec.json')
+    with open(self.spec_path, 'w') as f:
+      json.dump(spec, f)
+    self.cluster = {'chief': [f'127.0.0.1:{_free_port()}'],
+                    'worker': [f'127.0.0.1:{_free_port()}']}
+    self.tasks = [('chief', 0), ('worker', 0)] + ([('evaluator', 0)] if evaluator else [])
+    self.procs = {}
+
+  def start(self, task_type, index=0):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES='', PYTHONPATH=ROOT, TF_CONFIG=json.dumps(
+        {'cluster': self.cluster, 'task': {'type': task_type, 'index': index}}))
+    log = open(self.tmp_path / f'{task_type}{index}.log', 'wb')
+    self.procs[task_type] = subprocess.Popen([sys.executable, SCRIPT, self.spec_path], env=env,
+                                             stdout=log, stderr=subprocess.STDOUT)
+
+  def log(self, task_type):
+    return (self.tmp_path / f'{task_type}0.log').read_text(errors='replace')
+
+  def wait(self, task_type, timeout):
+    try:
+      return self.procs[task_type].wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      self.kill()
+      raise AssertionError(f'{task_type} did not finish within {timeout} s:\n'
+                           + self.log(task_type)[-3000:])
+
+  def kill(self):
+    for proc in self.procs.values():
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+  def run(self, timeout=150):
+    try:
+      for task_type, index in self.tasks:
+        self.start(task_type, index)
+      for task_type, _ in self.tasks:
+        code = self.wait(task_type, timeout)
+        assert code == 0, f'{task_type} exited with {code}:\n' + self.log(task_type)[-3000:]
+    finally:
+      self.kill()
+
+
+def _global_batches(data, sizes):
+  per_rank = []
+  for r in sizes:
+    x, y, w = data[f'x{r}'], data[f'y{r}'], data[f'w{r}']
+    per_rank.append([(x[i:i + BATCH], y[i:i + BATCH], w[i:i + BATCH])
+                     for i in range(0, len(x), BATCH)])
+  steps = max(len(p) for p in per_rank)
+  return [tuple(np.concatenate([p[t][i] for p in per_rank if t < len(p)]) for i in range(3))
+          for t in range(steps)]
+
+
+def _batches_input_fn(batches):
+  def fn():
+    def gen():
+      for x, y, w in batches:
+        yield {'x': x, 'w': w}, y
+    return tf.data.Dataset.from_generator(gen, output_signature=(
+        {'x': tf.TensorSpec([None, testlib.NUM_FEATURES], tf.float32),
+         'w': tf.TensorSpec([None], tf.float32)},
+        tf.TensorSpec([None], tf.int32)))
+  return fn
+
+
+def _plain_from(model_dir, checkpoint, model_fn, params, tmp_path):
+  """A plain Estimator whose model_dir starts at `checkpoint` of `model_dir`."""
+  plain_dir = tmp_path / 'plain'
+  plain_dir.mkdir()
+  for f in glob.glob(os.path.join(model_dir, f'{checkpoint}.*')):
+    shutil.copy(f, plain_dir)
+  (plain_dir / 'checkpoint').write_text(f'model_checkpoint_path: "{checkpoint}"\n')
+  return testlib.make_estimator(model_fn, model_dir=str(plain_dir), params=params)
+
+
+def _spec(tmp_path, model, towers, micro_batches=1, **extra):
+  (tmp_path / 'dump').mkdir(exist_ok=True)
+  spec = dict(model_dir=str(tmp_path / 'model'), data=str(tmp_path / 'data.npz'),
+              model=model, towers=towers, micro_batches=micro_batches, batch=BATCH,
+              timeout=60, dump=str(tmp_path / 'dump'), learning_rate=0.1)
+  spec.update(extra)
+  return spec
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize('model, micro_batches, evaluator', [
+    ('mean', 1, True),        # plain gradient descent on a mean; an evaluator
+    ('two_terms', 1, False),  # a token-weighted ratio + a mean + an L2 penalty, Adam, clipping
+    ('bert', 2, False),       # the same loss, BERT's AdamWeightDecay, micro-batches
+])
+def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
+    tmp_path, model, micro_batches, evaluator):
+  data = _data(tmp_path / 'data.npz', SIZES)
+  batches = _global_batches(data, SIZES)
+  spec = _spec(tmp_path, model, 2, micro_batches,
+               max_steps=len(batches) if evaluator else None)
+  started = time.time()
+  Cluster(tmp_path, spec, evaluator=evaluator).run()
+  print(f'cluster: {time.time() - started:.1f} s')
+
+  params = {'learning_rate': 0.1}
+  model_fn = collective_task.MODELS[model]
+  plain = _plain_from(spec['model_dir'], 'model.ckpt-0', model_fn, params, tmp_path)
+  plain.train(_batches_input_fn(batches), steps=len(batches))
+  expected = testlib.variables(plain)
+  chief = testlib.variables(testlib.make_estimator(model_fn, model_dir=spec['model_dir']))
+  assert chief['global_step'] == len(batches) == 5  # one step per global batch
+  testlib.assert_variables_close(chief, expected)
+  first = tf.train.load_checkpoint(os.path.join(spec['model_dir'], 'model.ckpt-0'))
+  moved = max(np.max(np.abs(first.get_tensor(n) - expected[n])) for n in expected
+              if n != 'global_step')
+  assert moved > 1e-2, moved  # training moved the weights far more than the tolerance
+  for rank in SIZES:
+    values = np.load(tmp_path / 'dump' / f'rank{rank}.npz')
+    assert sorted(values.files) == sorted(chief), rank
+    for name in chief:
+      np.testing.assert_array_equal(values[name], chief[name], err_msg=f'rank {rank} {name}')
+  if evaluator:
+    with open(tmp_path / 'dump' / 'eval.json') as f:
+      reported = json.load(f)
+    data_e = np.load(tmp_path / 'data.npz')
+    eval_fn = collective_task.input_fn(data_e, 'e', BATCH)
+    final = testlib.make_estimator(model_fn, model_dir=spec['model_dir'], params=params)
+    plain_metrics = final.evaluate(eval_fn)
+    assert reported['global_step'] == len(batches)
+    for key in ('loss', 'accuracy', 'mean_logit'):
+      testlib.assert_close(reported[key], plain_metrics[key], err_msg=key)
+
+
+@pytest.mark.timeout(240)
+def test_a_dead_worker_stops_the_chief_within_the_timeout_and_a_restart_resumes(tmp_path):
+  sizes = {0: 600, 1: 600}
+  _data(tmp_path / 'data.npz', sizes)
+  timeout = 8
+  spec = _spec(tmp_path, 'mean', 1, timeout=timeout, max_steps=20, save_every=5,
+               step_sleep={'0': 0.1})
+  cluster = Cluster(tmp_path, spec)
+  model_dir = spec['model_dir']
+  try:
+    cluster.start('chief')
+    cluster.start('worker')
+    deadline = time.time() + 120
+    while not glob.glob(os.path.join(model_dir, 'model.ckpt-5.index')):
+      assert time.time() < deadline, cluster.log('chief')[-3000:]
+      assert cluster.procs['chief'].poll() is None, cluster.log('chief')[-3000:]
+      time.sleep(0.2)
+    cluster.procs['worker'].kill()
+    killed = time.time()
+    code = cluster.wait('chief', timeout + 60)
+    stopped = time.time() - killed
+    print(f'chief stopped {stopped:.1f} s after the worker was killed')
+  finally:
+    cluster.kill()
+  log = cluster.log('chief')
+  assert code != 0
+  assert ('because another worker is lost (see the error above), and variable_strategy='
+          '\'collective\' cannot continue without it. Restart the job' in log), log[-3000:]
+  assert stopped < timeout + 30, stopped
+  last = tf.train.latest_checkpoint(model_dir)
+  resumed_from = int(last.rsplit('-', 1)[1])
+  assert 5 <= resumed_from < 20
+
+  restart = Cluster(tmp_path, dict(spec, step_sleep={}))
+  restart.run()
+  for rank in (0, 1):  # both started from the chief's last checkpoint
+    assert (tmp_path / 'dump' / f'rank{rank}.npz.start').read_text() == str(resumed_from)
+  final = testlib.variables(testlib.make_estimator(collective_task.mean_model_fn,
+                                                   model_dir=model_dir))
+  assert final['global_step'] == 20
+  worker = np.load(tmp_path / 'dump' / 'rank1.npz')
+  for name in final:
+    np.testing.assert_array_equal(worker[name], final[name], err_msg=name)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_never_starts_stops_the_chief_after_the_timeout(tmp_path):
+  _data(tmp_path / 'data.npz', SIZES)
+  timeout = 4
+  cluster = Cluster(tmp_path, _spec(tmp_path, 'mean', 1, timeout=timeout))
+  started = time.time()
+  try:
+    cluster.start('chief')
+    code = cluster.wait('chief', 90)
+  finally:
+    cluster.kill()
+  log = cluster.log('chief')
+  assert code != 0
+  assert 'DeadlineExceededError' in log and 'broadcast_from_chief' in log, log[-3000:]
+  print(f'chief stopped {time.time() - started:.1f} s after its start')
+
+
+# --- TF_CONFIG errors, one per message -------------------------------------------
+
+
+def _tf_config(monkeypatch, cluster, task_type='worker', index=0):
+  monkeypatch.setenv('TF_CONFIG', json.dumps(
+      {'cluster': cluster, 'task': {'type': task_type, 'index': index}}))
+
+
+def test_missing_chief_is_an_error_naming_the_field(monkeypatch):
+  _tf_config(monkeypatch, {'worker': ['127.0.0.1:1', '127.0.0.1:2']})
+  with pytest.raises(ValueError, match=r"cluster has no 'chief' task.*Add \"chief\""):
+    et.make_run_config(et.make_config(variable_strategy='collective'))
+
+
+def test_ps_with_the_collective_strategy_is_an_error(monkeypatch):
+  _tf_config(monkeypatch, {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2'],
+                           'ps': ['127.0.0.1:3']})
+  with pytest.raises(ValueError, match=r"cluster has a 'ps' job.*Remove cluster.ps"):
+    et.make_run_config(et.make_config(variable_strategy='collective'))
+
+
+def test_task_index_out_of_range_is_an_error(monkeypatch):
+  _tf_config(monkeypatch, {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']}, index=1)
+  with pytest.raises(ValueError, match=r"task.index is 1, but cluster.worker has 1 "
+                                       r"address\(es\), so task.index must be in 0..0"):
+    et.worker_index_and_count()
+
+
+def test_task_type_not_in_the_cluster_is_an_error():
+  with pytest.raises(ValueError, match=r"task.type is 'worker', which is not a job"):
+    cluster_lib.parse({'cluster': {'chief': ['a:1']}, 'task': {'type': 'worker', 'index': 0}})
+
+
+def test_worker_index_and_count():
+  config = {'cluster': {'chief': ['a:1'], 'worker': ['b:1', 'c:1']},
+            'task': {'type': 'worker', 'index': 1}}
+  assert et.worker_index_and_count(config) == (2, 3)
+  assert et.worker_index_and_count(dict(config, task={'type': 'chief', 'index': 0})) == (0, 3)
+  assert et.worker_index_and_count(dict(config, task={'type': 'evaluator', 'index': 0})) == (0, 1)
+  assert et.worker_index_and_count('') == (0, 1)
+
+
+def _train_graph(model_fn, monkeypatch, cluster, strategy='collective', **plan_kwargs):
+  """Builds a towered TRAIN graph as one task of `cluster` (TF_CONFIG) would."""
+  _tf_config(monkeypatch, cluster)
+  towered = et.replicate_model_fn(model_fn, plan=et.make_plan(
+      devices=['/cpu:0', '/cpu:1'], variable_strategy=strategy, **plan_kwargs))
+  x, y = testlib.data(8)
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.create_global_step()
+    features, labels = tf.compat.v1.data.make_one_shot_iterator(
+        tf.data.Dataset.from_tensor_slices(({'x': x}, y)).batch(4)).get_next()
+    towered(features, labels, tf.estimator.ModeKeys.TRAIN, None, tf.estimator.RunConfig())
+  return graph
+
+
+CHIEF_AND_WORKER = {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']}
+
+
+def test_chief_and_workers_without_ps_need_the_collective_strategy(monkeypatch):
+  with pytest.raises(ValueError, match=r"1 worker task\(s\) and no 'ps' job.*"
+                                       r"Use variable_strategy='collective'"):
+    _train_graph(testlib.v1_model_fn, monkeypatch, CHIEF_AND_WORKER, strategy='cpu')
+
+
+def test_collective_graph_all_reduces_the_gradients_across_workers(monkeypatch):
+  graph = _train_graph(testlib.v1_model_fn, monkeypatch, CHIEF_AND_WORKER)
+  reduces = [op for op in graph.get_operations() if op.type.startswith('CollectiveReduce')]
+  assert reduces
+  across = [op for op in reduces if 'across_workers' in op.name]
+  assert len(across) >= 2  # the live inputs, the gradients, ...
+  for op in across:
+    assert op.get_attr('communication_hint') == b'ring'
+    assert op.get_attr('group_size') == 2 and op.device.startswith('/job:worker/replica:0/task:0')
+  between = [op for op in reduces if 'across_workers' not in op.name]
+  assert between and {op.get_attr('group_key') for op in between} == {
+      cross_worker.LOCAL_GROUP_KEY_BASE + 1}  # worker 0 is rank 1
+  keys = [(op.get_attr('instance_key'), op.device) for op in reduces]
+  assert len(set(keys)) == len(keys)
+
+
+def test_sync_batch_norm_across_workers_is_an_error(monkeypatch):
+  with pytest.raises(ValueError, match=r"across 2 workers does not support sync_batch_norm"):
+    _train_graph(testlib.v1_model_fn, monkeypatch, CHIEF_AND_WORKER, sync_batch_norm=True)
+
+
+def test_update_ops_across_workers_are_an_error(monkeypatch):
+  def model_fn(features, labels, mode):
+    x = tf.compat.v1.layers.batch_normalization(features['x'], training=True)
+    logits = tf.compat.v1.layers.dense(x, testlib.NUM_CLASSES)
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+    with tf.control_dependencies(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+      train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+          loss, tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  with pytest.raises(ValueError, match=r"cannot run the model_fn's UPDATE_OPS"):
+    _train_graph(model_fn, monkeypatch, CHIEF_AND_WORKER)
+
+
+def test_inputs_not_from_a_dataset_across_workers_are_an_error(monkeypatch):
+  _tf_config(monkeypatch, CHIEF_AND_WORKER)
+  towered = et.replicate_model_fn(testlib.v1_model_fn, devices=['/cpu:0', '/cpu:1'],
+                                  variable_strategy='collective')
+  x, y = testlib.data(8)
+  with tf.Graph().as_default(), pytest.raises(ValueError, match=r"needs the input_fn to "
+                                              r"return a tf.data.Dataset"):
+    tf.compat.v1.train.create_global_step()
+    towered({'x': tf.constant(x)}, tf.constant(y), tf.estimator.ModeKeys.TRAIN, None,
+            tf.estimator.RunConfig())
+
+
+def test_a_model_fn_without_gradients_across_workers_is_an_error(monkeypatch):
+  def model_fn(features, labels, mode):
+    loss = tf.reduce_mean(features['x'])
+    return tf.estimator.EstimatorSpec(
+        mode, loss=loss, train_op=tf.compat.v1.assign_add(
+            tf.compat.v1.train.get_global_step(), 1))
+  with pytest.raises(ValueError, match=r"asked for no gradient with respect to variables"):
+    _train_graph(model_fn, monkeypatch, CHIEF_AND_WORKER)
+
+
+def test_worker_timeout_must_be_positive():
+  with pytest.raises(ValueError, match=r"worker_timeout_secs must be a positive number"):
+    et.make_plan(variable_strategy='collective', worker_timeout_secs=0)
+
+
+# --- One machine: the same strategy between devices ----------------------------
+
+
+@pytest.mark.parametrize('micro_batches', [1, 2])
+def test_collective_on_one_machine_trains_as_plain(micro_batches):
+  x, y = testlib.data(21)
+  fn = testlib.input_fn(x, y, 7, epochs=10)
+  reference = testlib.PlainTraining(testlib.v1_model_fn, fn)
+  towered = et.replicate_model_fn(testlib.v1_model_fn, devices=testlib.cpu_devices(2),
+                                  variable_strategy='collective', micro_batches=micro_batches)
+  testlib.check_towered_training(testlib.v1_model_fn, towered, 2, fn, reference,
+                                 resume=micro_batches == 1)
+
+
+@pytest.mark.parametrize('devices, hint', [(['/cpu:0', '/cpu:1'], b'ring'),
+                                            (['/gpu:0', '/gpu:1'], b'nccl')])
+def test_collective_on_one_machine_all_reduces_between_the_devices(devices, hint):
+  towered = et.replicate_model_fn(testlib.v1_model_fn, devices=devices,
+                                  variable_strategy='collective')
+  x, y = testlib.data(8)
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.create_global_step()
+    towered({'x': tf.constant(x)}, tf.constant(y), tf.estimator.ModeKeys.TRAIN, None, None)
+  reduces = [op for op in graph.get_operations() if op.type.startswith('CollectiveReduce')]
+  assert len(reduces) == 2 * 4  # one per device for each of the 4 variables
+  for op in reduces:
+    assert op.get_attr('communication_hint') == hint, op.name
+    assert op.get_attr('group_size') == 2
+  spec = tf.DeviceSpec.from_string
+  assert sorted({(spec(op.device).device_type, spec(op.device).device_index) for op in reduces}) == \
+      sorted({(spec(d).device_type, spec(d).device_index) for d in devices})
