@@ -3,7 +3,9 @@
 Every tower runs the same model_fn, so the ops between a tower's loss and a
 tensor it was computed from are the same on every tower: the path of op
 input indices that leads from tower 0's loss to its tensor, followed from
-tower k's loss (checking op types on the way), reaches tower k's tensor.
+tower k's loss (checking op types on the way), reaches tower k's tensor. A
+tensor no loss was computed from is matched by its position among the ops a
+tower's build made (`Segments`).
 """
 
 from __future__ import annotations
@@ -54,3 +56,62 @@ def follow(start: tf.Tensor, reference: tf.Tensor, route: tuple[int, ...]) -> tf
       or tensor.dtype != reference.dtype):
     return None
   return tensor
+
+
+def along(ys: Sequence[tf.Tensor], ys_k: Sequence[tf.Tensor], tensor: tf.Tensor
+          ) -> tf.Tensor | None:
+  """Tower k's `tensor`, from which one of tower 0's `ys` was computed (tower k's: `ys_k`)."""
+  for y, y_k in zip(ys, ys_k):
+    route = path(y, tensor)
+    if route is not None:
+      found = follow(y_k, y, route)
+      if found is not None:
+        return found
+  return None
+
+
+class Segments:
+  """The ops each tower's build made before its first whole-batch request.
+
+  For a tensor that no request was derived from: the op made at the same
+  position of tower k's build as `tensor`'s op in tower 0's (the ops that
+  create variables left out, since only tower 0 creates them) is its
+  counterpart, when every op up to it has the same type.
+
+  Args:
+    graph: the graph the towers are built in.
+    creation_spans: (first, end) positions in the graph's op list of the ops
+      made to create variables.
+  """
+
+  def __init__(self, graph: tf.Graph, creation_spans: Sequence[tuple[int, int]]):
+    self._graph = graph
+    self._creation_spans = creation_spans
+    self._starts: dict[int, int] = {}
+    self._ops: dict[int, list[tf.Operation]] = {}
+
+  def start(self, tower: int) -> None:
+    """Tower `tower`'s build begins now."""
+    self._starts[tower] = self._graph.version
+
+  def close(self, tower: int) -> None:
+    """Tower `tower`'s build has reached its first whole-batch request."""
+    start = self._starts[tower]
+    skip = set()
+    for first, end in self._creation_spans:
+      if end > start:
+        skip.update(range(max(first, start) - start, end - start))
+    self._ops[tower] = [op for i, op in enumerate(self._graph.get_operations()[start:])
+                        if i not in skip]
+
+  def match(self, primary: int, tower: int, tensor: tf.Tensor) -> tf.Tensor | None:
+    """Tower `tower`'s op at the position of `tensor`'s op in `primary`'s segment."""
+    mine, theirs = self._ops.get(primary), self._ops.get(tower)
+    if not mine or theirs is None:
+      return None
+    position = {id(op): i for i, op in enumerate(mine)}.get(id(tensor.op))
+    if position is None or position >= len(theirs):
+      return None
+    if any(a.type != b.type for a, b in zip(mine[:position + 1], theirs)):
+      return None
+    return theirs[position].outputs[tensor.value_index]

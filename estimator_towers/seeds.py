@@ -7,22 +7,24 @@
   empty at run time) times the requested one (`tower_weights`).
 - 'rebuild', towers: the whole batch's loss itself, f on the sums of the
   shards' statistics (`whole_batch_loss`), with the requested initial
-  gradient: one backward pass through it reaches every shard.
+  gradient: one backward pass through it reaches every shard. Across
+  workers, each shard's statistics seeded with the loss's coefficients at
+  the cluster's totals, so that a task's pass gives its own part only.
 - 'rebuild', micro-batches (`micro_batch`): A micro-batch's backward pass runs
-before the later micro-batches' forward passes, so it cannot wait for the
-whole batch's statistics. It needs only the coefficients dL/dS_i of the
-statistics that depend on trained variables (the numerators), and for the
-losses above those depend only on statistics that do not (sums of weights,
-token counts): f is linear in the numerators. Those are computed, for every
-micro-batch, from its inputs before they pass the micro-batch gates (a copy
-of tower 0's ops that compute them, on the micro-batch's ungated inputs), and
-element counts from the micro-batch's own forward pass (every example of a
-batch has the same shape, so the batch's count is B times the micro-batch's
-count per example). Each micro-batch's backward pass then seeds its
-numerators with those coefficients, and its gradient adds into one buffer
-per variable, as for a mean. A loss whose coefficients depend on a numerator
-(a normaliser computed from trained variables, a ratio of two numerators) is
-refused at graph construction.
+  before the later micro-batches' forward passes, so it cannot wait for the
+  whole batch's statistics. It needs only the coefficients dL/dS_i of the
+  statistics that depend on trained variables (the numerators), and for the
+  losses above those depend only on statistics that do not (sums of weights,
+  token counts): f is linear in the numerators. Those are computed, for every
+  micro-batch, from its inputs before they pass the micro-batch gates (a copy
+  of tower 0's ops that compute them, on the micro-batch's ungated inputs), and
+  element counts from the micro-batch's own forward pass (every example of a
+  batch has the same shape, so the batch's count is B times the micro-batch's
+  count per example). Each micro-batch's backward pass then seeds its
+  numerators with those coefficients, and its gradient adds into one buffer
+  per variable, as for a mean. A loss whose coefficients depend on a numerator
+  (a normaliser computed from trained variables, a ratio of two numerators) is
+  refused at graph construction.
   The gradient through the loss's shard-independent terms (a regulariser)
   is the backward pass of the whole loss stopped at the totals.
 """
@@ -53,9 +55,9 @@ class Seeds:
   Attributes:
     shards: per shard, (ys, grad_ys).
     loss: the whole batch's loss (rebuilt losses), else None.
-    stops: with micro-batches, the totals `loss` is made from: a backward
-      pass through `loss` stopped there adds what the shards' passes do not
-      (the shard-independent terms). Empty otherwise.
+    stops: with micro-batches or across workers, the totals `loss` is made
+      from: a backward pass through `loss` stopped there adds what the
+      shards' passes do not (the shard-independent terms). Empty otherwise.
   """
   shards: list
   loss: tf.Tensor | None = None
@@ -118,18 +120,29 @@ def rebuilt(expression: Expression, find: Callable, nonempty: Sequence, grad_y: 
             across: Any = None) -> Seeds | None:
   """Towers: the whole batch's loss, one backward pass through it (None: a shard unmatched).
 
-  Across workers the totals are the cluster's (`across.global_total`) and
-  `stops` holds them: the loss's backward pass stopped there is the part of
-  the gradient that is not this worker's own (its shard-independent terms).
+  Across workers each task's backward pass must give its own part of the
+  gradient only (the parts are summed over the tasks), so each shard's
+  statistics are seeded with the loss's coefficients dL/dS at the cluster's
+  totals, and `stops` holds the totals: the loss's backward pass stopped
+  there is the shard-independent part, added once after the sum.
   """
   statistics = shard_statistics(expression, find, len(nonempty))
   if statistics is None:
     return None
-  totals = whole_batch_totals(statistics, nonempty, across)
-  with tf.device(None), tf.name_scope('whole_batch_loss'):
-    whole = expression.rebuild(totals)
-  return Seeds([([whole], [grad_y])] + [([], [])] * (len(nonempty) - 1), whole,
-               list(totals.values()) if across is not None else [])
+  whole, totals = _rebuilt_loss(expression, statistics, nonempty, across)
+  if across is None:
+    return Seeds([([whole], [grad_y])] + [([], [])] * (len(nonempty) - 1), whole)
+  keys = list(totals)
+  with tf.device(None), tf.name_scope('whole_batch_coefficients'):
+    found = tf.gradients(whole, [totals[key] for key in keys],
+                         grad_ys=None if grad_y is None else [grad_y])
+  coefficients = {key: c for key, c in zip(keys, found) if c is not None}
+  shards = []
+  for values, ne in zip(statistics, nonempty):
+    weight = _weight(ne, None)
+    shards.append(([values[key] for key in coefficients],
+                   [c * tf.cast(weight, c.dtype) for c in coefficients.values()]))
+  return Seeds(shards, whole, list(totals.values()))
 
 
 def static_counts(graph: tf.Graph, find: Callable | None, sizes: Sequence) -> Callable:
@@ -271,9 +284,15 @@ def report_unmatched(loss: tf.Tensor, source: tf.Tensor, shard: int) -> None:
 def whole_batch_loss(expression: Expression, statistics: Sequence[dict],
                      nonempty: Sequence, across: Any = None) -> tf.Tensor:
   """f on the sums of the shards' statistics (`statistics`: per shard, key -> value)."""
+  return _rebuilt_loss(expression, statistics, nonempty, across)[0]
+
+
+def _rebuilt_loss(expression: Expression, statistics: Sequence[dict], nonempty: Sequence,
+                  across: Any = None) -> tuple[tf.Tensor, dict]:
+  """(f on the totals, the totals): `whole_batch_loss` and the totals it was made from."""
   totals = whole_batch_totals(statistics, nonempty, across)
   with tf.device(None), tf.name_scope('whole_batch_loss'):
-    return expression.rebuild(totals)
+    return expression.rebuild(totals), totals
 
 
 def whole_batch_totals(statistics: Sequence[dict], nonempty: Sequence, across: Any = None,

@@ -12,12 +12,14 @@ from absl import logging
 import tensorflow as tf
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
+from estimator_towers import backward_passes
 from estimator_towers import batch_norm_sync
 from estimator_towers import cluster as cluster_lib
 from estimator_towers import cluster_session
 from estimator_towers import counterparts
 from estimator_towers import cross_worker
 from estimator_towers import empty_shards
+from estimator_towers import gradient_sync
 from estimator_towers import gradients
 from estimator_towers import interception
 from estimator_towers import logs
@@ -581,19 +583,20 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
   layout = shards.layout
   micro = layout.micro_batches > 1
   batch = shards.batch if across is None else across.sum([shards.batch])[0]
+  sync = gradient_sync.GradientSync(builder.placement.aggregation_device,
+                                    getattr(builder.placement, 'combine', None), across)
+  passes = backward_passes.BackwardPasses(
+      sync, lambda variable, k: variable_sharing.copy_of(variable, layout.device_of(k)),
+      device_of=(lambda k: builder.tower_devices[layout.device_of(k)]) if micro else None,
+      after_backward=functools.partial(_order_next, shards) if micro else None)
   broker = gradients.WholeBatchGradients(
-      graph, shards.active, shards.sizes, batch, plan.loss_reduction, build_other,
-      copy_of=lambda variable, k: variable_sharing.copy_of(variable, layout.device_of(k)),
+      graph, shards.active, shards.sizes, batch, plan.loss_reduction, build_other, passes,
       primary=variable_sharing.primary,
-      aggregation_device=builder.placement.aggregation_device,
       variable_count=lambda: len(variable_sharing.variables),
       creation_spans=variable_sharing.creation_spans,
       inputs=_flat_shard(shards, builder.primary),
       nonempty=dict(zip(shards.active, shards.nonempty)),
-      ungated=lambda k: shards.ungated.get(k) or _flat_shard(shards, k),
-      device_of=(lambda k: builder.tower_devices[layout.device_of(k)]) if micro else None,
-      after_backward=functools.partial(_order_next, shards) if micro else None,
-      across=across, combine=getattr(builder.placement, 'combine', None))
+      ungated=lambda k: shards.ungated.get(k) or _flat_shard(shards, k))
   kept = {}
   statistics = _batch_norm_statistics(plan, builder)
   with interception.gradient_requests(broker.handle), broker.building(builder.primary), \

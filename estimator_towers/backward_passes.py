@@ -1,0 +1,171 @@
+"""The backward passes of the whole-batch gradient: one over every tower, or one per shard.
+
+`seeds` says what each shard's backward pass starts from (its ys and their
+initial gradients); this module builds the passes and hands each variable's
+parts to `gradient_sync` to meet.
+
+- Towers alone: one backward pass over every tower's seeds, each tower's part
+  colocated with its forward ops, so it runs on that tower's device. A
+  variable's part is taken per copy of it a tower read (the 'replicated' and
+  'collective' placements' copies, a parameter server's reads), so that the
+  parts meet where `gradient_sync` says rather than wherever the pass would.
+- Micro-batches: one backward pass per shard. The micro-batches of a device
+  run one after another, so each one's backward pass must be ops of its own
+  that the next micro-batch's inputs can wait for (`after_backward`); and the
+  parts of a variable's gradient from one device's micro-batches are summed on
+  that device, in micro-batch order, before they cross to the variable's
+  aggregation device, so the bytes sent per step do not grow with the number
+  of micro-batches. A micro-batch's pass keeps the model_fn's per-op gates
+  (see `_options`). Only the first request is ordered: a later one's backward
+  pass depends on the earlier whole-batch answer, which depends on every
+  micro-batch.
+
+Either way, a rebuilt loss's shard-independent terms (a regulariser) get one
+more pass: the whole loss's, stopped at the totals of the shards' statistics
+(`Seeds.stops`), added once by `gradient_sync`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import tensorflow as tf
+
+from estimator_towers import gradient_sync
+from estimator_towers import interception
+from estimator_towers.gradient_request import Request
+
+
+def _options(primary: Request, stops: list, gates: bool = False) -> dict:
+  """The primary request's gradient options for one backward pass of ours.
+
+  `gates`: keep the primary's per-op gates (`gate_gradients`, which
+  Optimizer's default GATE_OP asks for) instead of dropping them. They only
+  order a gradient op's outputs, with the same values, and add an Identity per
+  input and a NoOp to every multi-input op, so one backward pass over every
+  tower drops them; a micro-batch's backward pass keeps them, because that
+  order is plain's: without it the executor may compute an elementwise layer's
+  input gradient before reducing its parameter's, which keeps one more
+  activation-sized buffer alive (bench/micro_batches_bench.py: the allocator's
+  peak 1.20 x plain at B / k without the gates, 1.04 x with them).
+  """
+  options = dict(primary.options)
+  options['stop_gradients'] = stops or None
+  options['colocate_gradients_with_ops'] = True
+  if not gates:
+    options['gate_gradients'] = False
+  return options
+
+
+class BackwardPasses:
+  """Builds a request's whole-batch gradient from its seeds.
+
+  Args:
+    sync: where a variable's parts meet (`gradient_sync.GradientSync`).
+    copy_of: `copy_of(variable, k)` is tower k's own copy of `variable`, or None.
+    device_of: with micro-batches, `device_of(k)` is the device shard k runs
+      on (then each shard gets a backward pass of its own); None: towers alone.
+    after_backward: with micro-batches, `after_backward(k, grads)` is called
+      once shard k's backward pass of the first request is built (to order
+      the next micro-batch of its device after it).
+  """
+
+  def __init__(self, sync: gradient_sync.GradientSync,
+               copy_of: Callable[[tf.Variable, int], tf.Variable | None],
+               device_of: Callable[[int], str] | None = None,
+               after_backward: Callable[[int, list], None] | None = None):
+    self.sync = sync
+    self._copy_of = copy_of
+    self._device_of = device_of
+    self._after_backward = after_backward
+
+  @property
+  def per_shard(self) -> bool:
+    return self._device_of is not None
+
+  def answer(self, towers: Sequence[int], requests: Sequence[Request], seeds: Any,
+             ordered: bool) -> list:
+    """The whole-batch gradient of `requests` (one per tower, the primary's first)."""
+    primary = requests[0]
+    if self.per_shard:
+      parts = self._per_shard(towers, requests, seeds.shards, ordered)
+    else:
+      parts = self._one_pass(towers, requests, seeds.shards)
+    answer = [self.sync.meet(x, p) for x, p in zip(primary.xs, parts)]
+    direct = None
+    if seeds.stops:  # the shard-independent terms
+      direct = self._gradients(towers, primary, [seeds.loss], primary.grad_ys[:1],
+                               primary.stops + list(seeds.stops))
+    return self.sync.finish(primary.xs, answer, direct)
+
+  def _one_pass(self, towers: Sequence[int], requests: Sequence[Request],
+                shards: Sequence) -> list:
+    """Per primary x, its parts from one backward pass over every tower's seeds."""
+    primary = requests[0]
+    ys, grad_ys, stops = [], [], []
+    for request, (tower_ys, tower_grad_ys) in zip(requests, shards):
+      ys.extend(tower_ys)
+      grad_ys.extend(tower_grad_ys)
+      stops.extend(request.stops)
+    xs, members, reads = self._xs_and_members(primary, towers)
+    grads = interception.graph_gradients(ys, xs, grad_ys, **_options(primary, stops + reads))
+    return [[grads[j] for j in positions] for positions in members]
+
+  def _per_shard(self, towers: Sequence[int], requests: Sequence[Request],
+                 shards: Sequence, ordered: bool) -> list:
+    """Per primary x, its parts per device from one backward pass per shard."""
+    primary = requests[0]
+    by_device: dict[str, list] = {}
+    for k, request, (ys, grad_ys) in zip(towers, requests, shards):
+      grads = self._gradients([k], primary, ys, grad_ys, request.stops)
+      device = self._device_of(k)
+      if device not in by_device:
+        by_device[device] = grads
+      else:
+        with tf.device(device), tf.name_scope('micro_batch_sum'):
+          by_device[device] = [gradient_sync.add([a, b])
+                               for a, b in zip(by_device[device], grads)]
+      if ordered and self._after_backward is not None:
+        self._after_backward(k, [g for g in grads if g is not None])
+    return [[grads[i] for grads in by_device.values()] for i in range(len(primary.xs))]
+
+  def _gradients(self, shards: Sequence[int], primary: Request, ys: list, grad_ys: list,
+                 stops: list) -> list:
+    """The gradient of `ys` (built by `shards`) with respect to each of the primary's xs."""
+    if not ys:  # a shard whose seeds are all zero
+      return [None] * len(primary.xs)
+    xs, members, reads = self._xs_and_members(primary, shards)
+    grads = interception.graph_gradients(
+        ys, xs, grad_ys, **_options(primary, stops + reads, gates=self.per_shard))
+    device = self._device_of(shards[0]) if self.per_shard else None
+    with tf.device(device), tf.name_scope('shard_gradients'):
+      return [gradient_sync.add([grads[j] for j in positions]) for positions in members]
+
+  def _xs_and_members(self, primary: Request, towers: Sequence[int]
+                      ) -> tuple[list, list, list]:
+    """What to differentiate for `towers`' parts of each of the primary's xs.
+
+    Returns:
+      (xs, members, reads): the tensors and variables to differentiate; per
+      primary x, the positions in xs whose gradients are its parts (the
+      towers' copies of a variable, each tower's reads of a variable on a
+      parameter server); the parameter-server reads among xs (the backward
+      pass stops at them).
+    """
+    xs, members, reads = [], [], []
+    for x in primary.xs:
+      found = [x]
+      if isinstance(x, tf.Variable):
+        found = []
+        for k in towers:
+          copy = self._copy_of(x, k)
+          member = x if copy is None else copy
+          if all(member is not m for m in found):
+            found.append(member)
+        if self.sync.aggregation_device(x) != x.device:  # on a parameter server
+          ps_reads = interception.plain_reads(x)
+          found.extend(ps_reads)
+          reads.extend(ps_reads)
+      members.append(list(range(len(xs), len(xs) + len(found))))
+      xs.extend(found)
+    return xs, members, reads
