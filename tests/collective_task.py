@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import testlib  # pylint: disable=g-import-not-at-top
 import estimator_towers as et  # pylint: disable=g-import-not-at-top
+from estimator_towers.throughput import GLOBAL_BATCH_KEY  # pylint: disable=g-import-not-at-top
 
 
 def _dense(x):
@@ -129,14 +130,20 @@ def input_fn(data, suffix, batch):
 
 
 class DumpVariables(tf.compat.v1.train.SessionRunHook):
-  """Writes every global variable's value to `path` at the end of training."""
+  """Writes every global variable's value to `path` at the end of training.
+
+  Also the sum over the steps of the global batch size the towered model_fn
+  records for ThroughputHook, to `path`.examples.
+  """
 
   def __init__(self, path, sleep=0.0):
     self._path, self._sleep = path, sleep
+    self._examples = 0
 
   def begin(self):
     self._variables = tf.compat.v1.global_variables()
     self._step = tf.compat.v1.train.get_global_step()
+    (self._batch,) = tf.compat.v1.get_collection(GLOBAL_BATCH_KEY)
 
   def after_create_session(self, session, coord):
     with open(self._path + '.start', 'w') as f:
@@ -145,8 +152,14 @@ class DumpVariables(tf.compat.v1.train.SessionRunHook):
   def before_run(self, run_context):
     if self._sleep:
       time.sleep(self._sleep)
+    return tf.compat.v1.train.SessionRunArgs(self._batch)
+
+  def after_run(self, run_context, run_values):
+    self._examples += int(run_values.results)
 
   def end(self, session):
+    with open(self._path + '.examples', 'w') as f:
+      f.write(str(self._examples))
     values = session.run(self._variables)
     np.savez(self._path, **{v.op.name: x for v, x in zip(self._variables, values)})
 

@@ -181,8 +181,12 @@ def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
       testlib.assert_close(reported[key], plain_metrics[key], err_msg=key)
 
 
-def _assert_workers_equal_the_chief(tmp_path, chief, ranks):
-  for rank in ranks:
+def _assert_workers_equal_the_chief(tmp_path, chief, sizes):
+  """Every rank's variables are the chief's, and it counted every rank's examples."""
+  for rank in sizes:
+    # ThroughputHook's examples/sec counts the global batch (all workers)
+    examples = (tmp_path / 'dump' / f'rank{rank}.npz.examples').read_text()
+    assert int(examples) == sum(sizes.values()), rank
     values = np.load(tmp_path / 'dump' / f'rank{rank}.npz')
     assert sorted(values.files) == sorted(chief), rank
     for name in chief:
