@@ -292,6 +292,32 @@ def test_a_worker_that_never_starts_stops_the_chief_after_the_timeout(tmp_path):
   print(f'chief stopped {time.time() - started:.1f} s after its start')
 
 
+@pytest.mark.timeout(120)
+def test_a_hung_worker_fails_the_chief_step_after_the_timeout(tmp_path):
+  """The worker is alive but never steps (it sleeps before its first step)."""
+  _data(tmp_path / 'data.npz', SIZES)
+  timeout = 4
+  cluster = Cluster(tmp_path, _spec(tmp_path, 'mean', 1, timeout=timeout,
+                                    step_sleep={'1': 300}))
+  try:
+    cluster.start('chief')
+    cluster.start('worker')
+    code = cluster.wait('chief', 90)
+    stopped = time.time()
+    assert cluster.procs['worker'].poll() is None  # still alive, hung
+  finally:
+    cluster.kill()
+  log = cluster.log('chief')
+  assert code != 0
+  assert 'DeadlineExceededError' in log, log[-3000:]
+  assert (f'has waited {timeout} s (the step timeout, make_plan(worker_timeout_secs=...)) '
+          'for the other workers\' all-reduce' in log), log[-3000:]
+  # The session had started (the start's broadcast met the worker): a step failed.
+  started = os.path.getmtime(tmp_path / 'dump' / 'rank0.npz.start')
+  print(f'chief stopped {stopped - started:.1f} s after its session started')
+  assert stopped - started < timeout + 15
+
+
 # --- TF_CONFIG errors, one per message -------------------------------------------
 
 
