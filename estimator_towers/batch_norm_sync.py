@@ -127,7 +127,8 @@ class BatchNormSync:
       row = arithmetic.local_row(x, scale, self._present[tower], epsilon, data_format)
       # No gradient through the statistics: _fused_normalise's gradient has it.
       batch_mean, batch_var, corrected, total = point.forward.join(
-          tower, row, lambda rows: arithmetic.global_statistics(tf.stop_gradient(self._table(rows))))
+          tower, row,
+          lambda rows: arithmetic.global_statistics(tf.stop_gradient(self._table(rows))))
       new_mean, new_variance = batch_mean, corrected
       if exponential_avg_factor not in (None, 1, 1.0):
         f = float(exponential_avg_factor)

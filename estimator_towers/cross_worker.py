@@ -157,7 +157,8 @@ class CrossWorker:
     @tf.custom_gradient
     def gathered(mine):
       with tf.device(self.device):
-        slots = tf.scatter_nd([[self.rank]], mine[None], tf.concat([[self.size], tf.shape(mine)], 0))
+        slots = tf.scatter_nd([[self.rank]], mine[None],
+                              tf.concat([[self.size], tf.shape(mine)], 0))
       (total,) = self.sum([slots])
       with tf.device(self.device):
         result = tf.reshape(total, tf.concat([[-1], tf.shape(mine)[1:]], 0))
