@@ -128,7 +128,8 @@ class BatchNormSync:
       # No gradient through the statistics: _fused_normalise's gradient has it.
       batch_mean, batch_var, corrected, total = point.forward.join(
           tower, row,
-          lambda rows: arithmetic.global_statistics(tf.stop_gradient(self._table(rows))))
+          lambda rows: arithmetic.global_statistics(tf.stop_gradient(
+              self._table(rows, lambda table: _fused_row(arithmetic.global_statistics(table))))))
       new_mean, new_variance = batch_mean, corrected
       if exponential_avg_factor not in (None, 1, 1.0):
         f = float(exponential_avg_factor)
@@ -207,12 +208,12 @@ class BatchNormSync:
     """
     row = tf.concat([tf.reshape(tf.cast(count, mean.dtype), [1]), mean, m2], 0)
     return point.forward.join(tower, _times(row, self._present[tower]),
-                              lambda rows: _chan(self._table(rows)))
+                              lambda rows: _chan(self._table(rows, lambda t: _chan_row(_chan(t)))))
 
-  def _table(self, rows: list) -> tf.Tensor:
-    """The towers' rows, and across workers every worker's (rank order)."""
+  def _table(self, rows: list, combine: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
+    """The towers' rows; across workers, every worker's towers combined to one row (rank order)."""
     table = tf.stack(rows)
-    return table if self._across is None else self._across.gather(table)
+    return table if self._across is None else self._across.gather(combine(table)[None])
 
   def _total(self, sums: tf.Tensor) -> tf.Tensor:
     """The towers' sums, and across workers the cluster's."""
@@ -296,6 +297,18 @@ class _SyncPoint:
     while len(self._backward) <= j:
       self._backward.append(_Exchange(self._towers))
     return self._backward[j]
+
+
+def _chan_row(statistics) -> tf.Tensor:
+  """`_chan`'s (mean, M2, count) as a row (count, mean, M2) of a table."""
+  mean, m2, total = statistics
+  return tf.concat([tf.reshape(total, [1]), mean, m2], 0)
+
+
+def _fused_row(statistics) -> tf.Tensor:
+  """`global_statistics`' result as a row (count, mean, Bessel-corrected variance)."""
+  mean, _, corrected, total = statistics
+  return tf.concat([tf.reshape(total, [1]), mean, corrected], 0)
 
 
 def _chan(table: tf.Tensor):
