@@ -200,10 +200,11 @@ def test_batch_norm_across_workers_trains_as_on_one_machine(tmp_path, sync):
 
   sync_batch_norm: plain on the global batches (statistics of the global batch,
   the worker's input ending first). Without it: the same towered model_fn on
-  one machine with 2 x 2 towers (per-shard statistics, moving averages from
-  the first shard), on even inputs so that the shards are the same.
+  one machine (per-shard statistics, moving averages from the first shard)
+  with the same shards: 4 towers while both workers have data, then 2 once
+  the chief's input has ended (the moving averages are then the worker's).
   """
-  sizes, batch = (SIZES, BATCH) if sync else ({0: 16, 1: 16}, 4)
+  sizes, batch = (SIZES, BATCH) if sync else ({0: 8, 1: 16}, 4)
   data = _data(tmp_path / 'data.npz', sizes)
   batches = _global_batches(data, sizes, batch)
   spec = _spec(tmp_path, 'bn', 2, batch=batch, sync_batch_norm=sync)
@@ -213,10 +214,17 @@ def test_batch_norm_across_workers_trains_as_on_one_machine(tmp_path, sync):
 
   params = {'learning_rate': 0.1}
   model_fn = collective_task.bn_model_fn
-  reference = model_fn if sync else et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(4))
-  plain = _plain_from(spec['model_dir'], 'model.ckpt-0', reference, params, tmp_path,
-                      num_cpus=1 if sync else 4)
-  plain.train(_batches_input_fn(batches), steps=len(batches))
+  if sync:
+    plain = _plain_from(spec['model_dir'], 'model.ckpt-0', model_fn, params, tmp_path)
+    plain.train(_batches_input_fn(batches), steps=len(batches))
+  else:
+    both = 2  # steps in which both workers have data
+    plain = _plain_from(spec['model_dir'], 'model.ckpt-0', et.replicate_model_fn(
+        model_fn, devices=testlib.cpu_devices(4)), params, tmp_path, num_cpus=4)
+    plain.train(_batches_input_fn(batches[:both]), steps=both)
+    plain = testlib.make_estimator(et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(2)),
+                                   2, model_dir=plain.model_dir, params=params)
+    plain.train(_batches_input_fn(batches[both:]), steps=len(batches) - both)
   expected = testlib.variables(plain)
   chief = testlib.variables(testlib.make_estimator(model_fn, model_dir=spec['model_dir']))
   assert chief['global_step'] == len(batches)
@@ -409,6 +417,20 @@ def test_inputs_not_from_a_dataset_across_workers_are_an_error(monkeypatch):
     tf.compat.v1.train.create_global_step()
     towered({'x': tf.constant(x)}, tf.constant(y), tf.estimator.ModeKeys.TRAIN, None,
             tf.estimator.RunConfig())
+
+
+def test_staged_input_across_workers_is_an_error(monkeypatch):
+  _tf_config(monkeypatch, CHIEF_AND_WORKER)
+  plan = et.make_plan(devices=['/cpu:0', '/cpu:1'], variable_strategy='collective')
+  towered = et.replicate_model_fn(testlib.v1_model_fn, plan=plan)
+  x, y = testlib.data(8)
+  staged = et.staged_input_fn(
+      lambda: tf.data.Dataset.from_tensor_slices(({'x': x}, y)).batch(4), plan)
+  with tf.Graph().as_default(), pytest.raises(ValueError, match=r"across 2 workers does not "
+                                              r"support staged_input_fn"):
+    tf.compat.v1.train.create_global_step()
+    features, labels = staged()
+    towered(features, labels, tf.estimator.ModeKeys.TRAIN, None, tf.estimator.RunConfig())
 
 
 def test_a_model_fn_without_gradients_across_workers_is_an_error(monkeypatch):
