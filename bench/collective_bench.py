@@ -15,6 +15,8 @@ Estimator on processes of a loopback TF_CONFIG cluster, and prints:
 
   python bench/collective_bench.py            # W = 2, 40 steps
   python bench/collective_bench.py --steps=80
+  python bench/collective_bench.py --batch_norm   # a batch norm after each hidden
+      # layer (moving averages in UPDATE_OPS) and sync_batch_norm=True
 
 TensorFlow runs a CollectiveReduce with communication_hint 'ring' as a ring
 all-reduce (RingReducer) on CPUs; with 'nccl' on GPUs it calls NCCL. Here
@@ -38,15 +40,21 @@ WARMUP = 5
 FEATURES, HIDDEN, CLASSES = 64, 512, 10
 
 
-def _model_fn(features, labels, mode):
+def _model_fn(features, labels, mode, params):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   x = features
   for _ in range(2):
-    x = tf.compat.v1.layers.dense(x, HIDDEN, activation=tf.nn.relu)
+    if params['batch_norm']:
+      x = tf.nn.relu(tf.compat.v1.layers.batch_normalization(
+          tf.compat.v1.layers.dense(x, HIDDEN, use_bias=False),
+          training=mode == tf.estimator.ModeKeys.TRAIN))
+    else:
+      x = tf.compat.v1.layers.dense(x, HIDDEN, activation=tf.nn.relu)
   logits = tf.compat.v1.layers.dense(x, CLASSES)
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.01).minimize(
-      loss, tf.compat.v1.train.get_global_step())
+  with tf.control_dependencies(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.01).minimize(
+        loss, tf.compat.v1.train.get_global_step())
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
@@ -75,6 +83,8 @@ def task(args) -> None:
           op.inputs[0].shape.num_elements() * op.inputs[0].dtype.size
           for op in graph.get_operations() if op.type.startswith('CollectiveReduce')
           and 'broadcast_from_chief' not in op.name and op.inputs[0].shape.is_fully_defined())
+      self.gradient_bytes = 4 * sum(v.shape.num_elements()
+                                    for v in tf.compat.v1.trainable_variables())
 
     def after_run(self, run_context, run_values):
       self.times.append(time.perf_counter())
@@ -90,9 +100,10 @@ def task(args) -> None:
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
 
   config = et.make_config(num_cpu_devices=args.towers, variable_strategy='collective',
+                          sync_batch_norm=args.batch_norm,
                           inter_op_threads=2, intra_op_threads=1)
   estimator = tf.estimator.Estimator(
-      et.replicate_model_fn(_model_fn, plan=config.plan),
+      et.replicate_model_fn(_model_fn, plan=config.plan), params={'batch_norm': args.batch_norm},
       config=et.make_run_config(config, model_dir=args.model_dir, save_checkpoints_steps=10**6,
                                 save_summary_steps=10**6, log_step_count_steps=10**6))
   timer = Timer()
@@ -103,12 +114,10 @@ def task(args) -> None:
   else:
     estimator.train(input_fn, hooks=[timer])
   gaps = np.diff(timer.times[WARMUP:])
-  gradient_bytes = 4 * (FEATURES * HIDDEN + HIDDEN + HIDDEN * HIDDEN + HIDDEN
-                        + HIDDEN * CLASSES + CLASSES)
   steps = len(timer.lo) - 1 - WARMUP
   print('RESULT ' + json.dumps({
       'steps_per_sec': 1.0 / statistics.median(gaps), 'steps': len(timer.times),
-      'reduced_bytes_per_step': timer.reduced, 'gradient_bytes': gradient_bytes,
+      'reduced_bytes_per_step': timer.reduced, 'gradient_bytes': timer.gradient_bytes,
       'lo_bytes_per_step': (timer.lo[-1] - timer.lo[WARMUP]) / max(steps, 1)}), flush=True)
 
 
@@ -125,7 +134,8 @@ def _run(args, towers, tf_config=None) -> subprocess.Popen:
   model_dir = tempfile.mkdtemp(prefix='collective_bench_')
   return subprocess.Popen(
       [sys.executable, os.path.abspath(__file__), '--task', f'--towers={towers}',
-       f'--steps={args.steps}', f'--batch={args.batch}', f'--model_dir={model_dir}'],
+       f'--steps={args.steps}', f'--batch={args.batch}', f'--model_dir={model_dir}']
+      + (['--batch_norm'] if args.batch_norm else []),
       env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
@@ -144,6 +154,8 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=40)
   parser.add_argument('--batch', type=int, default=256, help='global batch')
   parser.add_argument('--model_dir', default='')
+  parser.add_argument('--batch_norm', action='store_true',
+                      help='batch norms (UPDATE_OPS) and sync_batch_norm=True')
   args = parser.parse_args()
   if args.task:
     task(args)
@@ -160,7 +172,8 @@ def main() -> None:
   single = _result(_run(args, 2))
   w = 2
   ring = 2 * (w - 1) / w * chief['gradient_bytes']
-  print(f'W = {w} workers, global batch {args.batch}, {args.steps} steps; '
+  print(f'W = {w} workers, global batch {args.batch}, {args.steps} steps'
+        f'{", batch norm + sync_batch_norm" if args.batch_norm else ""}; '
         f'gradients {chief["gradient_bytes"]} bytes')
   print(f'bytes per step into each worker\'s all-reduce (graph): '
         f'{chief["reduced_bytes_per_step"]}')

@@ -28,6 +28,12 @@ the towers, like a gradient request:
   count, as TensorFlow's kernel does, so Keras' moving averages (updated once
   per step from tower 0) follow the global statistics.
 
+Across workers (`variable_strategy='collective'`, `across`), a sync point's
+table of rows is every worker's, gathered by one all-reduce
+(`CrossWorker.gather`), and the backward sums are summed across workers, so
+the statistics are the cluster's global batch's and every worker combines
+the same table.
+
 Options whose result cannot equal the plain batch norm on the whole batch
 (`renorm`, `virtual_batch_size`, `adjustment` of a Keras layer) are errors when
 sync is on.
@@ -61,9 +67,11 @@ class BatchNormSync:
     devices: by tower index, the device of every tower that is built.
     present: by tower index, 1.0 (a Python float) or a float32 scalar Tensor
       that is 0 when the tower's shard is empty at run time.
+    across: the all-reduces across workers (a `cross_worker.CrossWorker`), or None.
   """
 
-  def __init__(self, graph: tf.Graph, devices: dict[int, str], present: dict[int, Any]):
+  def __init__(self, graph: tf.Graph, devices: dict[int, str], present: dict[int, Any],
+               across: Any = None):
     if len(set(devices.values())) != len(devices):
       raise BatchNormSyncError(
           f'sync_batch_norm=True needs every tower on its own device, but the '
@@ -74,6 +82,7 @@ class BatchNormSync:
     self._graph = graph
     self._devices = devices
     self._present = present
+    self._across = across
     self._points: list[_SyncPoint] = []   # by index: the towers' i-th sync point
     self._calls: dict[int, int] = {}      # per tower: sync points made so far
     self._arithmetics: dict[int, _Arithmetic] = {}  # per tower
@@ -118,7 +127,9 @@ class BatchNormSync:
       row = arithmetic.local_row(x, scale, self._present[tower], epsilon, data_format)
       # No gradient through the statistics: _fused_normalise's gradient has it.
       batch_mean, batch_var, corrected, total = point.forward.join(
-          tower, row, lambda rows: arithmetic.global_statistics(tf.stop_gradient(tf.stack(rows))))
+          tower, row,
+          lambda rows: arithmetic.global_statistics(tf.stop_gradient(
+              self._table(rows, lambda table: _fused_row(arithmetic.global_statistics(table))))))
       new_mean, new_variance = batch_mean, corrected
       if exponential_avg_factor not in (None, 1, 1.0):
         f = float(exponential_avg_factor)
@@ -158,7 +169,7 @@ class BatchNormSync:
         sum_scale, sum_offset = point.backward(tower).join(
             tower, _times(tf.stack([dscale, doffset]), present),
             lambda sums: self._arithmetic(tower).correction_scales(
-                tf.add_n(sums), scale, variance, count, kernel.epsilon))
+                self._total(tf.add_n(sums)), scale, variance, count, kernel.epsilon))
         sum_scale, sum_offset = _times(sum_scale, present), _times(sum_offset, present)
         correction, _ = kernel.apply(x, sum_scale, sum_offset, mean, variance)
         return dx - correction, dscale, doffset, None, None
@@ -197,7 +208,16 @@ class BatchNormSync:
     """
     row = tf.concat([tf.reshape(tf.cast(count, mean.dtype), [1]), mean, m2], 0)
     return point.forward.join(tower, _times(row, self._present[tower]),
-                              lambda rows: _chan(tf.stack(rows)))
+                              lambda rows: _chan(self._table(rows, lambda t: _chan_row(_chan(t)))))
+
+  def _table(self, rows: list, combine: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
+    """The towers' rows; across workers, every worker's towers combined to one row (rank order)."""
+    table = tf.stack(rows)
+    return table if self._across is None else self._across.gather(combine(table)[None])
+
+  def _total(self, sums: tf.Tensor) -> tf.Tensor:
+    """The towers' sums, and across workers the cluster's."""
+    return sums if self._across is None else self._across.sum([sums])[0]
 
   def _arithmetic(self, tower: int, original=None) -> '_Arithmetic':
     if tower not in self._arithmetics:
@@ -277,6 +297,18 @@ class _SyncPoint:
     while len(self._backward) <= j:
       self._backward.append(_Exchange(self._towers))
     return self._backward[j]
+
+
+def _chan_row(statistics) -> tf.Tensor:
+  """`_chan`'s (mean, M2, count) as a row (count, mean, M2) of a table."""
+  mean, m2, total = statistics
+  return tf.concat([tf.reshape(total, [1]), mean, m2], 0)
+
+
+def _fused_row(statistics) -> tf.Tensor:
+  """`global_statistics`' result as a row (count, mean, Bessel-corrected variance)."""
+  mean, _, corrected, total = statistics
+  return tf.concat([tf.reshape(total, [1]), mean, corrected], 0)
 
 
 def _chan(table: tf.Tensor):

@@ -21,6 +21,16 @@ Within a step:
    flows to this task's `t` only: stop_gradient(sum) + (t - stop_gradient(t)),
    equal to the sum bit for bit on every task.
 3. `sum(gradients)`: each task's part of the whole-batch gradient, summed.
+4. `gather(rows)` (`sync_batch_norm`): every task's rows of a statistics
+   table, in rank order (an all-reduce of each task's rows in its own slot
+   and zeros elsewhere: exact), so every task combines the same table; its
+   gradient sums the tasks' gradients of the table before taking the task's
+   own slot.
+5. `share_updates` (UPDATE_OPS, e.g. batch-norm moving averages): after the
+   step, every task takes the values the first task with data computed
+   (an all-reduce of its values and zeros), as towers on one machine keep
+   tower 0's: the moving averages follow the first shard of the global
+   batch, or the global statistics with `sync_batch_norm`.
 
 At session start (`broadcast_from_chief`, run by `cluster_session`'s
 Scaffold) every task sets its variables to the chief's values (an
@@ -81,6 +91,7 @@ class CrossWorker:
     self.first_op = len(self.graph.get_operations())  # where this TRAIN graph's model_fn began
     self._timeout = 0  # the collective's own timeout: only at session start
     self.live_workers: tf.Tensor | None = None
+    self.source: tf.Tensor | None = None  # this task is the first with data
 
   def _all_reduce(self, value: tf.Tensor, gated: bool) -> tf.Tensor:
     controls = [self.gate] if gated and self.gate is not None else []
@@ -123,14 +134,47 @@ class CrossWorker:
     return [tf.stop_gradient(s) + (t - tf.stop_gradient(t)) for s, t in zip(totals, tensors)]
 
   def set_live(self, has_data: tf.Tensor) -> None:
-    """The step's first all-reduce: how many tasks have data; the gate after it."""
+    """The step's first all-reduce: which tasks have data; the gate after it."""
     self.has_data = has_data
     with tf.name_scope('across_workers'):
-      self.live_workers = self._all_reduce(tf.cast(has_data, tf.float32)[None], gated=False)[0]
       with tf.device(self.device):
+        mine = tf.one_hot(self.rank, self.size) * tf.cast(has_data, tf.float32)
+      live = self._all_reduce(mine, gated=False)
+      with tf.device(self.device):
+        self.live_workers = tf.reduce_sum(live)
+        self.source = tf.logical_and(
+            has_data, tf.equal(tf.argmax(live, output_type=tf.int32), self.rank))
         ended = tf.compat.v1.data.make_one_shot_iterator(tf.data.Dataset.range(0))
         self.gate = tf.cond(self.live_workers > 0, lambda: tf.constant(0, tf.int64),
                             ended.get_next, name='every_input_ended')
+
+  def gather(self, table: tf.Tensor) -> tf.Tensor:
+    """Every task's `table` (same shape on each), concatenated along axis 0 in rank order.
+
+    Differentiable: the gradient with respect to this task's `table` is its
+    slot of the tasks' summed gradients of the result.
+    """
+    @tf.custom_gradient
+    def gathered(mine):
+      with tf.device(self.device):
+        slots = tf.scatter_nd([[self.rank]], mine[None],
+                              tf.concat([[self.size], tf.shape(mine)], 0))
+      (total,) = self.sum([slots])
+      with tf.device(self.device):
+        result = tf.reshape(total, tf.concat([[-1], tf.shape(mine)[1:]], 0))
+
+      def grad(upstream):
+        (summed,) = self.sum([upstream])
+        with tf.device(self.device):
+          return tf.reshape(summed, tf.concat([[self.size], tf.shape(mine)], 0))[self.rank]
+      return result, grad
+
+    with tf.name_scope('gather'):
+      out = gathered(table)
+    if table.shape.rank is not None:
+      rows = table.shape[0] * self.size if table.shape[0] is not None else None
+      out.set_shape(tf.TensorShape([rows]).concatenate(table.shape[1:]))
+    return out
 
   def broadcast_from_chief(self, variables: Sequence[tf.Variable]) -> tf.Operation:
     """An op setting every task's `variables` to the chief's values.
@@ -182,16 +226,51 @@ def gate_updates(across: CrossWorker, train_op: Any) -> None:
     pending.extend(op.control_inputs)
 
 
-def check_no_updates(update_ops: Sequence[tf.Operation], across: CrossWorker) -> None:
-  """Raises for updates that are not gradient steps (they would differ per worker)."""
-  if update_ops:
-    raise ValueError(
-        f'variable_strategy=\'collective\' across {across.size} workers cannot run '
-        f'the model_fn\'s UPDATE_OPS ({", ".join(op.name for op in update_ops[:3])}'
-        f'{", ..." if len(update_ops) > 3 else ""}, e.g. batch-norm moving averages): '
-        f'each worker would update them from its own batch, so the workers\' '
-        f'variables would differ and none would equal one device\'s. Train such a '
-        f'model on one machine (its towers update them from tower 0\'s shard).')
+def share_updates(across: CrossWorker, update_ops: Sequence[tf.Operation], train_op: Any) -> Any:
+  """`train_op`, then every task takes the first live task's values of what UPDATE_OPS write.
+
+  On one machine the towers run the model_fn's UPDATE_OPS (batch-norm moving
+  averages) for tower 0's shard only; across workers every task runs them for
+  its own tower 0, and after the step every task sets the variables they
+  write to the values of the first task whose input gave a batch (the chief's
+  while it has data): the update of the global batch's first shard, and the
+  copies stay bit-equal. With `sync_batch_norm` the tasks' values are already
+  equal (global statistics); the exchange costs the moving averages' bytes.
+  """
+  written = _written_variables(across, update_ops)
+  if not written:
+    return train_op
+  with tf.name_scope('share_updates'), tf.control_dependencies([train_op]):
+    with tf.device(across.device):
+      values = [tf.identity(v.read_value()) for v in written]
+      chosen = [tf.where(across.source, value, tf.zeros_like(value)) for value in values]
+    totals = across.sum(chosen)
+    with tf.device(across.device):
+      assigns = [v.assign(t, read_value=False) for v, t in zip(written, totals)]
+  return tf.group(train_op, *assigns, name='train_op_with_shared_updates')
+
+
+def _written_variables(across: CrossWorker, update_ops: Sequence[tf.Operation]) -> list:
+  """The global variables that `update_ops` (and the ops they wait for) assign, by name."""
+  # A resource variable's op is its VarHandleOp, a ref variable's its VariableV2.
+  by_handle = {v.op.name: v for v in tf.compat.v1.global_variables()}
+  made = {op.name for op in across.graph.get_operations()[across.first_op:]}
+  pending, seen, written = list(update_ops), set(), {}
+  while pending:
+    op = pending.pop()
+    if op.name in seen or (op.name not in made and op not in update_ops):
+      continue
+    seen.add(op.name)
+    if op.type.startswith(MUTATING_PREFIXES) and op.inputs:
+      target = op.inputs[0].op
+      while target.type == 'Identity' and target.inputs:
+        target = target.inputs[0].op
+      variable = by_handle.get(target.name)
+      if variable is not None and variable.dtype.base_dtype in _SUPPORTED:
+        written[variable.op.name] = variable
+    pending.extend(t.op for t in op.inputs)
+    pending.extend(op.control_inputs)
+  return [written[name] for name in sorted(written)]
 
 
 def live_inputs(features: Any, labels: Any) -> tuple[Any, Any, tf.Tensor]:

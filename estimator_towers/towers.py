@@ -234,8 +234,7 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
     across = _cross_worker(plan, mode, config, staged)
     if across is not None:  # a TRAIN graph of one worker of several
       features, labels, has_data = cross_worker.live_inputs(features, labels)
-      across.set_live(has_data)
-      throughput.record_global_batch(throughput.first_leaf_rows(features))
+      across.set_live(has_data)  # ThroughputHook's batch: the cluster's (_build_train)
       return _build_towers(run, features, labels, mode, plan, placement, None, across)
     if mode == ModeKeys.TRAIN:  # For ThroughputHook's examples/sec.
       throughput.record_global_batch(staged.batch if staged is not None
@@ -281,16 +280,12 @@ def _cross_worker(plan: plan_lib.DevicePlan, mode: str, config: Any, staged: Any
   cluster_lib.check(cluster, plan.variable_strategy)
   if plan.variable_strategy != 'collective' or cluster.num_workers < 2:
     return None
-  unsupported = [(staged is not None, 'staged_input_fn (read the dataset in the input_fn '
-                  'instead)'),
-                 (plan.sync_batch_norm, 'sync_batch_norm (batch-norm statistics are '
-                  'synchronised across one worker\'s towers only)')]
-  for bad, what in unsupported:
-    if bad:
-      raise ValueError(
-          f'variable_strategy=\'collective\' across {cluster.num_workers} workers '
-          f'does not support {what}: it would not give the single-device update. '
-          f'Train without it, or on one machine.')
+  if staged is not None:
+    raise ValueError(
+        f'variable_strategy=\'collective\' across {cluster.num_workers} workers '
+        f'does not support staged_input_fn (read the dataset in the input_fn '
+        f'instead): it would not give the single-device update. '
+        f'Train without it, or on one machine.')
   return cross_worker.CrossWorker(cluster, timeout_secs=plan.worker_timeout_secs)
 
 
@@ -583,6 +578,8 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
   layout = shards.layout
   micro = layout.micro_batches > 1
   batch = shards.batch if across is None else across.sum([shards.batch])[0]
+  if across is not None:  # For ThroughputHook's examples/sec: the cluster's batch.
+    throughput.record_global_batch(batch)
   sync = gradient_sync.GradientSync(builder.placement.aggregation_device,
                                     getattr(builder.placement, 'combine', None), across)
   passes = backward_passes.BackwardPasses(
@@ -598,7 +595,7 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
       nonempty=dict(zip(shards.active, shards.nonempty)),
       ungated=lambda k: shards.ungated.get(k) or _flat_shard(shards, k))
   kept = {}
-  statistics = _batch_norm_statistics(plan, builder)
+  statistics = _batch_norm_statistics(plan, builder, across)
   with interception.gradient_requests(broker.handle), broker.building(builder.primary), \
       _tower_collections(builder.base, kept), statistics.syncing():
     spec = builder.build(builder.primary, reuse=False)
@@ -610,8 +607,6 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
           f'gradient with respect to variables (its update, like k-means\', '
           f'cannot be split). Train it on one machine.')
     return _train_without_gradients(builder, features, labels, staged)
-  if across is not None:
-    cross_worker.check_no_updates(kept.get(GraphKeys.UPDATE_OPS, []), across)
   builder.keep_collections(kept)
   statistics.check_complete()
   with statistics.syncing():  # a tower built again meets the sync points again: an error
@@ -635,6 +630,8 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
   merged = specs_lib.merge_train(spec, loss, train_op, counterparts)
   if across is None:
     return merged
+  merged = merged._replace(train_op=cross_worker.share_updates(
+      across, kept.get(GraphKeys.UPDATE_OPS, []), merged.train_op))
   cross_worker.gate_updates(across, merged.train_op)
   return cluster_session.attach(merged, across)
 
@@ -740,13 +737,15 @@ class _Unsynced:
     pass
 
 
-def _batch_norm_statistics(plan: plan_lib.DevicePlan, builder: _TowerBuilder) -> Any:
+def _batch_norm_statistics(plan: plan_lib.DevicePlan, builder: _TowerBuilder,
+                           across: cross_worker.CrossWorker | None = None) -> Any:
   """The sync points of batch statistics for a TRAIN graph (sync_batch_norm).
 
   make_plan refuses sync_batch_norm with micro-batches, so a shard is a device.
+  Across workers the statistics are the cluster's (`across`), even with one tower.
   """
   shards = builder.shards
-  if not plan.sync_batch_norm or len(shards.active) < 2:
+  if not plan.sync_batch_norm or (len(shards.active) < 2 and across is None):
     return _Unsynced()
   present = {}
   for k, ne in zip(shards.active, shards.nonempty):
@@ -756,7 +755,7 @@ def _batch_norm_statistics(plan: plan_lib.DevicePlan, builder: _TowerBuilder) ->
       with tf.compat.v1.colocate_with(ne), tf.name_scope('shard_inputs'):
         present[k] = tf.cast(ne, tf.float32)
   return batch_norm_sync.BatchNormSync(
-      builder.graph, {k: builder.tower_devices[k] for k in shards.active}, present)
+      builder.graph, {k: builder.tower_devices[k] for k in shards.active}, present, across)
 
 
 def _tower_summaries(active: Sequence[int], losses: Sequence, sizes: Sequence) -> None:

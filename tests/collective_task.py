@@ -4,7 +4,7 @@ Usage: python collective_task.py SPEC.json   (TF_CONFIG in the environment)
 
 SPEC: model_dir, data (an .npz with x<r>, y<r>, w<r> per training rank r, and
 xe, ye, we for the evaluator), model (a key of MODELS), towers, micro_batches,
-batch (per worker), timeout (worker_timeout_secs), max_steps (None: until the
+batch (per worker), sync_batch_norm, timeout (worker_timeout_secs), max_steps (None: until the
 inputs end), dump (a directory: each training task writes its variables there
 as rank<r>.npz at the end, and its global_step at session start in
 rank<r>.npz.start), step_sleep (seconds each step of this task waits,
@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import testlib  # pylint: disable=g-import-not-at-top
 import estimator_towers as et  # pylint: disable=g-import-not-at-top
+from estimator_towers.throughput import GLOBAL_BATCH_KEY  # pylint: disable=g-import-not-at-top
 
 
 def _dense(x):
@@ -91,7 +92,34 @@ def bert_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_model_fn}
+LOSS_SCALE = 128.0
+
+
+def bn_model_fn(features, labels, mode, params):
+  """Two batch norms (tf.nn.moments on 2-D, fused on 4-D), moving averages in UPDATE_OPS;
+  Momentum under a static loss scale (loss * 128, gradients / 128)."""
+  training = mode == tf.estimator.ModeKeys.TRAIN
+  init = tf.compat.v1.glorot_uniform_initializer
+  h = tf.compat.v1.layers.dense(features['x'], 4, kernel_initializer=init(seed=1))
+  h = tf.nn.tanh(tf.compat.v1.layers.batch_normalization(h, training=training, fused=False,
+                                                           momentum=0.8))
+  h4 = tf.compat.v1.layers.batch_normalization(tf.reshape(h, [-1, 1, 1, 4]), training=training,
+                                               fused=True, momentum=0.8)
+  logits = tf.compat.v1.layers.dense(tf.nn.tanh(tf.reshape(h4, [-1, 4])), testlib.NUM_CLASSES,
+                                     kernel_initializer=init(seed=2))
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  if mode == tf.estimator.ModeKeys.EVAL:
+    return _spec(mode, loss, logits, labels, None)
+  optimizer = tf.compat.v1.train.MomentumOptimizer(params['learning_rate'], 0.9)
+  scaled = optimizer.compute_gradients(loss * LOSS_SCALE)
+  grads_and_vars = [(g / LOSS_SCALE, v) for g, v in scaled]
+  with tf.control_dependencies(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+    train_op = optimizer.apply_gradients(grads_and_vars, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_model_fn,
+          'bn': bn_model_fn}
 
 
 def input_fn(data, suffix, batch):
@@ -102,14 +130,20 @@ def input_fn(data, suffix, batch):
 
 
 class DumpVariables(tf.compat.v1.train.SessionRunHook):
-  """Writes every global variable's value to `path` at the end of training."""
+  """Writes every global variable's value to `path` at the end of training.
+
+  Also the sum over the steps of the global batch size the towered model_fn
+  records for ThroughputHook, to `path`.examples.
+  """
 
   def __init__(self, path, sleep=0.0):
     self._path, self._sleep = path, sleep
+    self._examples = 0
 
   def begin(self):
     self._variables = tf.compat.v1.global_variables()
     self._step = tf.compat.v1.train.get_global_step()
+    (self._batch,) = tf.compat.v1.get_collection(GLOBAL_BATCH_KEY)
 
   def after_create_session(self, session, coord):
     with open(self._path + '.start', 'w') as f:
@@ -118,8 +152,14 @@ class DumpVariables(tf.compat.v1.train.SessionRunHook):
   def before_run(self, run_context):
     if self._sleep:
       time.sleep(self._sleep)
+    return tf.compat.v1.train.SessionRunArgs(self._batch)
+
+  def after_run(self, run_context, run_values):
+    self._examples += int(run_values.results)
 
   def end(self, session):
+    with open(self._path + '.examples', 'w') as f:
+      f.write(str(self._examples))
     values = session.run(self._variables)
     np.savez(self._path, **{v.op.name: x for v, x in zip(self._variables, values)})
 
@@ -153,6 +193,7 @@ def main(spec_path):
   plan = et.make_plan(devices=[f'/cpu:{i}' for i in range(spec['towers'])],
                       variable_strategy='collective',
                       micro_batches=spec.get('micro_batches', 1),
+                      sync_batch_norm=spec.get('sync_batch_norm', False),
                       worker_timeout_secs=spec.get('timeout', 60))
   model_fn = et.replicate_model_fn(MODELS[spec['model']], plan=plan)
   run_config = et.make_run_config(config, model_dir=spec['model_dir'],

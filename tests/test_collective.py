@@ -98,12 +98,12 @@ class Cluster:
       self.kill()
 
 
-def _global_batches(data, sizes):
+def _global_batches(data, sizes, batch=BATCH):
   per_rank = []
   for r in sizes:
     x, y, w = data[f'x{r}'], data[f'y{r}'], data[f'w{r}']
-    per_rank.append([(x[i:i + BATCH], y[i:i + BATCH], w[i:i + BATCH])
-                     for i in range(0, len(x), BATCH)])
+    per_rank.append([(x[i:i + batch], y[i:i + batch], w[i:i + batch])
+                     for i in range(0, len(x), batch)])
   steps = max(len(p) for p in per_rank)
   return [tuple(np.concatenate([p[t][i] for p in per_rank if t < len(p)]) for i in range(3))
           for t in range(steps)]
@@ -121,14 +121,14 @@ def _batches_input_fn(batches):
   return fn
 
 
-def _plain_from(model_dir, checkpoint, model_fn, params, tmp_path):
-  """A plain Estimator whose model_dir starts at `checkpoint` of `model_dir`."""
+def _plain_from(model_dir, checkpoint, model_fn, params, tmp_path, num_cpus=1):
+  """A plain (or `num_cpus`) Estimator whose model_dir starts at `checkpoint` of `model_dir`."""
   plain_dir = tmp_path / 'plain'
   plain_dir.mkdir()
   for f in glob.glob(os.path.join(model_dir, f'{checkpoint}.*')):
     shutil.copy(f, plain_dir)
   (plain_dir / 'checkpoint').write_text(f'model_checkpoint_path: "{checkpoint}"\n')
-  return testlib.make_estimator(model_fn, model_dir=str(plain_dir), params=params)
+  return testlib.make_estimator(model_fn, num_cpus, model_dir=str(plain_dir), params=params)
 
 
 def _spec(tmp_path, model, towers, micro_batches=1, **extra):
@@ -168,11 +168,7 @@ def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
   moved = max(np.max(np.abs(first.get_tensor(n) - expected[n])) for n in expected
               if n != 'global_step')
   assert moved > 1e-2, moved  # training moved the weights far more than the tolerance
-  for rank in SIZES:
-    values = np.load(tmp_path / 'dump' / f'rank{rank}.npz')
-    assert sorted(values.files) == sorted(chief), rank
-    for name in chief:
-      np.testing.assert_array_equal(values[name], chief[name], err_msg=f'rank {rank} {name}')
+  _assert_workers_equal_the_chief(tmp_path, chief, SIZES)
   if evaluator:
     with open(tmp_path / 'dump' / 'eval.json') as f:
       reported = json.load(f)
@@ -183,6 +179,63 @@ def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
     assert reported['global_step'] == len(batches)
     for key in ('loss', 'accuracy', 'mean_logit'):
       testlib.assert_close(reported[key], plain_metrics[key], err_msg=key)
+
+
+def _assert_workers_equal_the_chief(tmp_path, chief, sizes):
+  """Every rank's variables are the chief's, and it counted every rank's examples."""
+  for rank in sizes:
+    # ThroughputHook's examples/sec counts the global batch (all workers)
+    examples = (tmp_path / 'dump' / f'rank{rank}.npz.examples').read_text()
+    assert int(examples) == sum(sizes.values()), rank
+    values = np.load(tmp_path / 'dump' / f'rank{rank}.npz')
+    assert sorted(values.files) == sorted(chief), rank
+    for name in chief:
+      np.testing.assert_array_equal(values[name], chief[name], err_msg=f'rank {rank} {name}')
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize('sync', [True, False])
+def test_batch_norm_across_workers_trains_as_on_one_machine(tmp_path, sync):
+  """Batch norm, its moving averages (UPDATE_OPS) and a static loss scale across workers.
+
+  sync_batch_norm: plain on the global batches (statistics of the global batch,
+  the worker's input ending first). Without it: the same towered model_fn on
+  one machine (per-shard statistics, moving averages from the first shard)
+  with the same shards: 4 towers while both workers have data, then 2 once
+  the chief's input has ended (the moving averages are then the worker's).
+  """
+  sizes, batch = (SIZES, BATCH) if sync else ({0: 8, 1: 16}, 4)
+  data = _data(tmp_path / 'data.npz', sizes)
+  batches = _global_batches(data, sizes, batch)
+  spec = _spec(tmp_path, 'bn', 2, batch=batch, sync_batch_norm=sync)
+  started = time.time()
+  Cluster(tmp_path, spec).run()
+  print(f'cluster: {time.time() - started:.1f} s')
+
+  params = {'learning_rate': 0.1}
+  model_fn = collective_task.bn_model_fn
+  if sync:
+    plain = _plain_from(spec['model_dir'], 'model.ckpt-0', model_fn, params, tmp_path)
+    plain.train(_batches_input_fn(batches), steps=len(batches))
+  else:
+    both = 2  # steps in which both workers have data
+    plain = _plain_from(spec['model_dir'], 'model.ckpt-0', et.replicate_model_fn(
+        model_fn, devices=testlib.cpu_devices(4)), params, tmp_path, num_cpus=4)
+    plain.train(_batches_input_fn(batches[:both]), steps=both)
+    plain = testlib.make_estimator(et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(2)),
+                                   2, model_dir=plain.model_dir, params=params)
+    plain.train(_batches_input_fn(batches[both:]), steps=len(batches) - both)
+  expected = testlib.variables(plain)
+  chief = testlib.variables(testlib.make_estimator(model_fn, model_dir=spec['model_dir']))
+  assert chief['global_step'] == len(batches)
+  testlib.assert_variables_close(chief, expected)
+  averages = [n for n in chief if 'moving_' in n]
+  assert len(averages) == 4, sorted(chief)
+  first = tf.train.load_checkpoint(os.path.join(spec['model_dir'], 'model.ckpt-0'))
+  for name in averages:  # they moved (the second layer's mean: of tanh of normalised pairs, 0)
+    if name != 'batch_normalization_1/moving_mean':
+      assert np.max(np.abs(first.get_tensor(name) - chief[name])) > 1e-2, name
+  _assert_workers_equal_the_chief(tmp_path, chief, sizes)
 
 
 @pytest.mark.timeout(240)
@@ -245,6 +298,32 @@ def test_a_worker_that_never_starts_stops_the_chief_after_the_timeout(tmp_path):
   assert code != 0
   assert 'DeadlineExceededError' in log and 'broadcast_from_chief' in log, log[-3000:]
   print(f'chief stopped {time.time() - started:.1f} s after its start')
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_worker_fails_the_chief_step_after_the_timeout(tmp_path):
+  """The worker is alive but never steps (it sleeps before its first step)."""
+  _data(tmp_path / 'data.npz', SIZES)
+  timeout = 4
+  cluster = Cluster(tmp_path, _spec(tmp_path, 'mean', 1, timeout=timeout,
+                                    step_sleep={'1': 300}))
+  try:
+    cluster.start('chief')
+    cluster.start('worker')
+    code = cluster.wait('chief', 90)
+    stopped = time.time()
+    assert cluster.procs['worker'].poll() is None  # still alive, hung
+  finally:
+    cluster.kill()
+  log = cluster.log('chief')
+  assert code != 0
+  assert 'DeadlineExceededError' in log, log[-3000:]
+  assert (f'has waited {timeout} s (the step timeout, make_plan(worker_timeout_secs=...)) '
+          'for the other workers\' all-reduce' in log), log[-3000:]
+  # The session had started (the start's broadcast met the worker): a step failed.
+  started = os.path.getmtime(tmp_path / 'dump' / 'rank0.npz.start')
+  print(f'chief stopped {stopped - started:.1f} s after its session started')
+  assert stopped - started < timeout + 15
 
 
 # --- TF_CONFIG errors, one per message -------------------------------------------
@@ -328,24 +407,6 @@ def test_collective_graph_all_reduces_the_gradients_across_workers(monkeypatch):
   assert len(set(keys)) == len(keys)
 
 
-def test_sync_batch_norm_across_workers_is_an_error(monkeypatch):
-  with pytest.raises(ValueError, match=r"across 2 workers does not support sync_batch_norm"):
-    _train_graph(testlib.v1_model_fn, monkeypatch, CHIEF_AND_WORKER, sync_batch_norm=True)
-
-
-def test_update_ops_across_workers_are_an_error(monkeypatch):
-  def model_fn(features, labels, mode):
-    x = tf.compat.v1.layers.batch_normalization(features['x'], training=True)
-    logits = tf.compat.v1.layers.dense(x, testlib.NUM_CLASSES)
-    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
-    with tf.control_dependencies(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
-      train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
-          loss, tf.compat.v1.train.get_global_step())
-    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
-  with pytest.raises(ValueError, match=r"cannot run the model_fn's UPDATE_OPS"):
-    _train_graph(model_fn, monkeypatch, CHIEF_AND_WORKER)
-
-
 def test_inputs_not_from_a_dataset_across_workers_are_an_error(monkeypatch):
   _tf_config(monkeypatch, CHIEF_AND_WORKER)
   towered = et.replicate_model_fn(testlib.v1_model_fn, devices=['/cpu:0', '/cpu:1'],
@@ -356,6 +417,20 @@ def test_inputs_not_from_a_dataset_across_workers_are_an_error(monkeypatch):
     tf.compat.v1.train.create_global_step()
     towered({'x': tf.constant(x)}, tf.constant(y), tf.estimator.ModeKeys.TRAIN, None,
             tf.estimator.RunConfig())
+
+
+def test_staged_input_across_workers_is_an_error(monkeypatch):
+  _tf_config(monkeypatch, CHIEF_AND_WORKER)
+  plan = et.make_plan(devices=['/cpu:0', '/cpu:1'], variable_strategy='collective')
+  towered = et.replicate_model_fn(testlib.v1_model_fn, plan=plan)
+  x, y = testlib.data(8)
+  staged = et.staged_input_fn(
+      lambda: tf.data.Dataset.from_tensor_slices(({'x': x}, y)).batch(4), plan)
+  with tf.Graph().as_default(), pytest.raises(ValueError, match=r"across 2 workers does not "
+                                              r"support staged_input_fn"):
+    tf.compat.v1.train.create_global_step()
+    features, labels = staged()
+    towered(features, labels, tf.estimator.ModeKeys.TRAIN, None, tf.estimator.RunConfig())
 
 
 def test_a_model_fn_without_gradients_across_workers_is_an_error(monkeypatch):
