@@ -9,6 +9,8 @@ predictions must equal the plain model_fn's, and a metric of a per-shard
 scalar keeps its per-shard meaning over the non-empty shards only.
 """
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -64,10 +66,30 @@ def py_func_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def _trained_plain(model_fn, input_fn):
+def _reference_input_fn():
+  x, y = testlib.data(NUM_EXAMPLES, seed=5)
+  return testlib.input_fn(x, y, BATCH)()
+
+
+_INPUTS = {py_func_model_fn: _input_fn, testlib.v1_model_fn: _reference_input_fn}
+
+
+@functools.lru_cache(maxsize=None)
+def _trained_plain(model_fn):
+  """The plain model_fn after one step on its input (shared by the device counts)."""
   plain = testlib.make_estimator(model_fn)
-  plain.train(input_fn, steps=1)
+  plain.train(_INPUTS[model_fn], steps=1)
   return plain
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_metrics(model_fn):
+  return _trained_plain(model_fn).evaluate(_INPUTS[model_fn], name='plain')
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_predictions(model_fn):
+  return list(_trained_plain(model_fn).predict(_INPUTS[model_fn]))
 
 
 def _towered(model_fn, num_devices, model_dir):
@@ -91,9 +113,9 @@ def _shard_means(num_devices):
 
 @pytest.mark.parametrize('num_devices', DEVICE_COUNTS)
 def test_py_func_metrics_evaluate_like_plain(num_devices):
-  plain = _trained_plain(py_func_model_fn, _input_fn)
-  expected = plain.evaluate(_input_fn, name='plain')
-  metrics = _towered(py_func_model_fn, num_devices, plain.model_dir).evaluate(
+  expected = _plain_metrics(py_func_model_fn)
+  metrics = _towered(py_func_model_fn, num_devices,
+                     _trained_plain(py_func_model_fn).model_dir).evaluate(
       _input_fn, name='towered')
   assert sorted(metrics) == sorted(expected)
   for key in ('doubled', 'mse', 'loss', 'global_step'):
@@ -105,9 +127,9 @@ def test_py_func_metrics_evaluate_like_plain(num_devices):
 
 @pytest.mark.parametrize('num_devices', DEVICE_COUNTS)
 def test_predictions_in_order_like_plain(num_devices):
-  plain = _trained_plain(py_func_model_fn, _input_fn)
-  expected = list(plain.predict(_input_fn))
-  predicted = list(_towered(py_func_model_fn, num_devices, plain.model_dir).predict(_input_fn))
+  expected = _plain_predictions(py_func_model_fn)
+  predicted = list(_towered(py_func_model_fn, num_devices,
+                            _trained_plain(py_func_model_fn).model_dir).predict(_input_fn))
   assert len(predicted) == len(expected) == NUM_EXAMPLES
   for key in ('prediction', 'doubled'):
     testlib.assert_close([p[key] for p in predicted], [p[key] for p in expected], err_msg=key)
@@ -115,12 +137,10 @@ def test_predictions_in_order_like_plain(num_devices):
 
 @pytest.mark.parametrize('num_devices', DEVICE_COUNTS)
 def test_reference_model_metrics_equal_plain(num_devices):
-  x, y = testlib.data(NUM_EXAMPLES, seed=5)
-  input_fn = testlib.input_fn(x, y, BATCH)
-  plain = _trained_plain(testlib.v1_model_fn, input_fn)
-  expected = plain.evaluate(input_fn, name='plain')
-  metrics = _towered(testlib.v1_model_fn, num_devices, plain.model_dir).evaluate(
-      input_fn, name='towered')
+  expected = _plain_metrics(testlib.v1_model_fn)
+  metrics = _towered(testlib.v1_model_fn, num_devices,
+                     _trained_plain(testlib.v1_model_fn).model_dir).evaluate(
+                         _reference_input_fn, name='towered')
   assert sorted(metrics) == sorted(expected)
   for key in expected:
     testlib.assert_close(metrics[key], expected[key], err_msg=key)

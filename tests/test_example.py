@@ -22,6 +22,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+# For its side effect: Estimator's graph.pbtxt written by protobuf's C encoder.
+import testlib  # pylint: disable=unused-import
+
 EXAMPLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                            os.pardir, 'examples', 'cifar10')
 sys.path.insert(0, EXAMPLE_DIR)

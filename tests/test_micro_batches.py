@@ -7,6 +7,7 @@ and of 3 (smaller than N*k), with the batch size known only at run time (the
 common case) or statically.
 """
 
+import functools
 import re
 
 import numpy as np
@@ -87,11 +88,21 @@ def train_1_then_2(model_fn, fn, num_cpus=1):
   return after_1, testlib.variables(est)
 
 
-def check_like_plain(name, num_devices, k, batch, static=False, variable_strategy='cpu'):
+def _input_fn(batch, static=False):
   x, y = testlib.data(batch)
-  fn = testlib.input_fn(x, y, batch, static_batch=static, epochs=3)
+  return testlib.input_fn(x, y, batch, static_batch=static, epochs=3)
+
+
+@functools.lru_cache(maxsize=None)
+def plain_reference(name, batch, static=False):
+  """The plain model_fn's variables after 1 and 3 steps (shared by the layouts)."""
+  return train_1_then_2(model_fn_with(name), _input_fn(batch, static))
+
+
+def check_like_plain(name, num_devices, k, batch, static=False, variable_strategy='cpu'):
+  fn = _input_fn(batch, static)
   model_fn = model_fn_with(name)
-  plain = train_1_then_2(model_fn, fn)
+  plain = plain_reference(name, batch, static)
   towered = train_1_then_2(
       replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices), micro_batches=k,
                          variable_strategy=variable_strategy),
@@ -133,11 +144,9 @@ def test_batch_smaller_than_devices_times_micro_batches(num_devices, k, batch, s
 
 
 def test_num_gpus_zero_the_cpu_alone():
-  x, y = testlib.data(7)
-  fn = testlib.input_fn(x, y, 7, epochs=3)
-  model_fn = model_fn_with('Momentum')
-  plain = train_1_then_2(model_fn, fn)
-  towered = train_1_then_2(replicate_model_fn(model_fn, num_gpus=0, micro_batches=3), fn)
+  plain = plain_reference('Momentum', 7)
+  towered = train_1_then_2(
+      replicate_model_fn(model_fn_with('Momentum'), num_gpus=0, micro_batches=3), _input_fn(7))
   for mine, theirs in zip(towered, plain):
     assert_close(mine, theirs)
 

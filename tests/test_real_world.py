@@ -255,12 +255,12 @@ def sync_replicas_model_fn(features, labels, mode, params):
 
 
 def _timeout_estimator(model_fn, num_cpus):
-  """Blocking ops fail after 5 s instead of hanging. Even the plain model_fn
+  """Blocking ops fail after 2 s instead of hanging. Even the plain model_fn
   needs this: after the last step the chief's queue-runner thread stays blocked
   in take_grad, and closing the session would wait Estimator's 120 s grace
   period for it."""
   config = testlib.run_config(num_cpus)
-  config.session_config.operation_timeout_in_ms = 5000
+  config.session_config.operation_timeout_in_ms = 2000
   return tf.estimator.Estimator(model_fn, model_dir=tempfile.mkdtemp(prefix='et_'),
                                 config=config)
 

@@ -17,16 +17,29 @@ from estimator_towers import replicate_model_fn
 ModeKeys = tf.estimator.ModeKeys
 
 
-def _train_pair(model_fn, num_devices, fn, steps=1, params=None, **towered_kwargs):
-  """Variables after `steps` steps of the plain and the towered model_fn."""
-  plain = testlib.make_estimator(model_fn, params=params)
-  plain.train(fn, steps=steps)
+def _input_fn(num_examples, epochs=1):
+  """Batches of 7 of testlib.data(num_examples), `epochs` times."""
+  x, y = testlib.data(num_examples)
+  return testlib.input_fn(x, y, 7, epochs=epochs)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_variables(model_fn, num_examples, epochs, steps):
+  """The plain model_fn's variables after `steps` steps (shared by the device counts)."""
+  plain = testlib.make_estimator(model_fn)
+  plain.train(_input_fn(num_examples, epochs), steps=steps)
+  return testlib.variables(plain)
+
+
+def _train_pair(model_fn, num_devices, num_examples, epochs=1, steps=1, **towered_kwargs):
+  """Variables after `steps` steps of the plain and the towered model_fn, on
+  batches of 7 of testlib.data(num_examples) repeated `epochs` times."""
   towered = testlib.make_estimator(
       replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices),
                          **towered_kwargs),
-      num_cpus=num_devices, params=params)
-  towered.train(fn, steps=steps)
-  return testlib.variables(plain), testlib.variables(towered)
+      num_cpus=num_devices)
+  towered.train(_input_fn(num_examples, epochs), steps=steps)
+  return _plain_variables(model_fn, num_examples, epochs, steps), testlib.variables(towered)
 
 
 # --- Decorator forms and signature ---------------------------------------------
@@ -124,8 +137,7 @@ def _partly_used_model_fn(features, labels, mode, params):
 
 @pytest.mark.parametrize('num_devices', [2, 3])
 def test_variables_without_gradient(num_devices):
-  x, y = testlib.data(7)
-  plain, towered = _train_pair(_partly_used_model_fn, num_devices, testlib.input_fn(x, y, 7))
+  plain, towered = _train_pair(_partly_used_model_fn, num_devices, 7)
   testlib.assert_variables_close(towered, plain)
   np.testing.assert_array_equal(towered['unused'], np.ones(3))
 
@@ -154,9 +166,7 @@ def _two_optimizers_model_fn(features, labels, mode, params):
 
 @pytest.mark.parametrize('num_devices', [2, 3])
 def test_two_optimizers_with_slots_over_three_steps(num_devices):
-  x, y = testlib.data(21)
-  fn = testlib.input_fn(x, y, 7, epochs=3)
-  plain, towered = _train_pair(_two_optimizers_model_fn, num_devices, fn, steps=3)
+  plain, towered = _train_pair(_two_optimizers_model_fn, num_devices, 21, epochs=3, steps=3)
   assert any(name.endswith('/Momentum') for name in plain)  # slots are checkpointed
   assert plain['global_step'] == 3
   testlib.assert_variables_close(towered, plain)
@@ -181,9 +191,8 @@ def _controlled_gradients_model_fn(features, labels, mode, params):
 def test_gradients_keep_the_control_dependencies_they_were_asked_in(num_devices):
   """The whole-batch gradients are built without the block's control inputs,
   which are put back on the gradients handed over: the counter still counts."""
-  x, y = testlib.data(14)
-  fn = testlib.input_fn(x, y, 7, epochs=2)
-  plain, towered = _train_pair(_controlled_gradients_model_fn, num_devices, fn, steps=3)
+  plain, towered = _train_pair(_controlled_gradients_model_fn, num_devices, 14, epochs=2,
+                               steps=3)
   assert plain['counter'] == 3
   testlib.assert_variables_close(towered, plain)
 
@@ -199,12 +208,10 @@ def _sum_loss_model_fn(features, labels, mode, params):
 
 
 def test_sum_reduced_loss():
-  x, y = testlib.data(7)
-  fn = testlib.input_fn(x, y, 7)
-  plain, towered = _train_pair(_sum_loss_model_fn, 3, fn, loss_reduction='sum')
+  plain, towered = _train_pair(_sum_loss_model_fn, 3, 7, loss_reduction='sum')
   testlib.assert_variables_close(towered, plain)
   # The mean weighting would be wrong for a sum-reduced loss: the test can fail.
-  _, wrong = _train_pair(_sum_loss_model_fn, 3, fn, loss_reduction='mean')
+  _, wrong = _train_pair(_sum_loss_model_fn, 3, 7, loss_reduction='mean')
   assert not np.allclose(wrong['dense/kernel'], plain['dense/kernel'], atol=1e-5)
 
 
@@ -422,9 +429,7 @@ def _sequential_model_fn(features, labels, mode, params):
 
 
 def test_keras_sequential_with_adam_over_three_steps():
-  x, y = testlib.data(21)
-  fn = testlib.input_fn(x, y, 7)
-  plain, towered = _train_pair(_sequential_model_fn, 3, fn, steps=3)
+  plain, towered = _train_pair(_sequential_model_fn, 3, 21, steps=3)
   assert plain['global_step'] == 3
   assert any('Adam' in name or '/m' in name for name in plain), sorted(plain)
   testlib.assert_variables_close(towered, plain)
