@@ -562,9 +562,10 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
     """Tower k, in a clean context, up to its `stop_at`-th gradient request."""
     expected = None if stop_at is None else broker.variables_at[stop_at]
     first_op = len(graph.get_operations())
+    # Its updates would be dropped: Keras' batch-norm updates are not built.
     with interception.clean_context(graph, builder.devices), variable_sharing.suspended(), \
         graph.name_scope(f'tower_{k}'), _tower_collections(builder.base), \
-        broker.building(k, stop_at):
+        broker.building(k, stop_at), interception.batch_norm_updates_skipped():
       spec = builder.build(k, reuse=True, expected=expected)
     _detach_side_effects(graph.get_operations()[first_op:])
     if not broker.stopped_at_expected_request(k):

@@ -1,0 +1,102 @@
+"""What building a towered graph costs, in measures a loaded machine does not distort.
+
+Wall-clock times to first step (bench/towers_bench.py, bench/sync_bn_bench.py)
+stretch with every other job on the machine. This script prints, for
+bench/towers_bench.py's models at N = --n (plain: one device):
+
+1. the model_fn's graph construction: CPU seconds of the building thread
+   (`time.thread_time`, which other processes do not inflate; median of
+   --build_rounds builds, contenders interleaved) and the graph's op count;
+2. the executed graph of a training step: the partition graphs TensorFlow
+   runs (after grappler), their node count and node types
+   (`RunOptions(output_partition_graphs=True)`; with --show_types, the
+   histogram), which tells whether a change to graph construction changed
+   what a step executes.
+
+  python bench/build_cost.py --model=resnet --n=8 --contenders=plain,towered,synced
+  PYTHONPATH=<other checkout> python bench/build_cost.py ...   # the same for another build
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+
+from absl import app
+from absl import flags
+from absl import logging as absl_logging
+import tensorflow as tf
+
+import towers_bench as tb
+
+flags.DEFINE_string('model', 'resnet', 'mlp or resnet.')
+flags.DEFINE_integer('n', 8, 'Devices of the towered contenders.')
+flags.DEFINE_list('profile_contenders', ['plain', 'towered', 'synced'], 'Contenders.')
+flags.DEFINE_bool('show_types', False, 'Print the executed graph\'s node types.')
+FLAGS = flags.FLAGS
+
+
+def build_seconds(contender: str) -> tuple[float, int]:
+  """CPU seconds of the model_fn call building a TRAIN graph, and the graph's ops."""
+  n = 1 if contender == 'plain' else FLAGS.n
+  estimator, input_fn = tb.make_estimator(FLAGS.model, contender, n, {})
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.create_global_step()
+    features, labels = tf.compat.v1.data.make_one_shot_iterator(input_fn()).get_next()
+    start = time.thread_time()
+    estimator._call_model_fn(features, labels, tf.estimator.ModeKeys.TRAIN,  # pylint: disable=protected-access
+                             estimator.config)
+    return time.thread_time() - start, len(graph.get_operations())
+
+
+class _Partitions(tf.compat.v1.train.SessionRunHook):
+  """The partition graphs of the second step."""
+
+  def __init__(self):
+    self.step, self.graphs = 0, None
+
+  def before_run(self, run_context):
+    self.step += 1
+    if self.step == 2:
+      return tf.compat.v1.train.SessionRunArgs(None, options=tf.compat.v1.RunOptions(
+          output_partition_graphs=True))
+    return None
+
+  def after_run(self, run_context, run_values):
+    if self.step == 2:
+      self.graphs = run_values.run_metadata.partition_graphs
+
+
+def executed(contender: str) -> collections.Counter:
+  """Node types of the graphs a training step executes."""
+  n = 1 if contender == 'plain' else FLAGS.n
+  estimator, input_fn = tb.make_estimator(FLAGS.model, contender, n, {})
+  hook = _Partitions()
+  estimator.train(input_fn, steps=3, hooks=[hook])
+  return collections.Counter(node.op for graph in hook.graphs for node in graph.node)
+
+
+def main(argv):
+  del argv
+  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+  absl_logging.set_verbosity(absl_logging.ERROR)
+  contenders = FLAGS.profile_contenders
+  build_seconds('towered')  # one-off costs
+  times = {c: [] for c in contenders}
+  for r in range(FLAGS.build_rounds):
+    for contender in (contenders if r % 2 == 0 else contenders[::-1]):
+      times[contender].append(build_seconds(contender))
+  print(f'# {tb.load()}; {FLAGS.model}, N={FLAGS.n} (plain: 1), {FLAGS.build_rounds} builds\n')
+  print('| contender | model_fn CPU s (median) | graph ops | executed nodes per step |')
+  print('|---|---|---|---|')
+  for contender in contenders:
+    types = executed(contender)
+    print(f'| {contender} | {statistics.median(t for t, _ in times[contender]):.3f} | '
+          f'{times[contender][0][1]:,} | {sum(types.values()):,} |', flush=True)
+    if FLAGS.show_types:
+      print('  ' + ', '.join(f'{k} {v}' for k, v in sorted(types.items())))
+
+
+if __name__ == '__main__':
+  app.run(main)
