@@ -21,7 +21,7 @@ setuptools.setup(
     extras_require={
         # GPU users: pip install 'estimator_towers[gpu]' (tensorflow-gpu is gone from PyPI).
         'gpu': ['tensorflow[and-cuda]==2.15.1'],
-        'test': ['pytest>=7', 'pytest-timeout>=2', 'hypothesis>=6'],
+        'test': ['pytest>=7', 'pytest-timeout>=2', 'pytest-xdist>=3', 'hypothesis>=6'],
         # bench/towers_bench.py's plot: pip install -e '.[bench]'
         'bench': ['matplotlib>=3.5'],
     },

@@ -97,7 +97,14 @@ def bert_style_model_fn(features, labels, mode, params):
   grads, norm = tf.clip_by_global_norm(grads, clip_norm=1.0)
   tf.compat.v1.add_to_collection(NORM_COLLECTION, norm)
   train_op = optimizer.apply_gradients(zip(grads, tvars), global_step=global_step)
-  new_global_step = global_step + 1
+  # BERT's own lines (`new_global_step = global_step + 1` beside the update)
+  # race with the learning rate's read of global_step, on one device too:
+  # nothing orders the read before the assign, so a loaded machine sometimes
+  # trains a step at the next step's rate (seen once in CI, plain or towered:
+  # 1.6e-2 after 3 steps). The increment waits for the update here, so that
+  # plain is well defined and the comparison means something.
+  with tf.control_dependencies([train_op]):
+    new_global_step = global_step + 1
   train_op = tf.group(train_op, [global_step.assign(new_global_step)])
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
