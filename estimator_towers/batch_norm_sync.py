@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -54,6 +55,20 @@ from estimator_towers import tower_context
 # Layer options that make a batch norm's result depend on how the batch is
 # split; the value that turns each off.
 _UNSYNCABLE = (('renorm', False), ('virtual_batch_size', None), ('adjustment', None))
+
+# The gradient of a synchronised fused batch norm: an IdentityN of (y, x, scale,
+# offset) carries it; the function is looked up by graph and op name.
+_GRADIENT = 'EstimatorTowersSyncBatchNorm'
+_pending_gradients: 'weakref.WeakKeyDictionary[tf.Graph, dict]' = weakref.WeakKeyDictionary()
+_registered = []
+
+
+def _register_gradient() -> None:
+  if not _registered:
+    tf.RegisterGradient(_GRADIENT)(
+        lambda op, dy, *unused: _pending_gradients[op.graph][op.name](dy))
+    _registered.append(_GRADIENT)
+
 
 class BatchNormSyncError(ValueError):
   """A batch norm that cannot be synchronised across towers."""
@@ -87,6 +102,7 @@ class BatchNormSync:
     self._calls: dict[int, int] = {}      # per tower: sync points made so far
     self._arithmetics: dict[int, _Arithmetic] = {}  # per tower
     self._builds: dict[int, int] = {}     # per tower: the build that made them
+    self._presents_column = None
 
   @contextlib.contextmanager
   def syncing(self) -> Iterator[None]:
@@ -124,12 +140,10 @@ class BatchNormSync:
       kernel = _FusedKernel(original, epsilon, data_format)
       point = self._sync_point(tower)
       arithmetic = self._arithmetic(tower, original)
-      row = arithmetic.local_row(x, scale, self._present[tower], epsilon, data_format)
-      # No gradient through the statistics: _fused_normalise's gradient has it.
       batch_mean, batch_var, corrected, total = point.forward.join(
-          tower, row,
-          lambda rows: arithmetic.global_statistics(tf.stop_gradient(
-              self._table(rows, lambda table: _fused_row(arithmetic.global_statistics(table))))))
+          tower, arithmetic.local_statistics(x, scale, epsilon, data_format),
+          lambda rows: self._fused_statistics(arithmetic, rows, x.shape.rank,
+                                              _channel_axis(x, data_format)))
       new_mean, new_variance = batch_mean, corrected
       if exponential_avg_factor not in (None, 1, 1.0):
         f = float(exponential_avg_factor)
@@ -138,6 +152,21 @@ class BatchNormSync:
       y = self._fused_normalise(kernel, tower, point, x, scale, offset, batch_mean, batch_var,
                                 total)
       return y, new_mean, new_variance, new_mean, new_variance, new_variance
+
+  def _fused_statistics(self, arithmetic: '_Arithmetic', rows: list, rank: int, axis: int):
+    """The global statistics from the towers' rows (shape, mean, variance), once per sync point.
+
+    An empty shard's borrowed row counts 0 (its presence factor); its mean
+    and variance are then weighted by 0 in Chan's combination. Across
+    workers, every worker's towers are combined to one row first, and the
+    workers' rows (rank order) combined the same way.
+    """
+    statistics = arithmetic.counted(tf.stop_gradient(tf.stack(rows)), rank, axis,
+                                    self._presents())
+    if self._across is not None:
+      row = _fused_row(arithmetic.global_statistics(*statistics))
+      statistics = arithmetic.split_table(self._across.gather(row[None]))
+    return arithmetic.global_statistics(*statistics)
 
   def _fused_normalise(self, kernel: '_FusedKernel', tower: int, point: '_SyncPoint', x, scale,
                        offset, mean, variance, count):
@@ -157,24 +186,57 @@ class BatchNormSync:
     scale / (s n) * (sum(dy * x^), sum(dy)) as its scale and offset gives the
     last two terms. An empty shard's borrowed row is not in the statistics:
     its gradient is scale / s * dy alone.
+
+    The gradient is attached to an IdentityN of (y, x, scale, offset) whose
+    gradient is this function's (`_register_gradient`), not by
+    `tf.custom_gradient`, which scans the graph's variables and the ops
+    between its inputs and outputs on every call.
     """
-    present = self._present[tower]
+    x, scale, offset = (tf.convert_to_tensor(t) for t in (x, scale, offset))
+    y, reserve = kernel.apply(x, scale, offset, mean, variance)
 
-    @tf.custom_gradient
-    def normalise(x, scale, offset, mean, variance):
-      y, reserve = kernel.apply(x, scale, offset, mean, variance)
+    def grad(dy):
+      dx, dscale, doffset = kernel.gradient(dy, x, scale, mean, variance, reserve)
+      position = sorted(self._devices).index(tower)
+      scales, offsets = point.backward(tower).join(
+          tower, tf.stack([dscale, doffset]),
+          lambda sums: self._correction_scales(self._arithmetic(tower), sums, scale, variance,
+                                               count, kernel.epsilon))
+      correction, _ = kernel.apply(x, scales[position], offsets[position], mean, variance)
+      return None, dx - correction, dscale, doffset
 
-      def grad(dy):
-        dx, dscale, doffset = kernel.gradient(dy, x, scale, mean, variance, reserve)
-        sum_scale, sum_offset = point.backward(tower).join(
-            tower, _times(tf.stack([dscale, doffset]), present),
-            lambda sums: self._arithmetic(tower).correction_scales(
-                self._total(tf.add_n(sums)), scale, variance, count, kernel.epsilon))
-        sum_scale, sum_offset = _times(sum_scale, present), _times(sum_offset, present)
-        correction, _ = kernel.apply(x, sum_scale, sum_offset, mean, variance)
-        return dx - correction, dscale, doffset, None, None
-      return y, grad
-    return normalise(x, scale, offset, mean, variance)
+    _register_gradient()
+    with self._graph.gradient_override_map({'IdentityN': _GRADIENT}):
+      outputs = tf.raw_ops.IdentityN(input=[y, x, scale, offset])
+    _pending_gradients.setdefault(self._graph, {})[outputs[0].op.name] = grad
+    return outputs[0]
+
+  def _correction_scales(self, arithmetic: '_Arithmetic', sums: list, scale, variance, count,
+                         epsilon: float):
+    """Per tower, the correction kernel's scale and offset, from the towers' [dscale, doffset].
+
+    scale / (s n) * (sum(dy * x^), sum(dy)) over the global batch; zero for
+    a tower whose shard is empty (its borrowed row is not in the statistics).
+    """
+    presents = self._presents()
+    if presents is None:
+      totals = tf.add_n(sums)
+    else:
+      totals = tf.reduce_sum(tf.stack(sums) * tf.expand_dims(presents, 2), 0)
+    scales = arithmetic.correction_scales(self._total(totals), scale, variance, count, epsilon)
+    if presents is None:
+      return [[t] * len(sums) for t in scales]
+    return [tf.unstack(presents * t) for t in scales]
+
+  def _presents(self):
+    """The towers' presence factors as a [towers, 1] column, or None when all are 1."""
+    if all(isinstance(p, float) and p == 1.0 for p in self._present.values()):
+      return None
+    if self._presents_column is None:
+      with self._graph.control_dependencies(None), tf.name_scope('sync_batch_norm_presents'):
+        self._presents_column = tf.reshape(tf.stack(
+            [tf.cast(self._present[k], tf.float32) for k in sorted(self._devices)]), [-1, 1])
+    return self._presents_column
 
   def _moments(self, original, x, axes, shift=None, name=None, keep_dims=None,
                keepdims=None):
@@ -207,12 +269,12 @@ class BatchNormSync:
     statistics. An empty shard (its borrowed row) counts 0.
     """
     row = tf.concat([tf.reshape(tf.cast(count, mean.dtype), [1]), mean, m2], 0)
-    return point.forward.join(tower, _times(row, self._present[tower]),
-                              lambda rows: _chan(self._table(rows, lambda t: _chan_row(_chan(t)))))
+    return point.forward.join(
+        tower, _times(row, self._present[tower]),
+        lambda rows: _chan(self._table(tf.stack(rows), lambda t: _chan_row(_chan(t)))))
 
-  def _table(self, rows: list, combine: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
+  def _table(self, table: tf.Tensor, combine: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
     """The towers' rows; across workers, every worker's towers combined to one row (rank order)."""
-    table = tf.stack(rows)
     return table if self._across is None else self._across.gather(combine(table)[None])
 
   def _total(self, sums: tf.Tensor) -> tf.Tensor:
@@ -346,17 +408,15 @@ class _Arithmetic:
       self._constants[key] = tf.constant(value, dtype)
     return self._constants[key]
 
-  def local_row(self, x, scale, present, epsilon, data_format):
-    """The shard's (count, mean, variance) per channel: its row of the statistics' table.
+  def local_statistics(self, x, scale, epsilon, data_format):
+    """The shard's row of the statistics' table: its shape, per-channel mean and variance.
 
     By the training kernel: its variance has Bessel's correction over the
-    shard's count. An empty shard's row is zeros.
+    shard's count. The shape is given as floats (a constant where static).
     """
-    axis = 1 if data_format.startswith('NC') else x.shape.rank - 1
-    channels = x.shape[axis]
+    channels = x.shape[_channel_axis(x, data_format)]
     if channels is None:  # known at run time only
       ones = tf.ones_like(scale, tf.float32)
-      channels = tf.shape(x)[axis]
       ones_zeros = (ones, ones * 0.0)
     else:
       ones_zeros = (self.const([1.0] * channels), self.const([0.0] * channels))
@@ -364,31 +424,55 @@ class _Arithmetic:
     _, mean, variance, _, _, _ = self._original(
         x, *ones_zeros, empty, empty, epsilon=epsilon, exponential_avg_factor=1,
         data_format=data_format, is_training=True)
-    if x.shape.is_fully_defined():
-      count = self.const([x.shape.num_elements() / channels])
-    else:
-      count = tf.reshape(tf.cast(tf.size(x) // channels, tf.float32), self.const([1], tf.int32))
-    return _times(tf.concat([count, mean, variance], self.const(0, tf.int32)), present)
+    shape = (self.const([float(d) for d in x.shape.as_list()]) if x.shape.is_fully_defined()
+             else tf.cast(tf.shape(x), tf.float32))
+    return tf.concat([shape, mean, variance], self.const(0, tf.int32))
 
-  def global_statistics(self, table):
-    """Global mean, variance and Bessel-corrected variance, and count: Chan et al.
+  def counted(self, rows: tf.Tensor, rank: int, axis: int, presents):
+    """The towers' rows (shape, mean, variance) as counts [towers, 1], means and variances.
 
-    With n_i, mean_i and M2_i = variance_i * max(n_i - 1, 1) the rows', n the
-    global count and mu the global mean: mu = sum(n_i mean_i) / n and
-    M2 = sum(M2_i + n_i (mean_i - mu)^2), without cancellation.
+    A count is the product of the shape's dimensions but the channels' (at
+    `axis`; in float64, exact), times the tower's presence factor (0 for an
+    empty shard) when `presents` is given.
     """
-    one, zero = self.const(1.0), self.const(0, tf.int32)
+    one = self.const(1, tf.int32)
+    channels = rows.shape[1] - rank if rows.shape[1] is not None else None
+    pieces = [axis, 1, rank - axis - 1] + ([channels // 2] * 2 if channels else [-1])
+    parts = tf.split(rows, self.const([n for n in pieces if n], tf.int32), one,
+                     num=len([n for n in pieces if n]))
+    before = parts.pop(0) if axis else None
+    parts.pop(0)  # the channel count
+    after = parts.pop(0) if rank - axis - 1 else None
+    means, variances = parts if channels else tf.split(parts[0], 2, one)
+    others = [t for t in (before, after) if t is not None]
+    others = others[0] if len(others) == 1 else tf.concat(others, one)
+    counts = tf.cast(tf.reduce_prod(tf.cast(others, tf.float64), one, keepdims=True), tf.float32)
+    if presents is not None:
+      counts = counts * presents
+    return counts, means, variances
+
+  def split_table(self, table: tf.Tensor):
+    """A table's rows (count, mean, variance) as counts [rows, 1], means and variances."""
     if table.shape[1] is None:
       channels = (tf.shape(table)[1] - 1) // 2
       sizes = tf.stack([1, channels, channels])
     else:
       channels = (table.shape[1] - 1) // 2
       sizes = self.const([1, channels, channels], tf.int32)
-    counts, means, variances = tf.split(table, sizes, self.const(1, tf.int32), num=3)
+    return tf.split(table, sizes, self.const(1, tf.int32), num=3)
+
+  def global_statistics(self, counts, means, variances):
+    """Global mean, variance and Bessel-corrected variance, and count: Chan et al.
+
+    With n_i, mean_i and M2_i = variance_i * max(n_i - 1, 0) the rows', n the
+    global count and mu the global mean: mu = sum(n_i mean_i) / n and
+    M2 = sum(M2_i + n_i (mean_i - mu)^2), without cancellation.
+    """
+    one, zero = self.const(1.0), self.const(0, tf.int32)
     total = tf.reduce_sum(counts, self.const([0, 1], tf.int32))
     safe = tf.maximum(total, one)
     mean = tf.reduce_sum(counts / safe * means, zero)
-    m2 = tf.reduce_sum(variances * tf.maximum(counts - one, one) + counts *
+    m2 = tf.reduce_sum(variances * tf.maximum(counts - one, self.const(0.0)) + counts *
                        tf.math.squared_difference(means, mean), zero)
     return mean, m2 / safe, m2 / tf.maximum(total - one, one), total
 
@@ -423,6 +507,11 @@ class _FusedKernel:
 def _times(t: tf.Tensor, factor) -> tf.Tensor:
   """t * factor, without an op when factor is the Python float 1.0."""
   return t if isinstance(factor, float) and factor == 1.0 else t * tf.cast(factor, t.dtype)
+
+
+def _channel_axis(x: tf.Tensor, data_format: str) -> int:
+  """The channel axis of a fused batch norm's input."""
+  return 1 if data_format.startswith('NC') else x.shape.rank - 1
 
 
 def _local_moments(x: tf.Tensor, axes: Sequence[int]):

@@ -77,9 +77,20 @@ def keras_fused_model_fn(features, labels, mode, params):
 
 def direct_fused_model_fn(features, labels, mode, params):
   """tf.compat.v1.nn.fused_batch_norm called directly, tf_slim style."""
+  return _direct_fused(features, labels, mode, 'NHWC')
+
+
+def direct_fused_nchw_model_fn(features, labels, mode, params):
+  """The same with channels first (GPU models' layout): the channel axis is 1."""
+  return _direct_fused(features, labels, mode, 'NCHW')
+
+
+def _direct_fused(features, labels, mode, data_format):
   training = mode == ModeKeys.TRAIN
   h = tf.compat.v1.layers.conv2d(
       features, 4, 3, kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1))
+  if data_format == 'NCHW':
+    h = tf.transpose(h, [0, 3, 1, 2])
   ones, zeros = tf.compat.v1.ones_initializer(), tf.compat.v1.zeros_initializer()
   scale = tf.compat.v1.get_variable('gamma', [4], initializer=ones)
   offset = tf.compat.v1.get_variable('beta', [4], initializer=zeros)
@@ -87,13 +98,16 @@ def direct_fused_model_fn(features, labels, mode, params):
   moving_var = tf.compat.v1.get_variable('moving_variance', [4], initializer=ones,
                                          trainable=False)
   if training:
-    h, mean, variance = tf.compat.v1.nn.fused_batch_norm(h, scale, offset, is_training=True)
+    h, mean, variance = tf.compat.v1.nn.fused_batch_norm(h, scale, offset, is_training=True,
+                                                         data_format=data_format)
     tf.compat.v1.add_to_collection(UPDATE_OPS, moving_mean.assign(0.9 * moving_mean + 0.1 * mean))
     tf.compat.v1.add_to_collection(UPDATE_OPS,
                                    moving_var.assign(0.9 * moving_var + 0.1 * variance))
   else:
     h, _, _ = tf.compat.v1.nn.fused_batch_norm(h, scale, offset, moving_mean, moving_var,
-                                               is_training=False)
+                                               is_training=False, data_format=data_format)
+  if data_format == 'NCHW':
+    h = tf.transpose(h, [0, 2, 3, 1])
   loss = _head(tf.reduce_mean(tf.nn.relu(h), [1, 2]), labels, mode)
   return _train_spec(mode, loss)
 
@@ -113,6 +127,7 @@ MODELS = {
     'keras': (testlib.keras_model_fn, _vectors, {'learning_rate': 0.5}),
     'keras_fused': (keras_fused_model_fn, _images, None),
     'direct_fused': (direct_fused_model_fn, _images, None),
+    'direct_fused_nchw': (direct_fused_nchw_model_fn, _images, None),
 }
 _references = {}
 
