@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from typing import Any, Callable, Iterator
 
 import tensorflow as tf
@@ -134,33 +135,58 @@ def batch_norm_calls(fused: Callable, moments: Callable) -> Iterator[None]:
 _KERAS_BATCH_NORM = 'keras.src.layers.normalization.batch_normalization'
 
 
-def _no_update(layer, updates, inputs=None):  # pylint: disable=unused-argument
-  """Keras' `Layer.add_update` that adds nothing (its callables are not called)."""
+# Which threads skip batch-norm updates (depth of nesting), and the one patch
+# of Keras' add_update shared by them (installed while any thread skips).
+_skipping = threading.local()
+_skip_patch = {'users': 0, 'base': None, 'own': None}
+_skip_lock = threading.Lock()
+
+
+def _skipping_add_update(layer, *args, **kwargs):
+  """Keras' `Layer.add_update`, which adds nothing in a thread that skips updates."""
+  if getattr(_skipping, 'depth', 0):
+    return None  # its callables are not called
+  own = _skip_patch['own']
+  if own is not None:
+    return own(layer, *args, **kwargs)
+  return super(_skip_patch['base'], layer).add_update(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def batch_norm_updates_skipped() -> Iterator[None]:
-  """While active, Keras batch-norm layers build no moving-average updates.
+  """While active, Keras batch-norm layers built in this thread build no moving-average updates.
 
   `add_update` of Keras' `BatchNormalizationBase` (Keras' and
-  `tf.compat.v1.layers`' batch norms, fused or not) ignores its updates; the
-  layer's outputs are unchanged (renorm's corrections, which read updated
-  values, are built outside `add_update`). Nothing happens when Keras' batch
-  norm was never imported.
+  `tf.compat.v1.layers`' batch norms, fused or not) ignores its updates in
+  this thread; other threads building batch norms meanwhile keep theirs
+  (the patch is one, shared, and asks which thread calls). The layer's
+  outputs are unchanged (renorm's corrections, which read updated values,
+  are built outside `add_update`). Nothing happens when Keras' batch norm
+  was never imported.
   """
   base = getattr(sys.modules.get(_KERAS_BATCH_NORM), 'BatchNormalizationBase', None)
   if base is None:
     yield
     return
-  own = base.__dict__.get('add_update')
-  base.add_update = _no_update
+  with _skip_lock:
+    if _skip_patch['users'] == 0:
+      _skip_patch.update(base=base, own=base.__dict__.get('add_update'))
+      base.add_update = _skipping_add_update
+    _skip_patch['users'] += 1
+  depth = getattr(_skipping, 'depth', 0)
+  _skipping.depth = depth + 1
   try:
     yield
   finally:
-    if own is None:
-      del base.add_update
-    else:
-      base.add_update = own
+    _skipping.depth = depth
+    with _skip_lock:
+      _skip_patch['users'] -= 1
+      if _skip_patch['users'] == 0:
+        if _skip_patch['own'] is None:
+          del base.add_update
+        else:
+          base.add_update = _skip_patch['own']
+        _skip_patch.update(base=None, own=None)
 
 
 def device_stack(graph: tf.Graph) -> Any:

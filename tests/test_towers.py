@@ -6,12 +6,14 @@ plain Estimator on the same data.
 
 import functools
 import os
+import threading
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import testlib
+from estimator_towers import interception
 from estimator_towers import replicate_model_fn
 
 ModeKeys = tf.estimator.ModeKeys
@@ -262,6 +264,37 @@ def test_only_tower_zero_builds_batch_norm_updates():
   updates = [op.name for op in graph.get_operations() if op.type == 'AssignSubVariableOp'
              and 'AssignMovingAvg' in op.name]
   assert len(updates) == 2 and not any(name.startswith('tower_') for name in updates), updates
+
+
+def test_batch_norm_updates_are_skipped_only_in_the_thread_building_later_towers():
+  """The skip is the building thread's: a batch norm another thread builds meanwhile keeps
+  its moving-average updates (Keras' add_update is patched for the process, so the
+  patch asks which thread calls)."""
+
+  def updates_of_a_batch_norm():
+    with tf.Graph().as_default() as graph:
+      tf.compat.v1.layers.batch_normalization(
+          tf.compat.v1.placeholder(tf.float32, [None, 3]), training=True)
+      return len(graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS))
+
+  assert updates_of_a_batch_norm() == 2  # Keras' batch norm imported: the patch applies
+  entered, release, inside = threading.Event(), threading.Event(), []
+
+  def building_later_towers():
+    with interception.batch_norm_updates_skipped():
+      inside.append(updates_of_a_batch_norm())
+      entered.set()
+      release.wait(30)
+
+  thread = threading.Thread(target=building_later_towers)
+  thread.start()
+  try:
+    assert entered.wait(30)
+    meanwhile = updates_of_a_batch_norm()
+  finally:
+    release.set()
+    thread.join(30)
+  assert (inside, meanwhile, updates_of_a_batch_norm()) == ([0], 2, 2)
 
 
 # --- Features -------------------------------------------------------------------
