@@ -132,16 +132,13 @@ def rebuilt(expression: Expression, find: Callable, nonempty: Sequence, grad_y: 
   whole, totals = _rebuilt_loss(expression, statistics, nonempty, across)
   if across is None:
     return Seeds([([whole], [grad_y])] + [([], [])] * (len(nonempty) - 1), whole)
-  keys = list(totals)
+  keys = [s.key for s in expression.statistics if s.trained]  # the others reach no variable
   with tf.device(None), tf.name_scope('whole_batch_coefficients'):
     found = tf.gradients(whole, [totals[key] for key in keys],
                          grad_ys=None if grad_y is None else [grad_y])
-  coefficients = {key: c for key, c in zip(keys, found) if c is not None}
-  shards = []
-  for values, ne in zip(statistics, nonempty):
-    weight = _weight(ne, None)
-    shards.append(([values[key] for key in coefficients],
-                   [c * tf.cast(weight, c.dtype) for c in coefficients.values()]))
+  coefficients = dict(zip(keys, found))
+  shards = [_shard_seeds(values, coefficients, _weight(ne, None))
+            for values, ne in zip(statistics, nonempty)]
   return Seeds(shards, whole, list(totals.values()))
 
 
@@ -362,10 +359,9 @@ def micro_batch(expression: Expression, find: Callable, ungated: Callable,
     coefficients = _coefficients(expression, dict(totals, **estimates), numerators, totals,
                                  values)
     checks.extend(_check_counts(expression, estimates, totals, nonempty[i]))
-    weight = _weight(nonempty[i], grad_y)
-    ys.append([found[s.key] for s in numerators if coefficients[s.key] is not None])
-    grad_ys.append([coefficients[s.key] * tf.cast(weight, coefficients[s.key].dtype)
-                    for s in numerators if coefficients[s.key] is not None])
+    shard_ys, shard_grad_ys = _shard_seeds(found, coefficients, _weight(nonempty[i], grad_y))
+    ys.append(shard_ys)
+    grad_ys.append(shard_grad_ys)
   with tf.device(None), tf.name_scope('whole_batch_loss'), tf.control_dependencies(checks):
     loss = tf.identity(expression.rebuild(totals))
   return Seeds(list(zip(ys, grad_ys)), loss, list(totals.values()))
@@ -420,6 +416,16 @@ def _check_counts(expression: Expression, estimates: dict, totals: dict, nonempt
         f'e.g. tf.reduce_sum(values * mask) / tf.reduce_sum(mask), or use '
         f'micro_batches=1.']))
   return checks
+
+
+def _shard_seeds(values: dict, coefficients: dict, weight: Any) -> tuple[list, list]:
+  """A shard's statistics and their seeds: the loss's coefficient dL/dS times the shard's weight.
+
+  Statistics whose coefficient is None (the loss does not depend on them) get none.
+  """
+  keys = [key for key, c in coefficients.items() if c is not None]
+  return ([values[key] for key in keys],
+          [coefficients[key] * tf.cast(weight, coefficients[key].dtype) for key in keys])
 
 
 def _weight(nonempty: Any, grad_y: tf.Tensor | None) -> Any:
