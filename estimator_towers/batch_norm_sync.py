@@ -65,9 +65,19 @@ _registered = []
 
 def _register_gradient() -> None:
   if not _registered:
-    tf.RegisterGradient(_GRADIENT)(
-        lambda op, dy, *unused: _pending_gradients[op.graph][op.name](dy))
+    tf.RegisterGradient(_GRADIENT)(_sync_gradient)
     _registered.append(_GRADIENT)
+
+
+def _sync_gradient(op: tf.Operation, dy: tf.Tensor, *unused) -> list:
+  grad = _pending_gradients.get(op.graph, {}).get(op.name)
+  if grad is None:
+    raise LookupError(
+        f'{op.name} is a synchronised batch norm that estimator_towers built in another '
+        f'graph (this one was copied or imported); its gradient exists only in the graph '
+        f'the towers were built in. Differentiate that graph, or build the towered '
+        f'model_fn again in this one.')
+  return grad(dy)
 
 
 class BatchNormSyncError(ValueError):

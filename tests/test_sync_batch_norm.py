@@ -375,6 +375,19 @@ def test_error_sync_batch_norm_not_a_bool():
     et.make_plan(devices=['/cpu:0'], sync_batch_norm='yes')
 
 
+def test_error_gradient_of_a_copied_graph():
+  """The gradient lives with the graph the towers were built in: a copy says so."""
+  x, y = _images(6)
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.create_global_step()
+    spec = _towered(direct_fused_model_fn, sync_batch_norm=True)(
+        tf.constant(x), tf.constant(y), ModeKeys.TRAIN, {})
+  with tf.Graph().as_default() as copy:
+    tf.import_graph_def(graph.as_graph_def(), name='')
+    with pytest.raises(LookupError, match='built in another graph .* Differentiate that graph'):
+      tf.gradients(copy.get_tensor_by_name(spec.loss.name), [copy.get_tensor_by_name('gamma:0')])
+
+
 def test_error_sync_batch_norm_with_micro_batches():
   with pytest.raises(ValueError, match=r'sync_batch_norm and micro_batches=2 cannot be combined.*'
                                        r'Use one of the two'):
