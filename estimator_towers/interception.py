@@ -186,7 +186,7 @@ def batch_norm_updates_skipped() -> Iterator[None]:
           del base.add_update
         else:
           base.add_update = _skip_patch['own']
-        _skip_patch.update(base=None, own=None)
+        # base and own stay: a call that looked the patch up just before stays valid.
 
 
 def device_stack(graph: tf.Graph) -> Any:
