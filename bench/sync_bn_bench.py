@@ -5,20 +5,28 @@ ResNet-8 (CIFAR-shaped input, seven fused batch norms, Momentum; global batch
 --batch_size) on virtual CPU devices:
 
 1. synced (`sync_batch_norm=True`) against unsynced towers at each N of
-   --num_devices: steady-state examples/second and time to first step. The
-   configurations are built in interleaved rounds (--build_rounds, order
-   reversed every other round); the last build of each keeps training in a
-   thread of its own and, in each of --rounds rounds, every configuration
-   runs one chunk of about --chunk_sec in turn while the others wait
-   (towers_bench.OpenRun). The ratio synced / unsynced is taken within a
-   round; its median over rounds is quoted.
+   --num_devices: steady-state examples/second and time to first step.
+   Steady state: each configuration keeps training in a thread of its own
+   and, in each of --rounds rounds, runs one chunk of about --chunk_sec in
+   turn while the others wait (towers_bench.OpenRun); the ratio synced /
+   unsynced is taken within a round, its median over rounds quoted.
 2. time to first step at N = --first_step_n of plain (one device), towered,
-   synced and MirroredStrategy, --build_rounds interleaved builds each, split
-   into: graph (train() until the graph is finished: input_fn, model_fn with
-   the towers and the backward pass, Estimator's own ops; `model_fn` is the
-   part inside the model_fn), session (session creation and variable
-   initialisation) and first run (graph optimisation, partitioning, executor
-   creation and the first step).
+   synced and MirroredStrategy, split into: graph (train() until the graph
+   is finished: input_fn, model_fn with the towers and the backward pass,
+   Estimator's own ops; `model_fn` is the part inside the model_fn), session
+   (session creation and variable initialisation) and first run (graph
+   optimisation, partitioning, executor creation and the first step).
+
+A time to first step is what a user waits for after starting a trainer, so
+each is measured in a fresh process (--fresh_processes, the default): the
+process first builds and runs the MLP of the same contender for one step
+(TensorFlow's and Keras' one-off costs, paid by every contender alike, stay
+out), then the measured ResNet-8. --build_rounds builds per configuration,
+interleaved (order reversed every other round), medians quoted; ratios are
+taken within a round. --nofresh_processes builds everything in this one
+long-lived process, as the bench did before 2026-11-25 (there a build's time
+also depends on what was built before it: the garbage collector's full
+collections walk every object still alive).
 
   python bench/sync_bn_bench.py            # the full run (about 10 minutes on 2 cores)
   python bench/sync_bn_bench.py --quick    # smoke run
@@ -30,8 +38,10 @@ Where a step's time goes op by op:
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -45,6 +55,9 @@ from benchlib import machine  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_integer('first_step_n', 8, 'N of the first-step comparison with plain and mirrored '
                      '(0: skip it).')
+flags.DEFINE_bool('fresh_processes', True, 'Time each first step in a fresh process.')
+flags.DEFINE_string('measure_first_step', '', 'Internal: "contender:n"; time that first step '
+                    'in this process, print it as JSON and exit.')
 FLAGS = flags.FLAGS
 
 
@@ -74,13 +87,47 @@ class _ModelFnClock:
 
 
 def first_step(contender: str, n: int, strategies: dict) -> dict:
-  """A fresh Estimator's times to its first step, with the model_fn's share."""
+  """A fresh Estimator's times to its first step, with the model_fn's share.
+
+  With --fresh_processes, in a fresh process of its own (`_measure_and_exit`).
+  """
+  if FLAGS.fresh_processes:
+    return _in_fresh_process(contender, n)
   estimator, input_fn = tb.make_estimator('resnet', contender, n, strategies)
   clock = _ModelFnClock(estimator)
   hook = tb.FirstStep()
   start = time.perf_counter()
   estimator.train(input_fn, steps=1, hooks=[hook])
   return dict(tb.first_step_times(start, hook), model_fn_sec=clock.seconds)
+
+
+def _in_fresh_process(contender: str, n: int) -> dict:
+  """`first_step` in a child process of this script (same flags), after its warm-up."""
+  argv = [sys.executable, os.path.abspath(__file__), f'--measure_first_step={contender}:{n}',
+          '--nofresh_processes'] + [
+              FLAGS[name].serialize() for name in ('batch_size', 'variable_strategy',
+                                                   'static_batch')]
+  done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+  lines = [l for l in done.stdout.splitlines() if l.startswith(_RESULT)]
+  if done.returncode != 0 or not lines:
+    raise RuntimeError(f'first step of {contender} N={n} in a fresh process failed '
+                       f'(exit {done.returncode}):\n{done.stderr[-3000:]}')
+  return json.loads(lines[-1][len(_RESULT):])
+
+
+_RESULT = 'FIRST_STEP '
+
+
+def _measure_and_exit(spec: str) -> None:
+  """The child of `_in_fresh_process`: warm-up on the MLP, then the measured build."""
+  contender, n = spec.split(':')
+  n = int(n)
+  strategies = ({n: tf.distribute.MirroredStrategy([f'/cpu:{i}' for i in range(n)])}
+                if contender == 'mirrored' else {})
+  tb.time_first_step('mlp', contender, n, strategies)  # one-off costs
+  FLAGS.fresh_processes = False
+  print(_RESULT + json.dumps(first_step(contender, n, strategies)), flush=True)
+  os._exit(0)  # pylint: disable=protected-access  # as main()
 
 
 def _median(values):
@@ -90,17 +137,14 @@ def _median(values):
 def sync_rates(counts: list[int], strategies: dict, started: float) -> list[dict]:
   """Table 1: per N, synced and unsynced examples/second and first step (medians)."""
   configs = [(c, n) for n in counts for c in ('towered', 'synced')]
-  builds, runs = [], {}
+  builds = []
   for b in range(FLAGS.build_rounds):
     for contender, n in (configs if b % 2 == 0 else configs[::-1]):
-      if b < FLAGS.build_rounds - 1:
-        times = tb.time_first_step('resnet', contender, n, strategies)
-      else:  # the last build is the steady-state run's own
-        runs[contender, n] = tb.OpenRun('resnet', contender, n, strategies)
-        times = runs[contender, n].first_step
+      times = first_step(contender, n, strategies)
       builds.append(dict(times, contender=contender, n=n, round=b))
       print(f'{time.perf_counter() - started:6.1f}s build {b} {contender:8s} N={n}: first '
             f'step {times["first_step_sec"]:.2f} s', flush=True)
+  runs = {config: tb.OpenRun('resnet', *config, strategies) for config in configs}
   chunks = {}
   for key, run in runs.items():
     seconds = run.chunk(FLAGS.warmup_steps)
@@ -176,16 +220,21 @@ def main(argv):
   absl_logging.set_verbosity(absl_logging.ERROR)
   if FLAGS.quick:
     FLAGS.rounds, FLAGS.build_rounds, FLAGS.warmup_steps, FLAGS.chunk_sec = 2, 1, 2, 0.02
+  if FLAGS.measure_first_step:
+    _measure_and_exit(FLAGS.measure_first_step)
   counts = [int(n) for n in FLAGS.num_devices]
   n = FLAGS.first_step_n
-  # MirroredStrategy must exist before any session ran.
-  strategies = {n: tf.distribute.MirroredStrategy([f'/cpu:{i}' for i in range(n)])} if n else {}
+  # MirroredStrategy must exist before any session ran (in this process: without fresh processes).
+  strategies = ({n: tf.distribute.MirroredStrategy([f'/cpu:{i}' for i in range(n)])}
+                if n and not FLAGS.fresh_processes else {})
   header = (f'{datetime.date.today()}  {machine()}  TensorFlow {tf.__version__}; global batch '
-            f'{FLAGS.batch_size}, {FLAGS.rounds} rounds, {FLAGS.build_rounds} builds')
+            f'{FLAGS.batch_size}, {FLAGS.rounds} rounds, {FLAGS.build_rounds} builds'
+            f'{" (fresh processes)" if FLAGS.fresh_processes else " (in this process)"}')
   print(f'# {header}\n# {tb.load()} at start', flush=True)
   started = time.perf_counter()
   for contender in ('plain', 'towered', 'synced', 'mirrored')[:4 if n else 3]:  # one-off costs
-    tb.time_first_step('mlp', contender, 1 if contender == 'plain' else n or 2, strategies)
+    if not FLAGS.fresh_processes:  # (a fresh process pays them before its measured build)
+      tb.time_first_step('mlp', contender, 1 if contender == 'plain' else n or 2, strategies)
   firsts = first_steps(n, strategies, started) if n else {}
   rates = sync_rates(counts, strategies, started)
   print(f'\n# {header}; {(time.perf_counter() - started) / 60:.1f} min; {tb.load()} at end')
