@@ -7,7 +7,12 @@ bench/towers_bench.py's models at N = --n (plain: one device):
 1. the model_fn's graph construction: CPU seconds of the building thread
    (`time.thread_time`, which other processes do not inflate; median of
    --build_rounds builds, contenders interleaved) and the graph's op count;
-2. the executed graph of a training step: the partition graphs TensorFlow
+2. the CPU seconds of importing that same graph from its GraphDef
+   (`tf.graph_util.import_graph_def` into an empty graph, median of the
+   builds): what building it would cost if its ops were copied instead of
+   built op by op in Python (the floor of building one tower and instancing
+   it for the others);
+3. the executed graph of a training step: the partition graphs TensorFlow
    runs (after grappler), their node count and node types
    (`RunOptions(output_partition_graphs=True)`; with --show_types, the
    histogram), which tells whether a change to graph construction changed
@@ -37,8 +42,8 @@ flags.DEFINE_bool('show_types', False, 'Print the executed graph\'s node types.'
 FLAGS = flags.FLAGS
 
 
-def build_seconds(contender: str) -> tuple[float, int]:
-  """CPU seconds of the model_fn call building a TRAIN graph, and the graph's ops."""
+def build_seconds(contender: str) -> tuple[float, int, float]:
+  """CPU seconds of the model_fn call building a TRAIN graph, its ops, and CPU seconds to import it."""
   n = 1 if contender == 'plain' else FLAGS.n
   estimator, input_fn = tb.make_estimator(FLAGS.model, contender, n, {})
   with tf.Graph().as_default() as graph:
@@ -47,7 +52,13 @@ def build_seconds(contender: str) -> tuple[float, int]:
     start = time.thread_time()
     estimator._call_model_fn(features, labels, tf.estimator.ModeKeys.TRAIN,  # pylint: disable=protected-access
                              estimator.config)
-    return time.thread_time() - start, len(graph.get_operations())
+    seconds = time.thread_time() - start
+  graph_def = graph.as_graph_def()
+  with tf.Graph().as_default():
+    start = time.thread_time()
+    tf.graph_util.import_graph_def(graph_def, name='')
+    imported = time.thread_time() - start
+  return seconds, len(graph.get_operations()), imported
 
 
 class _Partitions(tf.compat.v1.train.SessionRunHook):
@@ -88,12 +99,15 @@ def main(argv):
     for contender in (contenders if r % 2 == 0 else contenders[::-1]):
       times[contender].append(build_seconds(contender))
   print(f'# {tb.load()}; {FLAGS.model}, N={FLAGS.n} (plain: 1), {FLAGS.build_rounds} builds\n')
-  print('| contender | model_fn CPU s (median) | graph ops | executed nodes per step |')
-  print('|---|---|---|---|')
+  print('| contender | model_fn CPU s (median) | graph ops | whole graph imported, CPU s '
+        '(median) | executed nodes per step |')
+  print('|---|---|---|---|---|')
   for contender in contenders:
     types = executed(contender)
-    print(f'| {contender} | {statistics.median(t for t, _ in times[contender]):.3f} | '
-          f'{times[contender][0][1]:,} | {sum(types.values()):,} |', flush=True)
+    print(f'| {contender} | {statistics.median(t for t, _, _ in times[contender]):.3f} | '
+          f'{times[contender][0][1]:,} | '
+          f'{statistics.median(i for _, _, i in times[contender]):.3f} | '
+          f'{sum(types.values()):,} |', flush=True)
     if FLAGS.show_types:
       print('  ' + ', '.join(f'{k} {v}' for k, v in sorted(types.items())))
 
