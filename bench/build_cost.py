@@ -6,7 +6,10 @@ bench/towers_bench.py's models at N = --n (plain: one device):
 
 1. the model_fn's graph construction: CPU seconds of the building thread
    (`time.thread_time`, which other processes do not inflate; median of
-   --build_rounds builds, contenders interleaved) and the graph's op count;
+   --build_rounds builds, contenders interleaved), the graph's op count, and
+   how long the garbage collector ran during each build (wall time; its full
+   passes over a large heap take a few tenths of a second, at points the
+   process's history decides);
 2. the CPU seconds of importing that same graph from its GraphDef
    (`tf.graph_util.import_graph_def` into an empty graph, median of the
    builds): what building it would cost if its ops were copied instead of
@@ -25,6 +28,8 @@ bench/towers_bench.py's models at N = --n (plain: one device):
 from __future__ import annotations
 
 import collections
+import contextlib
+import gc
 import statistics
 import time
 
@@ -42,23 +47,43 @@ flags.DEFINE_bool('show_types', False, 'Print the executed graph\'s node types.'
 FLAGS = flags.FLAGS
 
 
-def build_seconds(contender: str) -> tuple[float, int, float]:
-  """CPU seconds of the model_fn call building a TRAIN graph, its ops, and CPU seconds to import it."""
+def build_seconds(contender: str) -> tuple[float, int, float, float]:
+  """CPU seconds of the model_fn call building a TRAIN graph, its ops, CPU seconds to import
+  it, and the seconds of garbage collection during the model_fn call."""
   n = 1 if contender == 'plain' else FLAGS.n
   estimator, input_fn = tb.make_estimator(FLAGS.model, contender, n, {})
   with tf.Graph().as_default() as graph:
     tf.compat.v1.train.create_global_step()
     features, labels = tf.compat.v1.data.make_one_shot_iterator(input_fn()).get_next()
     start = time.thread_time()
-    estimator._call_model_fn(features, labels, tf.estimator.ModeKeys.TRAIN,  # pylint: disable=protected-access
-                             estimator.config)
+    with _collections_timed() as collected:
+      estimator._call_model_fn(features, labels, tf.estimator.ModeKeys.TRAIN,  # pylint: disable=protected-access
+                               estimator.config)
     seconds = time.thread_time() - start
   graph_def = graph.as_graph_def()
   with tf.Graph().as_default():
     start = time.thread_time()
     tf.graph_util.import_graph_def(graph_def, name='')
     imported = time.thread_time() - start
-  return seconds, len(graph.get_operations()), imported
+  return seconds, len(graph.get_operations()), imported, collected[0]
+
+
+@contextlib.contextmanager
+def _collections_timed():
+  """Yields [seconds]: the garbage collector's passes meanwhile (wall time), when the block ends."""
+  total, started = [0.0], [0.0]
+
+  def callback(phase, unused_info):
+    if phase == 'start':
+      started[0] = time.perf_counter()
+    else:
+      total[0] += time.perf_counter() - started[0]
+
+  gc.callbacks.append(callback)
+  try:
+    yield total
+  finally:
+    gc.callbacks.remove(callback)
 
 
 class _Partitions(tf.compat.v1.train.SessionRunHook):
@@ -99,14 +124,15 @@ def main(argv):
     for contender in (contenders if r % 2 == 0 else contenders[::-1]):
       times[contender].append(build_seconds(contender))
   print(f'# {tb.load()}; {FLAGS.model}, N={FLAGS.n} (plain: 1), {FLAGS.build_rounds} builds\n')
-  print('| contender | model_fn CPU s (median) | graph ops | whole graph imported, CPU s '
-        '(median) | executed nodes per step |')
-  print('|---|---|---|---|---|')
+  print('| contender | model_fn CPU s (median) | of which garbage collection (s: each build) | '
+        'graph ops | whole graph imported, CPU s (median) | executed nodes per step |')
+  print('|---|---|---|---|---|---|')
   for contender in contenders:
     types = executed(contender)
-    print(f'| {contender} | {statistics.median(t for t, _, _ in times[contender]):.3f} | '
+    print(f'| {contender} | {statistics.median(t[0] for t in times[contender]):.3f} | '
+          f'{" / ".join(f"{t[3]:.3f}" for t in times[contender])} | '
           f'{times[contender][0][1]:,} | '
-          f'{statistics.median(i for _, _, i in times[contender]):.3f} | '
+          f'{statistics.median(t[2] for t in times[contender]):.3f} | '
           f'{sum(types.values()):,} |', flush=True)
     if FLAGS.show_types:
       print('  ' + ', '.join(f'{k} {v}' for k, v in sorted(types.items())))
