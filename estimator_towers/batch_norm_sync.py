@@ -17,9 +17,9 @@ the towers, like a gradient request:
   sync point, on the device of the first tower to reach it, and combined by
   Chan et al.'s parallel formula (no E[x^2] - E[x]^2); every tower uses the
   result. The exchange is ordinary graph edges between the towers' devices
-  (`_Exchange`): the towers are built one after another, so the first
+  (`sync_points`: the towers are built one after another, so the first
   tower's join holds placeholders for the later towers' statistics until
-  they are built. The fused path normalises with TensorFlow's fused kernel
+  they are built). The fused path normalises with TensorFlow's fused kernel
   (inference mode, on the global statistics) and has a gradient of its own
   that joins the two per-channel sums sum(dy) and sum(dy * x^) the same way;
   `tf.nn.moments` is differentiated through the join.
@@ -50,6 +50,7 @@ import numpy as np
 import tensorflow as tf
 
 from estimator_towers import interception
+from estimator_towers import sync_points
 from estimator_towers import tower_context
 
 # Layer options that make a batch norm's result depend on how the batch is
@@ -108,7 +109,7 @@ class BatchNormSync:
     self._devices = devices
     self._present = present
     self._across = across
-    self._points: list[_SyncPoint] = []   # by index: the towers' i-th sync point
+    self._points: list[sync_points.SyncPoint] = []   # by index: the towers' i-th sync point
     self._calls: dict[int, int] = {}      # per tower: sync points made so far
     self._arithmetics: dict[int, _Arithmetic] = {}  # per tower
     self._builds: dict[int, int] = {}     # per tower: the build that made them
@@ -178,8 +179,8 @@ class BatchNormSync:
       statistics = arithmetic.split_table(self._across.gather(row[None]))
     return arithmetic.global_statistics(*statistics)
 
-  def _fused_normalise(self, kernel: '_FusedKernel', tower: int, point: '_SyncPoint', x, scale,
-                       offset, mean, variance, count):
+  def _fused_normalise(self, kernel: '_FusedKernel', tower: int,
+                       point: sync_points.SyncPoint, x, scale, offset, mean, variance, count):
     """TensorFlow's fused kernel on the global statistics; the global batch's gradient.
 
     Forward, the inference kernel normalises the shard with the global mean
@@ -272,7 +273,8 @@ class BatchNormSync:
 
   # -- The statistics ----------------------------------------------------------
 
-  def _combine(self, tower: int, point: '_SyncPoint', count, mean: tf.Tensor, m2: tf.Tensor):
+  def _combine(self, tower: int, point: sync_points.SyncPoint, count, mean: tf.Tensor,
+               m2: tf.Tensor):
     """The global batch's mean, M2 and count from every shard's count, mean and M2.
 
     Differentiable: the gradient flows through the exchange to every tower's
@@ -296,7 +298,7 @@ class BatchNormSync:
       self._arithmetics[tower] = _Arithmetic(original)
     return self._arithmetics[tower]
 
-  def _sync_point(self, tower: int) -> '_SyncPoint':
+  def _sync_point(self, tower: int) -> sync_points.SyncPoint:
     """This tower's next sync point (shared by the towers)."""
     build = tower_context.current_build()
     if self._builds.setdefault(tower, build) != build:
@@ -309,66 +311,8 @@ class BatchNormSync:
     i = self._calls.get(tower, 0)
     self._calls[tower] = i + 1
     while len(self._points) <= i:
-      self._points.append(_SyncPoint(sorted(self._devices)))
+      self._points.append(sync_points.SyncPoint(sorted(self._devices)))
     return self._points[i]
-
-
-class _Exchange:
-  """One sync point's tensors of every tower, joined once, in the graph.
-
-  `join(k, value, fn)` is called by every tower k with its value; it returns
-  fn(the towers' values, in tower order), built once, by the first tower to
-  call, on its device (the hub), and shared by all: TensorFlow sends the
-  other towers' values to the hub and the result back (a few hundred bytes,
-  two hops, no collective). The towers are built one after another, so the
-  first gets a placeholder for each later tower's value, replaced by the
-  value when that tower builds it (a placeholder left over, a tower that
-  never came, fails the step with its name instead of waiting).
-  """
-
-  def __init__(self, towers: Sequence[int]):
-    self._towers = list(towers)
-    self._values: dict[int, tf.Tensor] = {}
-    self._waiting: dict[int, list] = {}  # tower: [(op, input index)] awaiting its value
-    self._result = None
-
-  def join(self, tower: int, value: tf.Tensor, fn: Callable[[list], Any]) -> Any:
-    self._values[tower] = value
-    for op, index in self._waiting.pop(tower, []):
-      interception.replace_input(op, index, value)
-    if self._result is None:
-      parts = [self._values.get(k) for k in self._towers]
-      for i, k in enumerate(self._towers):
-        if parts[i] is None:
-          parts[i] = tf.compat.v1.placeholder(value.dtype, value.shape,
-                                              name=f'tower_{k}_statistics')
-      self._result = fn(parts)
-      for k, part in zip(self._towers, parts):
-        if part.op.type == 'Placeholder' and k not in self._values:
-          self._waiting[k] = [(op, index) for op in part.consumers()
-                              for index, t in enumerate(op.inputs) if t is part]
-    return self._result
-
-
-class _SyncPoint:
-  """One batch statistic's exchanges: forward, and one per backward pass built.
-
-  Each backward pass built through the sync point (one per gradient request
-  that reaches it) exchanges once; the towers' j-th passes share one.
-  """
-
-  def __init__(self, towers: Sequence[int]):
-    self._towers = towers
-    self.forward = _Exchange(towers)
-    self._backward: list[_Exchange] = []
-    self._backward_uses: dict[int, int] = {}  # per tower
-
-  def backward(self, tower: int) -> _Exchange:
-    j = self._backward_uses.get(tower, 0)
-    self._backward_uses[tower] = j + 1
-    while len(self._backward) <= j:
-      self._backward.append(_Exchange(self._towers))
-    return self._backward[j]
 
 
 def _chan_row(statistics) -> tf.Tensor:

@@ -1,0 +1,79 @@
+"""Sync points: a value of every tower, joined once, in the graph.
+
+A cross-shard value (a batch norm's statistics, the two per-channel sums of
+its backward pass) needs every tower's part before any tower can go on. The
+towers are built one after another, so the first tower to reach a sync point
+cannot wait for the others' parts: it joins placeholders for them, and each
+later tower's part replaces its placeholder when that tower is built (a
+placeholder left over fails the step with its name, instead of a wrong or
+hanging step). The join is ordinary graph edges between the towers' devices:
+TensorFlow sends the parts to the first tower's device and the result back.
+
+`SyncPoint` is one statistic's joins: forward, and one per backward pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import tensorflow as tf
+
+from estimator_towers import interception
+
+
+class Exchange:
+  """One sync point's tensors of every tower, joined once, in the graph.
+
+  `join(k, value, fn)` is called by every tower k with its value; it returns
+  fn(the towers' values, in tower order), built once, by the first tower to
+  call, on its device (the hub), and shared by all: TensorFlow sends the
+  other towers' values to the hub and the result back (a few hundred bytes,
+  two hops, no collective). The towers are built one after another, so the
+  first gets a placeholder for each later tower's value, replaced by the
+  value when that tower builds it (a placeholder left over, a tower that
+  never came, fails the step with its name instead of waiting).
+  """
+
+  def __init__(self, towers: Sequence[int]):
+    self._towers = list(towers)
+    self._values: dict[int, tf.Tensor] = {}
+    self._waiting: dict[int, list] = {}  # tower: [(op, input index)] awaiting its value
+    self._result = None
+
+  def join(self, tower: int, value: tf.Tensor, fn: Callable[[list], Any]) -> Any:
+    self._values[tower] = value
+    for op, index in self._waiting.pop(tower, []):
+      interception.replace_input(op, index, value)
+    if self._result is None:
+      parts = [self._values.get(k) for k in self._towers]
+      for i, k in enumerate(self._towers):
+        if parts[i] is None:
+          parts[i] = tf.compat.v1.placeholder(value.dtype, value.shape,
+                                              name=f'tower_{k}_statistics')
+      self._result = fn(parts)
+      for k, part in zip(self._towers, parts):
+        if part.op.type == 'Placeholder' and k not in self._values:
+          self._waiting[k] = [(op, index) for op in part.consumers()
+                              for index, t in enumerate(op.inputs) if t is part]
+    return self._result
+
+
+class SyncPoint:
+  """One batch statistic's exchanges: forward, and one per backward pass built.
+
+  Each backward pass built through the sync point (one per gradient request
+  that reaches it) exchanges once; the towers' j-th passes share one.
+  """
+
+  def __init__(self, towers: Sequence[int]):
+    self._towers = towers
+    self.forward = Exchange(towers)
+    self._backward: list[Exchange] = []
+    self._backward_uses: dict[int, int] = {}  # per tower
+
+  def backward(self, tower: int) -> Exchange:
+    j = self._backward_uses.get(tower, 0)
+    self._backward_uses[tower] = j + 1
+    while len(self._backward) <= j:
+      self._backward.append(Exchange(self._towers))
+    return self._backward[j]
