@@ -329,13 +329,22 @@ def _fused_row(statistics) -> tf.Tensor:
 
 def _chan(table: tf.Tensor):
   """Global mean, M2 and count from a gather table's rows (count, mean, M2): Chan et al."""
-  channels = (table.shape[1] - 1) // 2 if table.shape[1] is not None else (
-      tf.shape(table)[1] - 1) // 2
-  counts, means, m2s = tf.split(table, [1, channels, channels], axis=1)
+  counts, means, m2s = _split_table(table)
   total = tf.reduce_sum(counts)
   mean = tf.reduce_sum(counts * means, 0) / tf.maximum(total, 1.0)
   m2 = tf.reduce_sum(m2s + counts * tf.math.squared_difference(means, mean), 0)
   return mean, m2, total
+
+
+def _split_table(table: tf.Tensor, const: Callable = tf.constant) -> list:
+  """A table's rows (count, C values, C values) as [rows, 1], [rows, C] and [rows, C]."""
+  if table.shape[1] is None:
+    channels = (tf.shape(table)[1] - 1) // 2
+    sizes = tf.stack([1, channels, channels])
+  else:
+    channels = (table.shape[1] - 1) // 2
+    sizes = const([1, channels, channels], tf.int32)
+  return tf.split(table, sizes, const(1, tf.int32), num=3)
 
 
 class _Arithmetic:
@@ -407,13 +416,7 @@ class _Arithmetic:
 
   def split_table(self, table: tf.Tensor):
     """A table's rows (count, mean, variance) as counts [rows, 1], means and variances."""
-    if table.shape[1] is None:
-      channels = (tf.shape(table)[1] - 1) // 2
-      sizes = tf.stack([1, channels, channels])
-    else:
-      channels = (table.shape[1] - 1) // 2
-      sizes = self.const([1, channels, channels], tf.int32)
-    return tf.split(table, sizes, self.const(1, tf.int32), num=3)
+    return _split_table(table, self.const)
 
   def global_statistics(self, counts, means, variances):
     """Global mean, variance and Bessel-corrected variance, and count: Chan et al.
