@@ -28,7 +28,7 @@ long-lived process, as the bench did before 2026-11-25 (there a build's time
 also depends on what was built before it: the garbage collector's full
 collections walk every object still alive).
 
-  python bench/sync_bn_bench.py            # the full run (about 10 minutes on 2 cores)
+  python bench/sync_bn_bench.py            # the full run (about 4 minutes on 2 cores)
   python bench/sync_bn_bench.py --quick    # smoke run
 
 Where a step's time goes op by op:
@@ -108,7 +108,7 @@ def _in_fresh_process(contender: str, n: int) -> dict:
               FLAGS[name].serialize() for name in ('batch_size', 'variable_strategy',
                                                    'static_batch')]
   done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
-  lines = [l for l in done.stdout.splitlines() if l.startswith(_RESULT)]
+  lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT)]
   if done.returncode != 0 or not lines:
     raise RuntimeError(f'first step of {contender} N={n} in a fresh process failed '
                        f'(exit {done.returncode}):\n{done.stderr[-3000:]}')
