@@ -22,16 +22,12 @@ from estimator_towers import interception
 
 
 class Exchange:
-  """One sync point's tensors of every tower, joined once, in the graph.
+  """One join of every tower's value.
 
   `join(k, value, fn)` is called by every tower k with its value; it returns
   fn(the towers' values, in tower order), built once, by the first tower to
-  call, on its device (the hub), and shared by all: TensorFlow sends the
-  other towers' values to the hub and the result back (a few hundred bytes,
-  two hops, no collective). The towers are built one after another, so the
-  first gets a placeholder for each later tower's value, replaced by the
-  value when that tower builds it (a placeholder left over, a tower that
-  never came, fails the step with its name instead of waiting).
+  call, on its device (the hub), and shared by all (for batch statistics a
+  few hundred bytes each way, no collective).
   """
 
   def __init__(self, towers: Sequence[int]):
