@@ -143,9 +143,12 @@ class _Rows:
       return None
     if isinstance(t, tf.SparseTensor):
       rest = t.dense_shape[1:]
-      begin = tf.concat([tf.reshape(tf.cast(self.start, tf.int64), [1]),
-                         tf.zeros_like(rest)], 0)
-      extent = tf.concat([tf.reshape(tf.cast(self.size, tf.int64), [1]), rest], 0)
+      start = tf.cast(self.start, tf.int64)
+      # As many rows as a dense slice has: the shard's size within the batch
+      # (none for an empty batch's borrowed row 0, as Tensors and RaggedTensors).
+      size = tf.clip_by_value(t.dense_shape[0] - start, 0, tf.cast(self.size, tf.int64))
+      begin = tf.concat([tf.reshape(start, [1]), tf.zeros_like(rest)], 0)
+      extent = tf.concat([tf.reshape(size, [1]), rest], 0)
       piece = tf.sparse.slice(t, begin, extent)
       # sparse.slice clips the shape to the last stored row; restore the
       # shard's true shape so that empty trailing rows are kept.

@@ -242,6 +242,9 @@ def check_case(features, num_towers, sizes, fault, depth, mode, seed):
               depth=2, mode=ModeKeys.TRAIN, seed=3))
 @example(dict(features={'a': 'sparse', 'b': 'int'}, num_towers=3, sizes=[0, 4], fault=None,
               depth=1, mode=ModeKeys.TRAIN, seed=4))  # An empty staged batch, sparse.
+# An empty batch, unstaged: a sparse feature's borrowed row has no rows, like a ragged one's.
+@example(dict(features={'c': {'a': 'sparse', 'c': 'ragged', 'd': 'int'}}, num_towers=2,
+              sizes=[0, 6], fault=None, depth=0, mode=ModeKeys.TRAIN, seed=10000))
 @given(cases())
 def test_any_structure_ends_like_the_plain_model_fn(case):
   check_case(**case)
