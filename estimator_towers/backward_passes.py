@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from estimator_towers import gradient_sync
 from estimator_towers import interception
+from estimator_towers import tower_copies
 from estimator_towers.gradient_request import Request
 
 
@@ -68,13 +69,17 @@ class BackwardPasses:
     after_backward: with micro-batches, `after_backward(k, grads)` is called
       once shard k's backward pass of the first request is built (to order
       the next micro-batch of its device after it).
+    copies: the towers' copies of tower 0's forward pass (`tower_copies`), or
+      None; a copied tower's backward pass is a copy of tower 0's.
   """
 
   def __init__(self, sync: gradient_sync.GradientSync,
                copy_of: Callable[[tf.Variable, int], tf.Variable | None],
                device_of: Callable[[int], str] | None = None,
-               after_backward: Callable[[int, list], None] | None = None):
+               after_backward: Callable[[int, list], None] | None = None,
+               copies: tower_copies.TowerCopies | None = None):
     self.sync = sync
+    self._copies = copies
     self._copy_of = copy_of
     self._device_of = device_of
     self._after_backward = after_backward
@@ -82,6 +87,11 @@ class BackwardPasses:
   @property
   def per_shard(self) -> bool:
     return self._device_of is not None
+
+  @property
+  def copied_towers(self) -> bool:
+    """True if some tower's forward pass is a copy (its backward pass is then one of its own)."""
+    return self._copies is not None and self._copies.any_copied()
 
   def answer(self, towers: Sequence[int], requests: Sequence[Request], seeds: Any,
              ordered: bool) -> list:
@@ -101,6 +111,9 @@ class BackwardPasses:
   def _one_pass(self, towers: Sequence[int], requests: Sequence[Request],
                 shards: Sequence) -> list:
     """Per primary x, its parts from one backward pass over every tower's seeds."""
+    copied = self._copied_passes(towers, requests, shards)
+    if copied is not None:
+      return copied
     primary = requests[0]
     ys, grad_ys, stops = [], [], []
     for request, (tower_ys, tower_grad_ys) in zip(requests, shards):
@@ -110,6 +123,49 @@ class BackwardPasses:
     xs, members, reads = self._xs_and_members(primary, towers)
     grads = interception.graph_gradients(ys, xs, grad_ys, **_options(primary, stops + reads))
     return [[grads[j] for j in positions] for positions in members]
+
+  def _copied_passes(self, towers: Sequence[int], requests: Sequence[Request],
+                     shards: Sequence) -> list | None:
+    """Per primary x, its parts per tower: tower 0's backward pass and its copies.
+
+    For the towers whose forward pass is a copy of tower 0's (`tower_copies`),
+    their backward pass is a copy of tower 0's on their forward tensors and
+    seeds; any other tower's is built. None where the request is not with
+    respect to variables alone that every tower reads itself.
+    """
+    copies, primary = self._copies, requests[0]
+    if (copies is None or not any(copies.copied(k) for k in towers[1:]) or not shards[0][0]
+        or any(not isinstance(x, tf.Variable) or self.sync.aggregation_device(x) != x.device
+               or any(self._copy_of(x, k) is not None for k in towers) for x in primary.xs)):
+      return None
+    xs = list(primary.xs)
+    ys0, seeds0 = shards[0]
+    with copies.recording() as recording:
+      first = interception.graph_gradients(ys0, xs, seeds0, **_options(primary, primary.stops))
+    parts = [[g] for g in first]
+    for k, request, (ys, seeds) in zip(towers[1:], requests[1:], shards[1:]):
+      grads = self._copied_pass(k, recording, first, ys0, seeds0, ys, seeds)
+      if grads is None:
+        grads = (interception.graph_gradients(ys, xs, seeds, **_options(primary, request.stops))
+                 if ys else [None] * len(xs))
+      for part, grad in zip(parts, grads):
+        part.append(grad)
+    return parts
+
+  def _copied_pass(self, k: int, recording: tower_copies.Recording, first: list,
+                   ys0: list, seeds0: list, ys: list, seeds: list) -> list | None:
+    """Tower k's gradients as a copy of tower 0's pass `first`, or None if it cannot be."""
+    copies = self._copies
+    if (not copies.copied(k) or len(ys) != len(ys0) or len(seeds) != len(seeds0)
+        or any(copies.counterpart(k, a) is not b for a, b in zip(ys0, ys))
+        or any((a is None) != (b is None) for a, b in zip(seeds0, seeds))):
+      return None
+    theirs = copies.copy_pass(k, recording, {a.ref(): b for a, b in zip(seeds0, seeds)
+                                             if a is not None})
+    if theirs is None:
+      return None
+    grads = [tower_copies.map_gradient(theirs, g) for g in first]
+    return None if any(g is None and f is not None for g, f in zip(grads, first)) else grads
 
   def _per_shard(self, towers: Sequence[int], requests: Sequence[Request],
                  shards: Sequence, ordered: bool) -> list:

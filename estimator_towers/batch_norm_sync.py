@@ -42,6 +42,7 @@ sync is on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import weakref
 from typing import Any, Callable, Iterator, Sequence
@@ -114,6 +115,7 @@ class BatchNormSync:
     self._arithmetics: dict[int, _Arithmetic] = {}  # per tower
     self._builds: dict[int, int] = {}     # per tower: the build that made them
     self._presents_column = None
+    self._moments_used = False
 
   @contextlib.contextmanager
   def syncing(self) -> Iterator[None]:
@@ -130,14 +132,74 @@ class BatchNormSync:
           f'norms, but the towers built {counts} (tower: count). Do not branch '
           f'on the tower or shard around batch normalisation.')
 
+  # -- Towers copied from the first (`tower_copies`) ---------------------------
+
+  def copy_reason(self) -> str | None:
+    """Why the towers' forward passes cannot be copied, or None."""
+    if self._moments_used:
+      return ('sync_batch_norm synchronises a tf.nn.moments (differentiated through '
+              'its join)')
+    return None
+
+  def shared_ops(self) -> set:
+    """The ops of every join built so far (shared by the towers, never copied)."""
+    shared = set()
+    for point in self._points:
+      for exchange in [point.forward] + point.backward_exchanges:
+        shared.update(exchange.made)
+    return shared
+
+  def joined_by(self, primary: int, tower: int) -> dict:
+    """Per tensor `primary`'s backward joins returned it (by `ref()`), tower `tower`'s."""
+    found = {}
+    for point in self._points:
+      for exchange in point.backward_exchanges:
+        mine, theirs = exchange.result(primary), exchange.result(tower)
+        if mine is not None and exchange.value(primary) is not None:
+          found.update((a.ref(), b) for a, b in zip(tf.nest.flatten(mine), tf.nest.flatten(theirs))
+                       if a is not b)
+    return found
+
+  def copied_pass(self, primary: int, tower: int, counterpart: Callable, ops: set) -> None:
+    """Tower `tower`'s copy of `primary`'s backward pass (made `ops`) joins its exchanges."""
+    for point in self._points:
+      for exchange in point.backward_exchanges:
+        value = exchange.value(primary)
+        if value is not None and value.op in ops and exchange.value(tower) is None:
+          point.backward(tower)  # counts the tower's use, as its gradient would
+          exchange.join(tower, counterpart(value), None)
+
+  def copied(self, primary: int, tower: int, counterpart: Callable) -> None:
+    """Tower `tower` is a copy of `primary`'s forward pass: it joins its sync points.
+
+    Its statistics (the copies of the primary's) join each sync point the
+    primary joined, and each copied normalisation gets the gradient of its own
+    tower (`_fused_normalise`).
+    """
+    points = self._points[:self._calls.get(primary, 0)]
+    for point in points:
+      point.forward.join(tower, counterpart(point.forward.value(primary)), None)
+    self._calls[tower] = len(points)
+    pending = _pending_gradients.get(self._graph, {})
+    for name, grad in list(pending.items()):
+      if grad.args[1] != primary:
+        continue
+      copy = counterpart(self._graph.get_operation_by_name(name).outputs[0])
+      if copy is None:
+        continue
+      args = [a if not isinstance(a, tf.Tensor) or counterpart(a) is None else counterpart(a)
+              for a in grad.args]
+      args[1] = tower
+      pending[copy.op.name] = functools.partial(grad.func, *args)
+
   # -- The intercepted calls ---------------------------------------------------
 
   def _tower(self) -> int | None:
     """The tower being built in this graph, or None (nothing to sync)."""
     if tf.compat.v1.get_default_graph() is not self._graph:
       return None
-    index = tower_context.current_tower().index
-    return index if index in self._devices and tower_context.current_build() else None
+    context, build = tower_context.peek()
+    return context.index if context.index in self._devices and build else None
 
   def _fused(self, original, x, scale, offset, mean, variance, epsilon=0.0001,
              exponential_avg_factor=1, data_format='NHWC', is_training=True,
@@ -205,22 +267,24 @@ class BatchNormSync:
     """
     x, scale, offset = (tf.convert_to_tensor(t) for t in (x, scale, offset))
     y, reserve = kernel.apply(x, scale, offset, mean, variance)
-
-    def grad(dy):
-      dx, dscale, doffset = kernel.gradient(dy, x, scale, mean, variance, reserve)
-      position = sorted(self._devices).index(tower)
-      scales, offsets = point.backward(tower).join(
-          tower, tf.stack([dscale, doffset]),
-          lambda sums: self._correction_scales(self._arithmetic(tower), sums, scale, variance,
-                                               count, kernel.epsilon))
-      correction, _ = kernel.apply(x, scales[position], offsets[position], mean, variance)
-      return None, dx - correction, dscale, doffset
-
     _register_gradient()
     with self._graph.gradient_override_map({'IdentityN': _GRADIENT}):
       outputs = tf.raw_ops.IdentityN(input=[y, x, scale, offset])
-    _pending_gradients.setdefault(self._graph, {})[outputs[0].op.name] = grad
+    _pending_gradients.setdefault(self._graph, {})[outputs[0].op.name] = functools.partial(
+        self._gradient, kernel, tower, point, x, scale, mean, variance, count, reserve)
     return outputs[0]
+
+  def _gradient(self, kernel: '_FusedKernel', tower: int, point: sync_points.SyncPoint,
+                x, scale, mean, variance, count, reserve, dy) -> list:
+    """`_fused_normalise`'s gradient for tower `tower` (its tensors `x` and `reserve`)."""
+    dx, dscale, doffset = kernel.gradient(dy, x, scale, mean, variance, reserve)
+    correction_scale, correction_offset = point.backward(tower).join(
+        tower, tf.stack([dscale, doffset]),
+        lambda sums: list(zip(*self._correction_scales(
+            self._arithmetic(tower), sums, scale, variance, count, kernel.epsilon))),
+        per_tower=True)
+    correction, _ = kernel.apply(x, correction_scale, correction_offset, mean, variance)
+    return None, dx - correction, dscale, doffset
 
   def _correction_scales(self, arithmetic: '_Arithmetic', sums: list, scale, variance, count,
                          epsilon: float):
@@ -259,6 +323,7 @@ class BatchNormSync:
     if tower is None or not batch_axis:
       return original(x, axes, shift=shift, name=name, keep_dims=keep)
     _is_batch_norm(_calling_layer())  # options that cannot be synchronised
+    self._moments_used = True
     with tf.name_scope(name or 'sync_moments'):
       y = tf.cast(x, tf.float32) if x.dtype == tf.float16 else x
       axes = sorted(int(a) % rank for a in np.ravel(axes))
@@ -300,7 +365,7 @@ class BatchNormSync:
 
   def _sync_point(self, tower: int) -> sync_points.SyncPoint:
     """This tower's next sync point (shared by the towers)."""
-    build = tower_context.current_build()
+    build = tower_context.peek()[1]
     if self._builds.setdefault(tower, build) != build:
       raise BatchNormSyncError(
           f'With sync_batch_norm=True each tower\'s model_fn is built once, '

@@ -89,6 +89,7 @@ class Segments:
     self._creation_spans = creation_spans
     self._starts: dict[int, int] = {}
     self._ops: dict[int, list[tf.Operation]] = {}
+    self._copied: dict[int, Callable] = {}  # tower -> its counterpart of a tensor
 
   def start(self, tower: int) -> None:
     """Tower `tower`'s build begins now."""
@@ -104,8 +105,21 @@ class Segments:
     self._ops[tower] = [op for i, op in enumerate(self._graph.get_operations()[start:])
                         if i not in skip]
 
+  def ops(self, tower: int) -> list[tf.Operation]:
+    """Tower `tower`'s segment (once closed)."""
+    return self._ops[tower]
+
+  def copied(self, tower: int, counterpart: Callable | None) -> None:
+    """Tower `tower`'s segment is a copy of the primary's; `counterpart` maps it."""
+    if counterpart is None:
+      self._copied.pop(tower, None)
+    else:
+      self._copied[tower] = counterpart
+
   def match(self, primary: int, tower: int, tensor: tf.Tensor) -> tf.Tensor | None:
     """Tower `tower`'s op at the position of `tensor`'s op in `primary`'s segment."""
+    if tower in self._copied:
+      return self._copied[tower](tensor)
     mine, theirs = self._ops.get(primary), self._ops.get(tower)
     if not mine or theirs is None:
       return None

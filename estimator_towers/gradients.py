@@ -201,7 +201,7 @@ class WholeBatchGradients:
         [self._nonempty[k] for k in self.towers], [self._sizes[k] for k in self.towers],
         self._batch,
         ungated=(lambda i: self._ungated(self.towers[i])) if per_shard else None,
-        across=self._passes.sync.across)
+        across=self._passes.sync.across, per_shard=self._passes.copied_towers)
     if found.loss is not None:
       self._whole_losses.setdefault(primary.ys[0].ref(), found.loss)
     return found
@@ -243,6 +243,25 @@ class WholeBatchGradients:
           f'{_names(request.xs)} but the same request of tower 0 is with '
           f'respect to {_names(reference)}. Every tower runs the same model_fn '
           f'and must ask for the same gradients.')
+
+  def primary_segment(self) -> list[tf.Operation]:
+    """The primary's ops from its model_fn's start to its first request (variables' left out)."""
+    return self._segments.ops(self.towers[0])
+
+  def adopt_copy(self, tower: int, counterpart: Callable[[tf.Tensor], tf.Tensor | None]
+                 ) -> bool:
+    """Tower `tower` is a copy of the primary up to its first request (`tower_copies`).
+
+    `counterpart` maps the primary's segment and shard to the copy's. False
+    (and nothing recorded) if the first request cannot be mapped.
+    """
+    self._segments.copied(tower, counterpart)
+    mapped = self._mapped(tower, self.requests[0])
+    if mapped is None:
+      self._segments.copied(tower, None)
+      return False
+    self.others[tower][0] = mapped
+    return True
 
   def stopped_at_expected_request(self, tower: int) -> bool:
     progress = self._progress[tower]

@@ -66,6 +66,8 @@ from typing import Any, Callable, Iterator
 import tensorflow as tf
 from tensorflow.python.eager import backprop  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.eager import record  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.framework import importer  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.framework import random_seed  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import gen_nn_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import gradients_util  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import nn_impl  # pylint: disable=g-direct-tensorflow-import
@@ -268,6 +270,31 @@ def last_loss_reduction(graph: tf.Graph) -> Any:
 
 def reset_loss_reduction(graph: tf.Graph) -> None:
   graph._last_loss_reduction = None  # pylint: disable=protected-access
+
+
+def op_seed_count(graph: tf.Graph) -> int:
+  """How many op seeds the graph-level seed has given out in `graph` (the next op seed)."""
+  return random_seed._graph_to_seed_dict.get(graph, 0)  # pylint: disable=protected-access
+
+
+def import_ops(graph_def: Any, input_map: dict, names: list) -> list:
+  """`graph_def`'s ops imported under their own names, in the order of `names`.
+
+  `tf.graph_util.import_graph_def` checks that every op an imported op is
+  colocated with is imported too; a tower's copy of an op colocated with a
+  variable (which is not copied) is not (`importer._import_graph_def_internal`).
+  """
+  return importer._import_graph_def_internal(  # pylint: disable=protected-access
+      graph_def, input_map=input_map, return_elements=names, name='',
+      validate_colocation_constraints=False)
+
+
+def calls_function(op: tf.Operation) -> bool:
+  """True if `op` calls a graph function (a functional If or While, a Defun's call op)."""
+  if op.graph._get_function(op.type) is not None:  # pylint: disable=protected-access
+    return True
+  return any(value.WhichOneof('value') == 'func' or value.list.func
+             for value in op.node_def.attr.values())
 
 
 def in_control_flow(op: tf.Operation) -> bool:

@@ -148,7 +148,7 @@ class ReplicatedPlacement(Placement):
             f'device and refreshed after every update')
 
 
-def tower_device(device: str):
+def tower_device(device: str, pinned: set | None = None):
   """The device function of a tower: its ops on `device`, except resource users.
 
   An op that takes a variable's handle (a read, a sparse lookup, a read inside
@@ -156,16 +156,19 @@ def tower_device(device: str):
   place the graph without soft placement: a resource and its users must share
   a device. A control-flow op that passes a handle into its branches (a
   `tf.cond` reading a variable) is left unpinned for the same reason, while
-  the ops inside its branches are placed by this rule.
+  the ops inside its branches are placed by this rule. An op a device scope
+  inside the tower placed keeps that device (its name is added to `pinned`).
   """
   def device_fn(op: tf.Operation) -> str:
     chosen = device
     for tensor in op.inputs:
       if tensor.dtype == tf.resource:
-        chosen = '' if op.type in _CALL_OPS else (
+        chosen = '' if op.type in CALL_OPS else (
             interception.resource_device(tensor) or device)
         break
     if op.device:  # set by a device scope inside the tower: it takes precedence
+      if pinned is not None:
+        pinned.add(op.name)
       return (tf.DeviceSpec.from_string(chosen)
               .make_merged_spec(tf.DeviceSpec.from_string(op.device)).to_string())
     return chosen
@@ -173,7 +176,7 @@ def tower_device(device: str):
 
 
 # Ops that call a function (the lowered form of tf.cond and tf.while_loop).
-_CALL_OPS = ('If', 'StatelessIf', 'While', 'StatelessWhile', 'Case', 'StatelessCase',
+CALL_OPS = ('If', 'StatelessIf', 'While', 'StatelessWhile', 'Case', 'StatelessCase',
              'PartitionedCall', 'StatefulPartitionedCall')
 
 

@@ -67,7 +67,8 @@ class Seeds:
 def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor],
                 variables: Sequence, ys: Sequence[list], grad_ys: Sequence[list],
                 nonempty: Sequence, sizes: Sequence, batch: Any,
-                ungated: Callable | None, across: Any = None) -> Seeds:
+                ungated: Callable | None, across: Any = None, per_shard: bool = False
+                ) -> Seeds:
   """The seeds of one gradient request, per shard (shard 0 the primary).
 
   Args:
@@ -82,6 +83,8 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
       gates; None for towers.
     across: a `cross_worker.CrossWorker` when the batch spans workers (the
       totals are the cluster's; `batch` is the cluster's), else None.
+    per_shard: a rebuilt loss's seeds per shard even for towers alone (each
+      tower's backward pass its own: `tower_copies`).
   """
   loss = ys[0][0] if len(ys[0]) == 1 else None
   find = counterparts.in_losses([y[0] for y in ys]) if loss is not None else None
@@ -91,7 +94,7 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
   found = None
   if analysis.rule == 'rebuild':
     if ungated is None:
-      found = rebuilt(analysis.expression, find, nonempty, grad_ys[0][0], across)
+      found = rebuilt(analysis.expression, find, nonempty, grad_ys[0][0], across, per_shard)
     else:
       found = micro_batch(analysis.expression, find, ungated, nonempty, sizes, batch,
                           grad_ys[0][0], across)
@@ -117,20 +120,20 @@ def _weighted_grad_y(y: tf.Tensor, grad_y: Any, weight: Any) -> Any:
 
 
 def rebuilt(expression: Expression, find: Callable, nonempty: Sequence, grad_y: Any,
-            across: Any = None) -> Seeds | None:
+            across: Any = None, per_shard: bool = False) -> Seeds | None:
   """Towers: the whole batch's loss, one backward pass through it (None: a shard unmatched).
 
-  Across workers each task's backward pass must give its own part of the
-  gradient only (the parts are summed over the tasks), so each shard's
-  statistics are seeded with the loss's coefficients dL/dS at the cluster's
-  totals, and `stops` holds the totals: the loss's backward pass stopped
-  there is the shard-independent part, added once after the sum.
+  Across workers (or with `per_shard`) each shard's backward pass must give
+  its own part of the gradient only (the parts are summed over the tasks),
+  so each shard's statistics are seeded with the loss's coefficients dL/dS at
+  the (cluster's) totals, and `stops` holds the totals: the loss's backward
+  pass stopped there is the shard-independent part, added once after the sum.
   """
   statistics = shard_statistics(expression, find, len(nonempty))
   if statistics is None:
     return None
   whole, totals = _rebuilt_loss(expression, statistics, nonempty, across)
-  if across is None:
+  if across is None and not per_shard:
     return Seeds([([whole], [grad_y])] + [([], [])] * (len(nonempty) - 1), whole)
   keys = [s.key for s in expression.statistics if s.trained]  # the others reach no variable
   with tf.device(None), tf.name_scope('whole_batch_coefficients'):

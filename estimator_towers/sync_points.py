@@ -27,7 +27,8 @@ class Exchange:
   `join(k, value, fn)` is called by every tower k with its value; it returns
   fn(the towers' values, in tower order), built once, by the first tower to
   call, on its device (the hub), and shared by all (for batch statistics a
-  few hundred bytes each way, no collective).
+  few hundred bytes each way, no collective). With `per_tower`, fn returns
+  one result per tower (in tower order) and each tower gets its own.
   """
 
   def __init__(self, towers: Sequence[int]):
@@ -35,23 +36,39 @@ class Exchange:
     self._values: dict[int, tf.Tensor] = {}
     self._waiting: dict[int, list] = {}  # tower: [(op, input index)] awaiting its value
     self._result = None
+    self._per_tower = False
+    self.made: list[tf.Operation] = []  # the join's ops (placeholders included), shared
 
-  def join(self, tower: int, value: tf.Tensor, fn: Callable[[list], Any]) -> Any:
+  def value(self, tower: int) -> tf.Tensor | None:
+    """The value tower `tower` joined, or None."""
+    return self._values.get(tower)
+
+  def result(self, tower: int) -> Any:
+    """What `join` returns to tower `tower` (None before the first join)."""
+    if self._result is None or not self._per_tower:
+      return self._result
+    return self._result[self._towers.index(tower)]
+
+  def join(self, tower: int, value: tf.Tensor, fn: Callable[[list], Any] | None,
+           per_tower: bool = False) -> Any:
     self._values[tower] = value
     for op, index in self._waiting.pop(tower, []):
       interception.replace_input(op, index, value)
     if self._result is None:
+      graph = tf.compat.v1.get_default_graph()
+      first = graph.version
       parts = [self._values.get(k) for k in self._towers]
       for i, k in enumerate(self._towers):
         if parts[i] is None:
           parts[i] = tf.compat.v1.placeholder(value.dtype, value.shape,
                                               name=f'tower_{k}_statistics')
-      self._result = fn(parts)
+      self._result, self._per_tower = fn(parts), per_tower
+      self.made = graph.get_operations()[first:]
       for k, part in zip(self._towers, parts):
         if part.op.type == 'Placeholder' and k not in self._values:
           self._waiting[k] = [(op, index) for op in part.consumers()
                               for index, t in enumerate(op.inputs) if t is part]
-    return self._result
+    return self.result(tower)
 
 
 class SyncPoint:
@@ -66,6 +83,10 @@ class SyncPoint:
     self.forward = Exchange(towers)
     self._backward: list[Exchange] = []
     self._backward_uses: dict[int, int] = {}  # per tower
+
+  @property
+  def backward_exchanges(self) -> list[Exchange]:
+    return list(self._backward)
 
   def backward(self, tower: int) -> Exchange:
     j = self._backward_uses.get(tower, 0)

@@ -54,12 +54,34 @@ def _stack() -> list[tuple[TowerContext, int]]:
   return _local.stack
 
 
+def reads() -> int:
+  """How many times this thread has asked `current_tower` or `current_build`.
+
+  A model_fn that asks (directly, or through `loss_denominator` or
+  `global_mean`) may build something else on each tower, so its other towers
+  are not copied from the first (`tower_copies`). The library's own sync
+  points ask through `peek`, which is not counted.
+  """
+  return getattr(_local, 'reads', 0)
+
+
+def peek() -> tuple[TowerContext, int]:
+  """(`current_tower()`, `current_build()`), not counted as a read of the model_fn."""
+  stack = _stack()
+  return stack[-1] if stack else (OUTSIDE, 0)
+
+
+def _count_read() -> None:
+  _local.reads = reads() + 1
+
+
 def current_build() -> int:
   """A number unique to the current tower build (0 outside towers).
 
   A tower's model_fn may be built more than once (a second pass); each build
   has its own number.
   """
+  _count_read()
   stack = _stack()
   return stack[-1][1] if stack else 0
 
@@ -77,6 +99,7 @@ def current_tower() -> TowerContext:
     per_tower_state = tf.compat.v1.get_local_variable(
         f'seen_on_tower_{tower.index}', ...)
   """
+  _count_read()
   stack = _stack()
   return stack[-1][0] if stack else OUTSIDE
 

@@ -35,6 +35,7 @@ from estimator_towers import specs as specs_lib
 from estimator_towers import staging
 from estimator_towers import throughput
 from estimator_towers import tower_context
+from estimator_towers import tower_copies
 from estimator_towers import tower_summaries
 
 ModeKeys = tf.estimator.ModeKeys
@@ -480,6 +481,7 @@ class _TowerBuilder:
     self.base = {key: self.graph.get_collection(key) for key in _PER_TOWER_COLLECTIONS}
     self.root_scope = tf.compat.v1.get_variable_scope()
     self.devices = interception.device_stack(self.graph)
+    self.pinned: set[str] = set()  # the primary's ops placed by a device scope of the model_fn
     interception.reset_loss_reduction(self.graph)
 
   @property
@@ -495,7 +497,8 @@ class _TowerBuilder:
     d = self.shards.layout.device_of(k)
     device = self.tower_devices[d]
     reuse_args.setdefault('copies', d != self.shards.layout.device_of(self.primary))
-    with tf.compat.v1.device(placement_lib.tower_device(device)), (
+    pinned = self.pinned if k == self.primary else None
+    with tf.compat.v1.device(placement_lib.tower_device(device, pinned)), (
         self.variable_sharing.reusing(d, self.root_scope, **reuse_args) if reuse
         else self.variable_sharing.creating()), tower_context.entering(
             k, len(self.shards.sizes), device, primary=k == self.primary):
@@ -560,6 +563,8 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
 
   def build_other(k, stop_at):
     """Tower k, in a clean context, up to its `stop_at`-th gradient request."""
+    if copies is not None and stop_at == 0 and _copied(k):
+      return None
     expected = None if stop_at is None else broker.variables_at[stop_at]
     first_op = len(graph.get_operations())
     # Its updates would be dropped: Keras' batch-norm updates are not built.
@@ -576,6 +581,12 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
           f'requests; do not branch on the shard or device around them.')
     return spec
 
+  def _copied(k):
+    """Tower k's forward pass copied from the primary's (`tower_copies`), if it can be."""
+    with interception.clean_context(graph, builder.devices):
+      counterpart = copies.copy(k, broker.primary_segment())
+    return counterpart is not None and broker.adopt_copy(k, counterpart)
+
   layout = shards.layout
   micro = layout.micro_batches > 1
   batch = shards.batch if across is None else across.sum([shards.batch])[0]
@@ -583,10 +594,13 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
     throughput.record_global_batch(batch)
   sync = gradient_sync.GradientSync(builder.placement.aggregation_device,
                                     getattr(builder.placement, 'combine', None), across)
+  statistics = _batch_norm_statistics(plan, builder, across)
+  copies = _tower_copies(builder, statistics, across)
   passes = backward_passes.BackwardPasses(
       sync, lambda variable, k: variable_sharing.copy_of(variable, layout.device_of(k)),
       device_of=(lambda k: builder.tower_devices[layout.device_of(k)]) if micro else None,
-      after_backward=functools.partial(_order_next, shards) if micro else None)
+      after_backward=functools.partial(_order_next, shards) if micro else None,
+      copies=copies)
   broker = gradients.WholeBatchGradients(
       graph, shards.active, shards.sizes, batch, plan.loss_reduction, build_other, passes,
       primary=variable_sharing.primary,
@@ -596,7 +610,8 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
       nonempty=dict(zip(shards.active, shards.nonempty)),
       ungated=lambda k: shards.ungated.get(k) or _flat_shard(shards, k))
   kept = {}
-  statistics = _batch_norm_statistics(plan, builder, across)
+  if copies is not None:
+    copies.primary_started()
   with interception.gradient_requests(broker.handle), broker.building(builder.primary), \
       _tower_collections(builder.base, kept), statistics.syncing():
     spec = builder.build(builder.primary, reuse=False)
@@ -728,6 +743,25 @@ def _reported_loss(built: Sequence, losses: Sequence, shards: _Shards,
     return loss if across is None else across.sum([loss])[0]
 
 
+def _tower_copies(builder: _TowerBuilder, statistics: Any,
+                  across: cross_worker.CrossWorker | None) -> tower_copies.TowerCopies | None:
+  """Copies of the primary's forward pass for the other towers, where they may be.
+
+  Not with micro-batches (gated inputs, per-device variables), variable
+  copies per tower ('replicated', 'collective') or workers (their live
+  inputs).
+  """
+  shards, placement = builder.shards, builder.placement
+  if (shards.layout.micro_batches > 1
+      or across is not None or len(shards.active) < 2
+      or any(placement.replica_device(k) is not None for k in shards.active)):
+    return None
+  return tower_copies.TowerCopies(
+      builder.graph, lambda k: builder.tower_devices[k],
+      lambda k: _flat_shard(shards, k), builder.primary,
+      builder.variable_sharing.creation_spans, builder.pinned, statistics)
+
+
 class _Unsynced:
   """Per-tower batch statistics: nothing to synchronise."""
 
@@ -735,6 +769,21 @@ class _Unsynced:
     return contextlib.nullcontext()
 
   def check_complete(self) -> None:
+    pass
+
+  def copy_reason(self) -> None:
+    return None
+
+  def shared_ops(self) -> set:
+    return set()
+
+  def copied(self, primary: int, tower: int, counterpart: Callable) -> None:
+    pass
+
+  def joined_by(self, primary: int, tower: int) -> dict:
+    return {}
+
+  def copied_pass(self, primary: int, tower: int, counterpart: Callable, ops: set) -> None:
     pass
 
 

@@ -1,0 +1,218 @@
+"""Towers after the first copied from its ops (estimator_towers.tower_copies).
+
+The reference is the plain single-device model_fn on the same data: a copied
+tower must train exactly as a built one. Each case also checks, on the graph,
+whether the towers were copied (tower 0's backward pass copied under
+`tower_<k>/`; a built tower's is under `gradients/tower_<k>/`) or built, so that a case meant to copy cannot pass
+by building, nor a case that must build by copying.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import testlib
+from estimator_towers import current_tower
+from estimator_towers import replicate_model_fn
+from estimator_towers import tower_copies
+from estimator_towers import towers
+
+ModeKeys = tf.estimator.ModeKeys
+
+
+class _GraphOf(tf.compat.v1.train.SessionRunHook):
+  """Keeps the graph of the training it is passed to."""
+
+  def begin(self):
+    self.graph = tf.compat.v1.get_default_graph()
+
+
+def _copied(graph: tf.Graph, tower: int) -> bool:
+  return any(op.name.startswith(f'tower_{tower}/') and '_grad/' in op.name
+             for op in graph.get_operations())
+
+
+def _built(graph: tf.Graph, tower: int) -> bool:
+  """True if tower `tower` was built by running the model_fn (its ops under tower_<k>/)."""
+  return (any(op.name.startswith(f'tower_{tower}/') for op in graph.get_operations())
+          and not _copied(graph, tower))
+
+
+def _train(model_fn, num_devices, x, y, batch, static_batch=False, steps=2, seed=None,
+           **towered):
+  """The variables after `steps` steps, and the graph (towered when num_devices > 1)."""
+  if num_devices > 1:
+    model_fn = replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices), **towered)
+  estimator = testlib.make_estimator(model_fn, num_cpus=num_devices, tf_random_seed=seed)
+  hook = _GraphOf()
+  estimator.train(testlib.input_fn(x, y, batch, static_batch=static_batch, epochs=steps),
+                  steps=steps, hooks=[hook])
+  return testlib.variables(estimator), hook.graph
+
+
+def _convnet_model_fn(features, labels, mode):
+  """Conv + fused batch norm (moving averages in UPDATE_OPS) + dense, Momentum, clipping."""
+  training = mode == ModeKeys.TRAIN
+  image = tf.reshape(features, [-1, 1, testlib.NUM_FEATURES, 1])
+  conv = tf.compat.v1.layers.conv2d(
+      image, 4, (1, 3), padding='same', use_bias=False,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1))
+  normed = tf.nn.relu(tf.compat.v1.layers.batch_normalization(conv, training=training))
+  logits = tf.compat.v1.layers.dense(
+      tf.compat.v1.layers.flatten(normed), testlib.NUM_CLASSES,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  optimizer = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+  with tf.control_dependencies(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+    grads, variables = zip(*optimizer.compute_gradients(loss))
+  grads, _ = tf.clip_by_global_norm(grads, 1.0)
+  train_op = optimizer.apply_gradients(zip(grads, variables),
+                                       tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _embedding_model_fn(features, labels, mode):
+  """An embedding lookup (IndexedSlices gradients) and a token-weighted mean loss."""
+  del mode
+  ids = tf.cast(tf.abs(features[:, :2]) * 3, tf.int32) % 7
+  table = tf.compat.v1.get_variable(
+      'table', initializer=tf.constant(np.linspace(-1, 1, 7 * 4, dtype=np.float32).reshape(7, 4)))
+  embedded = tf.reduce_sum(tf.nn.embedding_lookup(table, ids), 1)
+  logits = tf.compat.v1.layers.dense(
+      embedded, testlib.NUM_CLASSES,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=3))
+  weights = tf.cast(labels > 0, tf.float32) + 0.5
+  losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+  loss = tf.reduce_sum(losses * weights) / tf.reduce_sum(weights)
+  train_op = tf.compat.v1.train.AdagradOptimizer(0.3).minimize(
+      loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(ModeKeys.TRAIN, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize('num_devices', [2, 3])
+@pytest.mark.parametrize('model_fn', [testlib.v1_model_fn, _embedding_model_fn],
+                         ids=['v1', 'ratio_loss_embedding'])
+def test_copied_towers_train_as_plain(model_fn, num_devices):
+  """Shards of 5 and 4 (a mean weighs them unequally) or 3 each."""
+  x, y = testlib.data(18)
+  plain, _ = _train(model_fn, 1, x, y, 9)
+  towered, graph = _train(model_fn, num_devices, x, y, 9)
+  assert all(_copied(graph, k) for k in range(1, num_devices))
+  testlib.assert_variables_close(towered, plain)
+
+
+@pytest.mark.parametrize('model_fn', [testlib.keras_model_fn, _convnet_model_fn],
+                         ids=['keras', 'convnet'])
+def test_copied_batch_norm_towers_train_as_built(model_fn, monkeypatch):
+  """Unsynced batch norm: each tower normalises its shard, copied or built alike.
+
+  (Unsynced towers differ from plain by design; the built towers are checked
+  against plain with sync_batch_norm in tests/test_sync_batch_norm.py.)
+  """
+  x, y = testlib.data(18)
+  copied, graph = _train(model_fn, 3, x, y, 9)
+  monkeypatch.setattr(towers, '_tower_copies', lambda *args: None)
+  built, built_graph = _train(model_fn, 3, x, y, 9)
+  assert _copied(graph, 1) and _copied(graph, 2) and _built(built_graph, 1)
+  testlib.assert_variables_close(copied, built)
+
+
+@pytest.mark.parametrize('batch', [10, 2])
+def test_copied_synchronised_batch_norm_trains_as_plain(batch, monkeypatch):
+  """Each copy's statistics join the sync points; its normalisation has its own gradient.
+
+  Batch 2 over 3 towers: the third shard is empty at run time (its borrowed
+  row counts 0, and each tower's correction is its own).
+  """
+  forward = []
+  copy = tower_copies.TowerCopies.copy
+
+  def spy(self, k, segment):
+    found = copy(self, k, segment)
+    forward.append((k, found is not None))
+    return found
+  monkeypatch.setattr(tower_copies.TowerCopies, 'copy', spy)
+  x, y = testlib.data(2 * batch)
+  plain, _ = _train(_convnet_model_fn, 1, x, y, batch)
+  towered, _ = _train(_convnet_model_fn, 3, x, y, batch, sync_batch_norm=True)
+  assert forward == [(1, True), (2, True)]
+  testlib.assert_variables_close(towered, plain)
+
+
+def test_copies_run_on_their_towers_devices():
+  x, y = testlib.data(9)
+  _, graph = _train(_convnet_model_fn, 3, x, y, 9, steps=1)
+  for k in (1, 2):
+    convs = [op for op in graph.get_operations()
+             if op.name.startswith(f'tower_{k}/') and op.type in ('Conv2D', 'Conv2DBackpropFilter', 'FusedBatchNormV3',
+                             'FusedBatchNormGradV3', 'MatMul')]
+    assert convs and all(tf.DeviceSpec.from_string(op.device).device_index == k
+                         for op in convs), [(op.name, op.device) for op in convs]
+
+
+def _dropout_model_fn(features, labels, mode):
+  hidden = tf.compat.v1.layers.dense(
+      features, 8, activation=tf.nn.relu,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=4))
+  hidden = tf.compat.v1.layers.dropout(hidden, 0.5, training=mode == ModeKeys.TRAIN)
+  logits = tf.compat.v1.layers.dense(hidden, testlib.NUM_CLASSES)
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _random_seeds(graph: tf.Graph) -> list:
+  seeds = []
+  for op in graph.get_operations():
+    if op.type.startswith('Random') and 'initializer' not in op.name.lower():
+      seeds.append((op.get_attr('seed'), op.get_attr('seed2')))
+  return sorted(seeds)
+
+
+def test_copies_draw_the_op_seeds_a_build_would(monkeypatch):
+  """Under a graph-level seed, each tower's dropout gets its own op seed, as when built."""
+  x, y = testlib.data(9)
+  _, copied = _train(_dropout_model_fn, 3, x, y, 9, steps=1, seed=11)
+  monkeypatch.setattr(towers, '_tower_copies', lambda *args: None)
+  _, built = _train(_dropout_model_fn, 3, x, y, 9, steps=1, seed=11)
+  assert _copied(copied, 1) and _built(built, 1)
+  seeds = _random_seeds(copied)
+  assert len(seeds) == 3 and len(set(seeds)) == 3, seeds
+  assert seeds == _random_seeds(built)
+
+
+def _asks_its_tower_model_fn(features, labels, mode):
+  if current_tower().primary:
+    tf.compat.v1.summary.scalar('first_feature', tf.reduce_mean(features[:, 0]))
+  return testlib.v1_model_fn(features, labels, mode, None)
+
+
+def _device_scope_model_fn(features, labels, mode):
+  with tf.device('/cpu:0'):
+    features = tf.identity(features) * 1.0
+  return testlib.v1_model_fn(features, labels, mode, None)
+
+
+def _cond_model_fn(features, labels, mode):
+  step = tf.compat.v1.train.get_global_step()
+  features = tf.cond(step >= 0, lambda: features * 2.0, lambda: features)
+  return testlib.v1_model_fn(features, labels, mode, None)
+
+
+@pytest.mark.parametrize('model_fn, batch, static, reason', [
+    (_asks_its_tower_model_fn, 9, False, 'asked which tower'),
+    (_device_scope_model_fn, 9, False, 'by the model_fn (a device scope)'),
+    (_cond_model_fn, 9, False, 'calls a function'),
+    (lambda features, labels, mode: testlib.v1_model_fn(features, labels, mode, None),
+     7, True, 'differ in static shape'),
+], ids=['current_tower', 'device_scope', 'tf_cond', 'static_uneven_shards'])
+def test_towers_that_cannot_be_copied_are_built(model_fn, batch, static, reason, monkeypatch):
+  logged = []
+  monkeypatch.setattr(tower_copies, '_log_once', logged.append)
+  x, y = testlib.data(14)
+  plain, _ = _train(model_fn, 1, x, y, batch, static_batch=static)
+  towered, graph = _train(model_fn, 2, x, y, batch, static_batch=static)
+  assert _built(graph, 1), [op.name for op in graph.get_operations()][:50]
+  assert any(reason in message for message in logged), logged
+  testlib.assert_variables_close(towered, plain)
