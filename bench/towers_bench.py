@@ -65,6 +65,7 @@ from absl import flags
 from absl import logging as absl_logging
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-direct-tensorflow-import
 
 import estimator_towers as et
 from benchlib import machine  # pylint: disable=g-import-not-at-top
@@ -219,7 +220,16 @@ def make_input_fn(batch_size: int, static: bool):
 # --- Runs -----------------------------------------------------------------------
 
 def session_config() -> tf.compat.v1.ConfigProto:
-  return tf.compat.v1.ConfigProto(device_count={'CPU': MAX_DEVICES})
+  """Estimator's default graph rewriting (one meta-optimizer pass), on MAX_DEVICES CPUs.
+
+  The same for every contender: what Estimator gives a RunConfig without a
+  session_config (and `estimator_towers.make_run_config` keeps), with the
+  virtual devices the towers need.
+  """
+  config = tf.compat.v1.ConfigProto(device_count={'CPU': MAX_DEVICES})
+  config.graph_options.rewrite_options.meta_optimizer_iterations = (
+      rewriter_config_pb2.RewriterConfig.ONE)
+  return config
 
 
 def make_estimator(model: str, contender: str, n: int, strategies: dict,

@@ -8,12 +8,14 @@ answered with the gradient of the global-batch loss instead:
 
     sum_k  w_k * loss_k      (w_k = n_k / B for a mean-reduced loss, 1 for a sum)
 
-over the towers' matching losses. The other towers are built at that moment,
-each in a clean context on its own device, and each is stopped at its own
-matching request, where its loss is recorded: they build their forward pass
+over the towers' matching losses. The other towers are made at that moment
+(copied from tower 0's ops by `tower_copies` where they can be, else built
+in a clean context), each on its own device, and each is stopped at its own
+matching request, where its loss is recorded: they have their forward pass
 and nothing else, so none of their updates exists. The gradient is one
-backward pass over every tower's loss (`grad_ys = w_k`), each tower's part
-colocated with its forward ops, so it runs on that tower's device; the
+backward pass over every tower's loss (`grad_ys = w_k`; for copied towers,
+tower 0's pass and a copy of it per tower), each tower's part colocated with
+its forward ops, so it runs on that tower's device; the
 contributions to a variable meet on the variable's device. Everything the
 model_fn then does with the gradients (clipping, loss scaling, summaries, its
 own optimizer's `apply_gradients`, a manual `global_step` update, a Saver) runs

@@ -58,7 +58,9 @@ class _Template:
     ops: the ops copied, in creation order.
     node_defs: their NodeDefs, inputs named by tower 0's tensors.
     external: per input name of `node_defs` from outside the copied ops, the tensor.
-    controls: per copied op's position, its control inputs from outside.
+    controls: per copied op's position, its control inputs from outside (a
+      copy waits for their counterparts; for none if tower 0 made them for
+      itself and they have none, as its dropped updates).
     devices: per copied op, 'tower' (tower k's device), 'colocated' (set by
       its colocation) or the device it keeps.
     colocated: per copied op's position, the ops it is colocated with.
@@ -239,7 +241,7 @@ class TowerCopies:
       for control in op.control_inputs:
         if control in members:
           node_def.input.append(f'^{control.name}')
-        elif control not in made:
+        else:
           controls.setdefault(len(node_defs), []).append(control)
       targets = _colocation_targets(op)
       if targets:
@@ -322,7 +324,7 @@ class TowerCopies:
       copies = interception.import_ops(graph_def, input_map,
                                        [renamed[op.name] for op in template.ops])
     for i, controls in template.controls.items():
-      interception.add_control_inputs(copies[i], controls)
+      interception.add_control_inputs(copies[i], _their_controls(controls, template.made, theirs))
     by_op = dict(zip(template.ops, copies))
 
     def counterpart(tensor: tf.Tensor) -> tf.Tensor | None:
@@ -340,6 +342,21 @@ def map_gradient(counterpart: Counterpart, grad: object) -> object:
       return None
     return tf.IndexedSlices(*parts)
   return None if grad is None else counterpart(grad)
+
+
+def _their_controls(controls: list, made: set, theirs: Counterpart) -> list:
+  """Tower k's control inputs for tower 0's `controls` from outside a template.
+
+  An op the towers share is the same op; one tower 0 made for itself is its
+  counterpart, or none if it has none (an update of tower 0's, dropped).
+  """
+  found = []
+  for control in controls:
+    if control not in made:
+      found.append(control)
+    elif _op_name(theirs, control) is not None:
+      found.append(control.graph.get_operation_by_name(_op_name(theirs, control)))
+  return found
 
 
 def _op_name(theirs: Counterpart, op: tf.Operation) -> str | None:

@@ -88,8 +88,10 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   w_k = n_k / B, a plain sum by 1. A loss it cannot rebuild gets one warning
   naming the op (an error with loss_reduction='exact'); declare a statistic
   it does not recognise with `loss_denominator(d)`. The other towers are
-  built at that moment and stopped at their own request, so they build their
-  forward pass only. What the model_fn
+  made at that moment and stopped at their own request, so they have their
+  forward pass only: copied from tower 0's ops (with their own shard, device
+  and random seeds) where that is what building them would give, else built
+  by running the model_fn again (`tower_copies`). What the model_fn
   then does (clipping, loss scaling, its optimizer's apply_gradients, a
   manual global_step update) runs once. Gradients with respect to anything
   other than variables (a gradient penalty on the inputs) stay per tower.
