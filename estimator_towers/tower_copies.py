@@ -6,31 +6,27 @@ seeds: its forward pass up to its first gradient request, and its part of the
 backward pass. Building them runs the model_fn's Python and TensorFlow's
 gradient code once more per tower (layer objects, variable lookups, op
 construction: most of a towered graph's construction time); copying tower 0's
-ops is one `import_graph_def` per tower and pass.
+ops is one `import_graph_def` per tower and pass (`op_templates`).
 
 The rule: tower k's forward pass is tower 0's ops from the start of its
 model_fn to its first gradient request, less the ops that created variables
-(only tower 0 creates them) and the ops that update a variable with what only
-feeds them (the other towers' updates are dropped anyway); its backward pass
-is tower 0's (the gradient of tower 0's seeds alone) on tower k's forward
-tensors and seeds. In a copy,
-  - a tensor of tower 0 (its shard, its forward pass, its seeds) becomes tower
-    k's; anything else from outside (variables, the global step) stays;
-  - an op on tower 0's device goes to tower k's; one placed with a variable
-    (or nowhere) stays; an op colocated with another follows the other's copy;
-  - a random op seeded by the graph-level seed gets the next op seed, as
-    building it would (op seeds follow creation order); an explicit op seed
-    stays.
+(only tower 0 creates them), the ops that update a variable with what only
+feeds them (the other towers' updates are dropped anyway) and the sync points'
+joins (shared: a copy joins them); its backward pass is tower 0's (the
+gradient of tower 0's seeds alone). In a copy, tower 0's shard, forward
+tensors, seeds and sync-point results become tower k's, anything else from
+outside (variables, the global step) stays, and devices and op seeds follow
+`op_templates`' rule.
 
 A tower is copied only where that is what building it would give: never when
 its shard differs from tower 0's in static shape or dtype; tower 0 asked which
-tower it is (`current_tower`, `loss_denominator`, `global_mean`); an op sits
-in a v1 `tf.cond` or `tf.while_loop` or calls a function (TensorFlow's
-gradient of a `tf.cond` rewrites the function in place); an op was put on another device by the
-model_fn (a device scope); an op is a Placeholder or a stateful op with a
-shared name (a table, a staging area); or an op uses a tensor of tower 0 that
-has no counterpart in tower k. Then the tower is built as before (the reason
-logged once).
+tower it is (`current_tower`, `loss_denominator`, `global_mean`); a sync point
+cannot be shared this way (a synchronised `tf.nn.moments`, differentiated
+through its join); an op cannot be imported again (`op_templates`: v1
+control flow, a function call, a placeholder, a shared name, a device scope);
+or an op uses a tensor of tower 0 that has no counterpart in tower k. Then the
+tower is built as before (the reason logged once per graph). `towers` does
+not copy with micro-batches, variable copies per tower or across workers.
 """
 
 from __future__ import annotations
@@ -44,37 +40,10 @@ import tensorflow as tf
 from estimator_towers import cross_worker
 from estimator_towers import interception
 from estimator_towers import logs
-from estimator_towers import placement as placement_lib
+from estimator_towers import op_templates
 from estimator_towers import tower_context
 
-Counterpart = Callable[[tf.Tensor], 'tf.Tensor | None']
-
-
-@dataclasses.dataclass
-class _Template:
-  """Tower 0's ops to copy, prepared once.
-
-  Attributes:
-    ops: the ops copied, in creation order.
-    node_defs: their NodeDefs, inputs named by tower 0's tensors.
-    external: per input name of `node_defs` from outside the copied ops, the tensor.
-    controls: per copied op's position, its control inputs from outside (a
-      copy waits for their counterparts; for none if tower 0 made them for
-      itself and they have none, as its dropped updates).
-    devices: per copied op, 'tower' (tower k's device), 'colocated' (set by
-      its colocation) or the device it keeps.
-    colocated: per copied op's position, the ops it is colocated with.
-    seeded: positions of the ops whose seeds are renewed per copy.
-    made: the ops tower 0 made for itself so far (see `_made_by_primary`).
-  """
-  ops: list
-  node_defs: list
-  external: dict
-  controls: dict
-  devices: list
-  colocated: dict
-  seeded: set
-  made: set
+Counterpart = op_templates.Counterpart
 
 
 @dataclasses.dataclass
@@ -83,7 +52,7 @@ class Recording:
   first: int
   seeds: int
   ops: list = dataclasses.field(default_factory=list)
-  template: _Template | str | None = None
+  template: op_templates.Template | str | None = None
 
 
 class TowerCopies:
@@ -113,7 +82,7 @@ class TowerCopies:
     self._primary = primary
     self._creation_spans = creation_spans
     self._start = self._reads = self._seeds = 0
-    self._forward: _Template | str | None = None  # str: why it cannot be copied
+    self._forward: op_templates.Template | str | None = None  # str: why it cannot be copied
     self._counterparts: dict[int, Counterpart] = {}
     self._prefixes: dict[int, str] = {}  # tower k's copies' name scope
 
@@ -146,8 +115,7 @@ class TowerCopies:
       return None
     shard = dict(zip((t.ref() for t in self._inputs_of(self._primary)), self._inputs_of(k)))
     self._prefixes[k] = self._graph.unique_name(f'tower_{k}')
-    counterpart = self._instance(k, self._forward, lambda t: shard.get(t.ref()),
-                                 self._prefixes[k])
+    counterpart = self._instance(k, self._forward, lambda t: shard.get(t.ref()))
     if counterpart is None:
       return None
 
@@ -207,7 +175,7 @@ class TowerCopies:
       found = seeds.get(tensor.ref())
       found = joined.get(tensor.ref()) if found is None else found
       return forward(tensor) if found is None else found
-    copied = self._instance(k, recording.template, theirs, self._prefixes[k])
+    copied = self._instance(k, recording.template, theirs)
     if copied is None:
       return None
     self._sync.copied_pass(self._primary, k, copied, set(recording.template.ops))
@@ -222,52 +190,9 @@ class TowerCopies:
   # -- Templates and their instances ------------------------------------------
 
   def _template(self, ops: list, seed_range: range, shared: set = frozenset()
-                ) -> _Template | str:
-    members, made = set(ops), self._made_by_primary() - shared
-    node_defs, external, controls, devices, colocated, seeded = [], {}, {}, [], {}, set()
-    for op in ops:
-      reason = _unsafe(op)
-      if reason:
-        return reason
-      node_def = tf.compat.v1.NodeDef()
-      node_def.CopyFrom(op.node_def)
-      node_def.ClearField('device')
-      del node_def.input[:]
-      for tensor in op.inputs:
-        name = f'{tensor.op.name}:{tensor.value_index}'
-        if tensor.op not in members:
-          external[name] = tensor
-        node_def.input.append(name)
-      for control in op.control_inputs:
-        if control in members:
-          node_def.input.append(f'^{control.name}')
-        else:
-          controls.setdefault(len(node_defs), []).append(control)
-      targets = _colocation_targets(op)
-      if targets:
-        colocated[len(node_defs)] = targets
-        devices.append('colocated')
-      else:
-        device = None if op.name in self._pinned else self._device_rule(op)
-        if device is None:
-          return (f'{op.name} was put on {op.device!r} by the model_fn (a device '
-                  f'scope), not by the tower')
-        devices.append(device)
-      if _graph_seeded(op, self._graph, seed_range):
-        seeded.add(len(node_defs))
-      node_defs.append(node_def)
-    return _Template(ops, node_defs, external, controls, devices, colocated, seeded, made)
-
-  def _device_rule(self, op: tf.Operation) -> str | None:
-    """'tower', a device op keeps on every tower, or None (placed by the model_fn)."""
-    if not op.device:
-      return ''
-    for tensor in op.inputs:
-      if tensor.dtype == tf.resource:
-        return '' if op.type in placement_lib.CALL_OPS else op.device
-    if _same_device(op.device, self._device_of(self._primary)):
-      return 'tower'
-    return None
+                ) -> op_templates.Template | str:
+    return op_templates.make(ops, self._made_by_primary() - shared,
+                             self._device_of(self._primary), self._pinned, seed_range)
 
   def _made_by_primary(self) -> set:
     """The ops made since tower 0 started, but for variables' creation (shared by all towers)."""
@@ -275,61 +200,13 @@ class TowerCopies:
     return {op for i, op in enumerate(ops[self._start:], self._start)
             if not any(first <= i < end for first, end in self._creation_spans)}
 
-  def _instance(self, k: int, template: _Template, theirs: Counterpart, prefix: str
+  def _instance(self, k: int, template: op_templates.Template, theirs: Counterpart
                 ) -> Counterpart | None:
-    """`template` imported for tower k under `prefix`, or None if an input has no counterpart.
-
-    Tower 0's op names are unique, so its forward and backward ops can share
-    one prefix per tower.
-    """
-    graph = self._graph
-    device = tf.DeviceSpec.from_string(self._device_of(k)).to_string()
-    renamed = {op.name: f'{prefix}/{op.name}' for op in template.ops}
-    input_map = {}
-    for name, tensor in template.external.items():
-      found = theirs(tensor)
-      if found is None and tensor.op in template.made:
-        _log_once(f'{tensor.name} of the first tower has no counterpart in the others')
-        return None
-      input_map[name] = tensor if found is None else found
-    graph_def = tf.compat.v1.GraphDef()
-    graph_def.versions.CopyFrom(graph.graph_def_versions)
-    for i, (op, node_def) in enumerate(zip(template.ops, template.node_defs)):
-      copied = graph_def.node.add()
-      copied.CopyFrom(node_def)
-      copied.name = renamed[op.name]
-      for j, name in enumerate(copied.input):
-        if name.startswith('^'):
-          copied.input[j] = '^' + renamed[name[1:]]
-        elif name not in input_map:
-          source, index = name.rsplit(':', 1)
-          copied.input[j] = f'{renamed[source]}:{index}'
-      if i in template.colocated:
-        names = []
-        for target in template.colocated[i]:
-          mapped = renamed.get(target.name) or _op_name(theirs, target)
-          if mapped is None and target in template.made:
-            _log_once(f'{op.name} is colocated with {target.name}, which has no '
-                      f'counterpart in the other towers')
-            return None
-          names.append(f'loc:@{mapped or target.name}'.encode())
-        copied.attr['_class'].list.s[:] = names
-      elif template.devices[i] == 'tower':
-        copied.device = device
-      else:
-        copied.device = template.devices[i]
-      if i in template.seeded:
-        copied.attr['seed'].i, copied.attr['seed2'].i = tf.compat.v1.random.get_seed(None)
-    with graph.as_default(), graph.device(None):
-      copies = interception.import_ops(graph_def, input_map,
-                                       [renamed[op.name] for op in template.ops])
-    for i, controls in template.controls.items():
-      interception.add_control_inputs(copies[i], _their_controls(controls, template.made, theirs))
-    by_op = dict(zip(template.ops, copies))
-
-    def counterpart(tensor: tf.Tensor) -> tf.Tensor | None:
-      op = by_op.get(tensor.op) if isinstance(tensor, tf.Tensor) else None
-      return None if op is None else op.outputs[tensor.value_index]
+    """`template` imported for tower k under its prefix; None (logged) if it cannot be."""
+    counterpart, reason = op_templates.instance(template, self._prefixes[k],
+                                                self._device_of(k), theirs)
+    if reason:
+      _log_once(reason)
     return counterpart
 
 
@@ -342,39 +219,6 @@ def map_gradient(counterpart: Counterpart, grad: object) -> object:
       return None
     return tf.IndexedSlices(*parts)
   return None if grad is None else counterpart(grad)
-
-
-def _their_controls(controls: list, made: set, theirs: Counterpart) -> list:
-  """Tower k's control inputs for tower 0's `controls` from outside a template.
-
-  An op the towers share is the same op; one tower 0 made for itself is its
-  counterpart, or none if it has none (an update of tower 0's, dropped).
-  """
-  found = []
-  for control in controls:
-    if control not in made:
-      found.append(control)
-    elif _op_name(theirs, control) is not None:
-      found.append(control.graph.get_operation_by_name(_op_name(theirs, control)))
-  return found
-
-
-def _op_name(theirs: Counterpart, op: tf.Operation) -> str | None:
-  """The name of tower k's counterpart of tower 0's `op` (through its first output)."""
-  if not op.outputs:
-    return None
-  found = theirs(op.outputs[0])
-  return None if found is None else found.op.name
-
-
-def _colocation_targets(op: tf.Operation) -> list:
-  try:
-    groups = op.get_attr('_class')
-  except ValueError:
-    return []
-  graph = op.graph
-  return [graph.get_operation_by_name(g.decode()[len('loc:@'):]) for g in groups
-          if g.startswith(b'loc:@')]
 
 
 def _mutating(op: tf.Operation) -> bool:
@@ -399,42 +243,6 @@ def _kept(segment: Sequence[tf.Operation]) -> list:
     if consumers and all(c in members and c in dropped for c in consumers):
       dropped.add(op)
   return [op for op in segment if op not in dropped]
-
-
-def _unsafe(op: tf.Operation) -> str | None:
-  """Why `op` cannot be copied as it is, or None."""
-  if interception.in_control_flow(op):
-    return f'{op.name} is inside a v1 tf.cond or tf.while_loop'
-  if interception.calls_function(op):
-    return (f'{op.name} calls a function (a tf.cond, tf.while_loop or tf.function '
-            f'in graph mode)')
-  if op.type in ('Placeholder', 'PlaceholderV2'):
-    return f'the model_fn made a placeholder ({op.name})'
-  try:
-    shared = op.get_attr('shared_name')
-  except ValueError:
-    shared = b''
-  if shared:
-    return f'{op.name} is a stateful op with a shared name'
-  return None
-
-
-def _same_device(a: str, b: str) -> bool:
-  return tf.DeviceSpec.from_string(a or '') == tf.DeviceSpec.from_string(b or '')
-
-
-def _graph_seeded(op: tf.Operation, graph: tf.Graph, seed_range: range) -> bool:
-  """True if op's seeds came from the graph-level seed and the op seed counter."""
-  if graph.seed is None:
-    return False
-  try:
-    seed, seed2 = op.get_attr('seed'), op.get_attr('seed2')
-  except ValueError:
-    return False
-  expected = tf.compat.v1.random.get_seed(0)[0]  # the graph-level seed, truncated
-  if (seed, seed2) == (0, 2**31 - 1):  # get_seed's stand-in for (0, 0)
-    seed2 = 0
-  return seed == expected and seed2 in seed_range
 
 
 def _log_once(reason: str) -> None:
