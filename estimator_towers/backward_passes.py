@@ -156,9 +156,11 @@ class BackwardPasses:
                    ys0: list, seeds0: list, ys: list, seeds: list) -> list | None:
     """Tower k's gradients as a copy of tower 0's pass `first`, or None if it cannot be."""
     copies = self._copies
+    made = set(recording.ops)
     if (not copies.copied(k) or len(ys) != len(ys0) or len(seeds) != len(seeds0)
         or any(copies.counterpart(k, a) is not b for a, b in zip(ys0, ys))
-        or any((a is None) != (b is None) for a, b in zip(seeds0, seeds))):
+        or any((a is None) != (b is None) for a, b in zip(seeds0, seeds))
+        or not all(t.op in made for g in first for t in tower_copies.components(g))):
       return None
     theirs = copies.copy_pass(k, recording, {a.ref(): b for a, b in zip(seeds0, seeds)
                                              if a is not None})

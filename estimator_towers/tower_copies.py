@@ -94,21 +94,17 @@ class TowerCopies:
 
   # -- The forward pass -------------------------------------------------------
 
-  def copy(self, k: int, segment: Sequence[tf.Operation]) -> Counterpart | None:
+  def copy(self, k: int, segment: Sequence[tf.Operation], request: Sequence
+           ) -> Counterpart | None:
     """Tower k's forward pass as a copy of tower 0's `segment`; None if it cannot be.
 
-    Returns `counterpart(tensor)`: tower k's tensor for a tensor of tower 0's
-    segment or shard (None for any other).
+    `request`: the tensors of tower 0's gradient request (its ys, initial
+    gradients and stops), which tower k's copy must have. Returns
+    `counterpart(tensor)`: tower k's tensor for a tensor of tower 0's segment
+    or shard (None for any other).
     """
     if self._forward is None:
-      shared = self._sync.shared_ops()
-      if tower_context.reads() != self._reads:
-        self._forward = ('the model_fn asked which tower it builds (current_tower, '
-                         'loss_denominator or global_mean)')
-      else:
-        self._forward = self._sync.copy_reason() or self._template(
-            _kept([op for op in segment if op not in shared]),
-            range(self._seeds, interception.op_seed_count(self._graph)), shared)
+      self._forward = self._forward_template(segment, request)
     reason = self._forward if isinstance(self._forward, str) else self._shapes_differ(k)
     if reason:
       _log_once(reason)
@@ -127,6 +123,21 @@ class TowerCopies:
     self._counterparts[k] = forward
     self._sync.copied(self._primary, k, forward)
     return forward
+
+  def _forward_template(self, segment: Sequence[tf.Operation], request: Sequence
+                        ) -> op_templates.Template | str:
+    if tower_context.reads() != self._reads:
+      return ('the model_fn asked which tower it builds (current_tower, '
+              'loss_denominator or global_mean)')
+    shared = self._sync.shared_ops()
+    kept = _kept([op for op in segment if op not in shared])
+    ops, inputs = set(kept), {t.ref() for t in self._inputs_of(self._primary)}
+    for tensor in request:
+      if isinstance(tensor, tf.Tensor) and tensor.op not in ops and tensor.ref() not in inputs:
+        return (f'the gradient request\'s {tensor.name} is not a tensor the model_fn built '
+                f'on its shard')
+    return self._sync.copy_reason() or self._template(
+        kept, range(self._seeds, interception.op_seed_count(self._graph)), shared)
 
   def _shapes_differ(self, k: int) -> str | None:
     def spec(t):
@@ -208,6 +219,13 @@ class TowerCopies:
     if reason:
       _log_once(reason)
     return counterpart
+
+
+def components(grad: object) -> list:
+  """A gradient's tensors (an IndexedSlices' values, indices and dense shape)."""
+  if isinstance(grad, tf.IndexedSlices):
+    return [t for t in (grad.values, grad.indices, grad.dense_shape) if t is not None]
+  return [] if grad is None else [grad]
 
 
 def map_gradient(counterpart: Counterpart, grad: object) -> object:

@@ -585,9 +585,16 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
 
   def _copied(k):
     """Tower k's forward pass copied from the primary's (`tower_copies`), if it can be."""
+    request = broker.requests[0]
     with interception.clean_context(graph, builder.devices):
-      counterpart = copies.copy(k, broker.primary_segment())
-    return counterpart is not None and broker.adopt_copy(k, counterpart)
+      counterpart = copies.copy(k, broker.primary_segment(),
+                                request.ys + request.grad_ys + request.stops)
+    if counterpart is None:
+      return False
+    if not broker.adopt_copy(k, counterpart):  # copy() checked the request's tensors
+      raise RuntimeError(f'estimator_towers: tower {k} was copied from tower 0 but its '
+                         f'gradient request has no counterpart; please report this.')
+    return True
 
   layout = shards.layout
   micro = layout.micro_batches > 1

@@ -127,8 +127,8 @@ def test_copied_synchronised_batch_norm_trains_as_plain(batch, monkeypatch):
   forward = []
   copy = tower_copies.TowerCopies.copy
 
-  def spy(self, k, segment):
-    found = copy(self, k, segment)
+  def spy(self, k, *args):
+    found = copy(self, k, *args)
     forward.append((k, found is not None))
     return found
   monkeypatch.setattr(tower_copies.TowerCopies, 'copy', spy)

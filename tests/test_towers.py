@@ -449,7 +449,8 @@ def test_summaries_come_from_tower_zero_and_placement_is_logged(caplog):
     summaries = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.SUMMARIES)
   names = [s.op.name for s in summaries if not s.op.name.startswith('towers/')]
   assert len(names) == 2 and not any('/' in n for n in names), names  # one per build, tower 0's
-  placement_lines = [r.getMessage() for r in caplog.records if 'estimator_towers:' in r.getMessage()]
+  placement_lines = [r.getMessage() for r in caplog.records
+                     if r.getMessage().startswith('estimator_towers: train graph:')]
   assert placement_lines == [  # Once per graph.
       'estimator_towers: train graph: 3 tower(s) on /device:CPU:0, /device:CPU:1, /device:CPU:2; '
       'variables on /device:CPU:0 (variable_strategy=cpu, loss_reduction=auto).']
