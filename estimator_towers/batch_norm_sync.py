@@ -182,15 +182,14 @@ class BatchNormSync:
     self._calls[tower] = len(points)
     pending = _pending_gradients.get(self._graph, {})
     for name, grad in list(pending.items()):
-      if grad.args[1] != primary:
+      if grad.keywords['tower'] != primary:
         continue
       copy = counterpart(self._graph.get_operation_by_name(name).outputs[0])
       if copy is None:
         continue
-      args = [a if not isinstance(a, tf.Tensor) or counterpart(a) is None else counterpart(a)
-              for a in grad.args]
-      args[1] = tower
-      pending[copy.op.name] = functools.partial(grad.func, *args)
+      theirs = {key: value if not isinstance(value, tf.Tensor) or counterpart(value) is None
+                else counterpart(value) for key, value in grad.keywords.items()}
+      pending[copy.op.name] = functools.partial(grad.func, **dict(theirs, tower=tower))
 
   # -- The intercepted calls ---------------------------------------------------
 
@@ -271,11 +270,12 @@ class BatchNormSync:
     with self._graph.gradient_override_map({'IdentityN': _GRADIENT}):
       outputs = tf.raw_ops.IdentityN(input=[y, x, scale, offset])
     _pending_gradients.setdefault(self._graph, {})[outputs[0].op.name] = functools.partial(
-        self._gradient, kernel, tower, point, x, scale, mean, variance, count, reserve)
+        self._gradient, tower=tower, kernel=kernel, point=point, x=x, scale=scale, mean=mean,
+        variance=variance, count=count, reserve=reserve)
     return outputs[0]
 
-  def _gradient(self, kernel: '_FusedKernel', tower: int, point: sync_points.SyncPoint,
-                x, scale, mean, variance, count, reserve, dy) -> list:
+  def _gradient(self, dy, *, tower: int, kernel: '_FusedKernel', point: sync_points.SyncPoint,
+                x, scale, mean, variance, count, reserve) -> list:
     """`_fused_normalise`'s gradient for tower `tower` (its tensors `x` and `reserve`)."""
     dx, dscale, doffset = kernel.gradient(dy, x, scale, mean, variance, reserve)
     correction_scale, correction_offset = point.backward(tower).join(
