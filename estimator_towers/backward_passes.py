@@ -130,13 +130,14 @@ class BackwardPasses:
 
     For the towers whose forward pass is a copy of tower 0's (`tower_copies`),
     their backward pass is a copy of tower 0's on their forward tensors and
-    seeds; any other tower's is built. None where the request is not with
-    respect to variables alone that every tower reads itself.
+    seeds (and its own copies of the variables, if it has them); any other
+    tower's is built. None where the request is not with respect to
+    variables alone, or to one on a parameter server.
     """
     copies, primary = self._copies, requests[0]
     if (copies is None or not any(copies.copied(k) for k in towers[1:]) or not shards[0][0]
         or any(not isinstance(x, tf.Variable) or self.sync.aggregation_device(x) != x.device
-               or any(self._copy_of(x, k) is not None for k in towers) for x in primary.xs)):
+               for x in primary.xs)):
       return None
     xs = list(primary.xs)
     ys0, seeds0 = shards[0]
@@ -145,8 +146,9 @@ class BackwardPasses:
     parts = [[g] for g in first]
     for k, request, (ys, seeds) in zip(towers[1:], requests[1:], shards[1:]):
       grads = self._copied_pass(k, recording, first, ys0, seeds0, ys, seeds)
-      if grads is None:
-        grads = (interception.graph_gradients(ys, xs, seeds, **_options(primary, request.stops))
+      if grads is None:  # a built tower: with respect to its own copies, if it has them
+        mine = [x if self._copy_of(x, k) is None else self._copy_of(x, k) for x in xs]
+        grads = (interception.graph_gradients(ys, mine, seeds, **_options(primary, request.stops))
                  if ys else [None] * len(xs))
       for part, grad in zip(parts, grads):
         part.append(grad)

@@ -11,9 +11,10 @@ name scope of its own. The rule for each op of an instance:
   - a control input from outside follows the same rule, except that one with
     no counterpart is dropped (an update only the owner runs);
   - its device is the instance's device if the template op was on the owner's
-    device (`home`), else the template op's (an op placed with the variable it
-    reads, or nowhere); an op colocated with others is colocated with their
-    instances (or with the shared op itself) and takes its device from them;
+    device (`home`), the device of the variable it reads (the instance's own
+    copy where `theirs` maps the handle), or nowhere if the template op was;
+    an op colocated with others is colocated with their instances (or with
+    the shared op itself) and takes its device from them;
   - a random op seeded by the graph-level seed draws the next op seed, as
     building it would; an explicit op seed stays.
 A template cannot be made (the reason is returned instead) of an op in a v1
@@ -45,8 +46,9 @@ class Template:
     node_defs: their NodeDefs, inputs named by the template ops' tensors.
     external: per input name of `node_defs` from outside the ops, the tensor.
     controls: per op's position, its control inputs from outside.
-    devices: per op, 'home' (the instance's device), 'colocated' (set by its
-      colocation) or the device it keeps.
+    devices: per op, 'home' (the instance's device), 'resource' (its
+      variable's, which may be the instance's own copy), 'colocated' (set by
+      its colocation) or the device it keeps.
     colocated: per op's position, the ops it is colocated with.
     seeded: positions of the ops whose seeds are drawn anew per instance.
     made: the ops the owner made for itself (they have counterparts; any
@@ -110,12 +112,12 @@ def make(ops: list, made: set, home: str, pinned: set, seed_range: range
 
 
 def _device_rule(op: tf.Operation, home: str) -> str | None:
-  """'home', the device op keeps in every instance, or None (placed otherwise)."""
+  """'home', 'resource', the device op keeps in every instance, or None (placed otherwise)."""
   if not op.device:
     return ''
   for tensor in op.inputs:
-    if tensor.dtype == tf.resource:
-      return '' if op.type in placement_lib.CALL_OPS else op.device
+    if tensor.dtype == tf.resource:  # with the variable: the instance's, if it has its own
+      return '' if op.type in placement_lib.CALL_OPS else 'resource'
   if tf.DeviceSpec.from_string(op.device) == tf.DeviceSpec.from_string(home):
     return 'home'
   return None
@@ -159,8 +161,12 @@ def instance(template: Template, prefix: str, device: str, theirs: Counterpart
                         f'counterpart in the other towers')
         names.append(f'loc:@{mapped or target.name}'.encode())
       copied.attr['_class'].list.s[:] = names
+    elif template.devices[i] == 'home':
+      copied.device = device
+    elif template.devices[i] == 'resource':  # where its variable is
+      copied.device = _resource_device(op, input_map) or op.device
     else:
-      copied.device = device if template.devices[i] == 'home' else template.devices[i]
+      copied.device = template.devices[i]
     if i in template.seeded:
       copied.attr['seed'].i, copied.attr['seed2'].i = tf.compat.v1.random.get_seed(None)
   with graph.as_default(), graph.device(None):
@@ -174,6 +180,15 @@ def instance(template: Template, prefix: str, device: str, theirs: Counterpart
     op = by_op.get(tensor.op) if isinstance(tensor, tf.Tensor) else None
     return None if op is None else op.outputs[tensor.value_index]
   return counterpart, None
+
+
+def _resource_device(op: tf.Operation, input_map: dict) -> str | None:
+  """The device of the variable an instance of `op` reads, if its handle comes from outside."""
+  for tensor in op.inputs:
+    if tensor.dtype == tf.resource:
+      mapped = input_map.get(f'{tensor.op.name}:{tensor.value_index}')
+      return None if mapped is None else interception.resource_device(mapped)
+  return None
 
 
 def _their_controls(controls: list, made: set, theirs: Counterpart) -> list:

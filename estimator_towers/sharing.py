@@ -168,6 +168,32 @@ class VariableSharing:
     self._replicas.setdefault(id(original), (original, []))[1].append(copy)
     return copy
 
+  def replicas(self, tower: int, count: int) -> list[tuple[tf.Variable, tf.Variable]]:
+    """Tower `tower`'s copies of tower 0's first `count` variables: (original, copy) pairs.
+
+    What `reusing` would hand a built tower, for a tower that is copied
+    instead (`tower_copies`): the copies are made now where they are missing.
+    Empty without a replica device for the tower.
+    """
+    device = self._replica_device(tower)
+    if device is None:
+      return []
+    graph = tf.compat.v1.get_default_graph()
+    replicated = {id(v) for v in graph.get_collection(GraphKeys.GLOBAL_VARIABLES)
+                  if v.dtype.base_dtype.is_floating}
+    trainable = list(graph.get_collection(GraphKeys.TRAINABLE_VARIABLES))
+    found = []
+    with self.suspended():
+      for variable in self.variables[:count]:
+        if id(variable) in replicated:
+          copy = self._copies.get((id(variable), tower))
+          if copy is None:
+            copy = self._replicate(lambda **kwargs: tf.compat.v1.Variable(**kwargs),
+                                   variable, tower, device)
+          found.append((variable, copy))
+    graph.get_collection_ref(GraphKeys.TRAINABLE_VARIABLES)[:] = trainable  # no stand-ins
+    return found
+
   @contextlib.contextmanager
   def creating(self) -> Iterator[None]:
     """Scope of tower 0: variables are created, placed and recorded."""

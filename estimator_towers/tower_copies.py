@@ -15,8 +15,9 @@ feeds them (the other towers' updates are dropped anyway) and the sync points'
 joins (shared: a copy joins them); its backward pass is tower 0's (the
 gradient of tower 0's seeds alone). In a copy, tower 0's shard, forward
 tensors, seeds and sync-point results become tower k's, anything else from
-outside (variables, the global step) stays, and devices and op seeds follow
-`op_templates`' rule.
+outside (variables, the global step) stays but for the handles of variables
+tower k has its own copy of (`replicated`, `collective`), which become the
+copy's; devices and op seeds follow `op_templates`' rule.
 
 A tower is copied only where that is what building it would give: never when
 its shard differs from tower 0's in static shape or dtype; tower 0 asked which
@@ -26,7 +27,7 @@ through its join); an op cannot be imported again (`op_templates`: v1
 control flow, a function call, a placeholder, a shared name, a device scope);
 or an op uses a tensor of tower 0 that has no counterpart in tower k. Then the
 tower is built as before (the reason logged once per graph). `towers` does
-not copy with micro-batches, variable copies per tower or across workers.
+not copy with micro-batches or across workers.
 """
 
 from __future__ import annotations
@@ -69,12 +70,16 @@ class TowerCopies:
     sync: the graph's sync points of batch statistics: its `copy_reason()`,
       `shared_ops()` (the joins, not copied) and `copied(primary, k,
       counterpart)` (tower k's copy joins them).
+    replicas: `replicas(k)`, tower k's own copies of the variables (original,
+      copy) under `replicated` and `collective` (made when asked), or [].
   """
 
   def __init__(self, graph: tf.Graph, device_of: Callable[[int], str],
                inputs_of: Callable[[int], list], primary: int,
-               creation_spans: Sequence[tuple[int, int]], pinned: set, sync: Any):
+               creation_spans: Sequence[tuple[int, int]], pinned: set, sync: Any,
+               replicas: Callable[[int], list]):
     self._graph = graph
+    self._replicas = replicas
     self._pinned = pinned
     self._sync = sync
     self._device_of = device_of
@@ -110,6 +115,7 @@ class TowerCopies:
       _log_once(reason)
       return None
     shard = dict(zip((t.ref() for t in self._inputs_of(self._primary)), self._inputs_of(k)))
+    shard.update((original.handle.ref(), copy.handle) for original, copy in self._replicas(k))
     self._prefixes[k] = self._graph.unique_name(f'tower_{k}')
     counterpart = self._instance(k, self._forward, lambda t: shard.get(t.ref()))
     if counterpart is None:

@@ -604,7 +604,7 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
   sync = gradient_sync.GradientSync(builder.placement.aggregation_device,
                                     getattr(builder.placement, 'combine', None), across)
   statistics = _batch_norm_statistics(plan, builder, across)
-  copies = _tower_copies(builder, statistics, across)
+  copies = _tower_copies(builder, statistics, across, lambda: broker.variables_at[0])
   passes = backward_passes.BackwardPasses(
       sync, lambda variable, k: variable_sharing.copy_of(variable, layout.device_of(k)),
       device_of=(lambda k: builder.tower_devices[layout.device_of(k)]) if micro else None,
@@ -753,22 +753,24 @@ def _reported_loss(built: Sequence, losses: Sequence, shards: _Shards,
 
 
 def _tower_copies(builder: _TowerBuilder, statistics: Any,
-                  across: cross_worker.CrossWorker | None) -> tower_copies.TowerCopies | None:
+                  across: cross_worker.CrossWorker | None, created: Callable[[], int]
+                  ) -> tower_copies.TowerCopies | None:
   """Copies of the primary's forward pass for the other towers, where they may be.
 
-  Not with micro-batches (gated inputs, per-device variables), variable
-  copies per tower ('replicated', 'collective') or workers (their live
-  inputs).
+  `created()`: how many variables the primary created before its first
+  gradient request (a copied tower's own copies of them, if any, are made).
+
+  Not with micro-batches (gated inputs, per-device variables) or across
+  workers (their live inputs).
   """
-  shards, placement = builder.shards, builder.placement
-  if (shards.layout.micro_batches > 1
-      or across is not None or len(shards.active) < 2
-      or any(placement.replica_device(k) is not None for k in shards.active)):
+  shards = builder.shards
+  if shards.layout.micro_batches > 1 or across is not None or len(shards.active) < 2:
     return None
+  sharing = builder.variable_sharing
   return tower_copies.TowerCopies(
       builder.graph, lambda k: builder.tower_devices[k],
-      lambda k: _flat_shard(shards, k), builder.primary,
-      builder.variable_sharing.creation_spans, builder.pinned, statistics)
+      lambda k: _flat_shard(shards, k), builder.primary, sharing.creation_spans,
+      builder.pinned, statistics, lambda k: sharing.replicas(k, created()))
 
 
 class _Unsynced:

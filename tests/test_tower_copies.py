@@ -101,6 +101,27 @@ def test_copied_towers_train_as_plain(model_fn, num_devices):
   testlib.assert_variables_close(towered, plain)
 
 
+@pytest.mark.parametrize('static_batch', [False, True], ids=['all_copied', 'last_built'])
+@pytest.mark.parametrize('strategy', ['replicated', 'collective'])
+def test_towers_with_their_own_variable_copies(strategy, static_batch):
+  """Copied towers read (and differentiate) their own copies of the variables.
+
+  A batch of 7 over 4 towers (2/2/2/1): unknown when built, every tower is
+  copied; static, the last one differs in shape from the first and is built.
+  """
+  x, y = testlib.data(14)
+  plain, _ = _train(testlib.v1_model_fn, 1, x, y, 7, static_batch=static_batch)
+  towered, graph = _train(testlib.v1_model_fn, 4, x, y, 7, static_batch=static_batch,
+                          variable_strategy=strategy)
+  assert _copied(graph, 1) and _copied(graph, 2)
+  assert _copied(graph, 3) != static_batch
+  for k in (1, 2, 3):
+    reads = {op.inputs[0].op.name for op in graph.get_operations()
+             if op.type == 'ReadVariableOp' and op.name.startswith(f'tower_{k}/')}
+    assert reads and all(name.endswith(f'/replica_{k}') for name in reads), reads
+  testlib.assert_variables_close(towered, plain)
+
+
 @pytest.mark.parametrize('model_fn', [testlib.keras_model_fn, _convnet_model_fn],
                          ids=['keras', 'convnet'])
 def test_copied_batch_norm_towers_train_as_built(model_fn, monkeypatch):
