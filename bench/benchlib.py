@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import platform
 import statistics
@@ -30,6 +31,24 @@ NUM_CLASSES = 10
 # Flags define_mlp_flags() defines belong to the script that calls it: its
 # --help lists them.
 flags.disclaim_key_flags()
+
+
+@contextlib.contextmanager
+def collections_timed():
+  """Yields [seconds]: the garbage collector's passes meanwhile (wall time), when the block ends."""
+  total, started = [0.0], [0.0]
+
+  def callback(phase, unused_info):
+    if phase == 'start':
+      started[0] = time.perf_counter()
+    else:
+      total[0] += time.perf_counter() - started[0]
+
+  gc.callbacks.append(callback)
+  try:
+    yield total
+  finally:
+    gc.callbacks.remove(callback)
 
 
 def machine() -> str:

@@ -28,8 +28,6 @@ bench/towers_bench.py's models at N = --n (plain: one device):
 from __future__ import annotations
 
 import collections
-import contextlib
-import gc
 import statistics
 import time
 
@@ -38,6 +36,7 @@ from absl import flags
 from absl import logging as absl_logging
 import tensorflow as tf
 
+import benchlib
 import towers_bench as tb
 
 flags.DEFINE_string('model', 'resnet', 'mlp or resnet.')
@@ -56,7 +55,7 @@ def build_seconds(contender: str) -> tuple[float, int, float, float]:
     tf.compat.v1.train.create_global_step()
     features, labels = tf.compat.v1.data.make_one_shot_iterator(input_fn()).get_next()
     start = time.thread_time()
-    with _collections_timed() as collected:
+    with benchlib.collections_timed() as collected:
       estimator._call_model_fn(features, labels, tf.estimator.ModeKeys.TRAIN,  # pylint: disable=protected-access
                                estimator.config)
     seconds = time.thread_time() - start
@@ -66,24 +65,6 @@ def build_seconds(contender: str) -> tuple[float, int, float, float]:
     tf.graph_util.import_graph_def(graph_def, name='')
     imported = time.thread_time() - start
   return seconds, len(graph.get_operations()), imported, collected[0]
-
-
-@contextlib.contextmanager
-def _collections_timed():
-  """Yields [seconds]: the garbage collector's passes meanwhile (wall time), when the block ends."""
-  total, started = [0.0], [0.0]
-
-  def callback(phase, unused_info):
-    if phase == 'start':
-      started[0] = time.perf_counter()
-    else:
-      total[0] += time.perf_counter() - started[0]
-
-  gc.callbacks.append(callback)
-  try:
-    yield total
-  finally:
-    gc.callbacks.remove(callback)
 
 
 class _Partitions(tf.compat.v1.train.SessionRunHook):

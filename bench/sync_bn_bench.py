@@ -50,6 +50,7 @@ from absl import flags
 from absl import logging as absl_logging
 import tensorflow as tf
 
+import benchlib
 import towers_bench as tb
 from benchlib import machine  # pylint: disable=g-import-not-at-top
 
@@ -96,9 +97,11 @@ def first_step(contender: str, n: int, strategies: dict) -> dict:
   estimator, input_fn = tb.make_estimator('resnet', contender, n, strategies)
   clock = _ModelFnClock(estimator)
   hook = tb.FirstStep()
-  start = time.perf_counter()
-  estimator.train(input_fn, steps=1, hooks=[hook])
-  return dict(tb.first_step_times(start, hook), model_fn_sec=clock.seconds)
+  with benchlib.collections_timed() as collected:
+    start = time.perf_counter()
+    estimator.train(input_fn, steps=1, hooks=[hook])
+  return dict(tb.first_step_times(start, hook), model_fn_sec=clock.seconds,
+              gc_sec=collected[0])
 
 
 def _in_fresh_process(contender: str, n: int) -> dict:
@@ -186,7 +189,7 @@ def first_steps(n: int, strategies: dict, started: float) -> dict:
       print(f'{time.perf_counter() - started:6.1f}s first step {contender:8s} N={k}: '
             f'{t["first_step_sec"]:.2f} s (graph {t["graph_sec"]:.2f} of which model_fn '
             f'{t["model_fn_sec"]:.2f}, session {t["session_sec"]:.2f}, run '
-            f'{t["first_run_sec"]:.2f})', flush=True)
+            f'{t["first_run_sec"]:.2f}; garbage collection {t["gc_sec"]:.2f})', flush=True)
   return {c: {key: _median([t[key] for t in ts]) for key in ts[0]} for c, ts in times.items()}
 
 
@@ -204,11 +207,12 @@ def print_tables(rates: list[dict], firsts: dict, n: int) -> None:
     return
   print(f'\ntime to first step, ResNet-8, N={n} (plain: one device), medians in seconds:\n')
   print('| contender | first step | graph | of which model_fn | session | first run | '
-        '/ plain | / mirrored |')
-  print('|---|---|---|---|---|---|---|---|')
+        'garbage collection | / plain | / mirrored |')
+  print('|---|---|---|---|---|---|---|---|---|')
   for contender, t in firsts.items():
     print(f"| {contender} | {t['first_step_sec']:.2f} | {t['graph_sec']:.2f} | "
           f"{t['model_fn_sec']:.2f} | {t['session_sec']:.2f} | {t['first_run_sec']:.2f} | "
+          f"{t['gc_sec']:.2f} | "
           f"{t['first_step_sec'] / firsts['plain']['first_step_sec']:.2f} | "
           f"{t['first_step_sec'] / firsts['mirrored']['first_step_sec']:.2f} |")
 

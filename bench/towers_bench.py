@@ -68,6 +68,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-direct-tensorflow-import
 
 import estimator_towers as et
+import benchlib  # pylint: disable=g-import-not-at-top
 from benchlib import machine  # pylint: disable=g-import-not-at-top
 
 flags.DEFINE_list('models', ['mlp', 'resnet'], 'Models to run (mlp, resnet).')
@@ -288,12 +289,14 @@ def first_step_times(start: float, hook: FirstStep) -> dict:
 
 
 def time_first_step(model: str, contender: str, n: int, strategies: dict) -> dict:
-  """Trains a fresh Estimator for one step; returns the times to it."""
+  """Trains a fresh Estimator for one step; returns the times to it (gc_sec: of which
+  the garbage collector's passes)."""
   estimator, input_fn = make_estimator(model, contender, n, strategies)
   hook = FirstStep()
-  start = time.perf_counter()
-  estimator.train(input_fn, steps=1, hooks=[hook])
-  return first_step_times(start, hook)
+  with benchlib.collections_timed() as collected:
+    start = time.perf_counter()
+    estimator.train(input_fn, steps=1, hooks=[hook])
+  return dict(first_step_times(start, hook), gc_sec=collected[0])
 
 
 class _Baton(tf.compat.v1.train.SessionRunHook):

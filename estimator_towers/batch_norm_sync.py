@@ -18,7 +18,7 @@ the towers, like a gradient request:
   Chan et al.'s parallel formula (no E[x^2] - E[x]^2); every tower uses the
   result. The exchange is ordinary graph edges between the towers' devices
   (`sync_points`: the towers are built one after another, so the first
-  tower's join holds placeholders for the later towers' statistics until
+  tower's join holds its own statistics in the later towers' slots until
   they are built). The fused path normalises with TensorFlow's fused kernel
   (inference mode, on the global statistics) and has a gradient of its own
   that joins the two per-channel sums sum(dy) and sum(dy * x^) the same way;
@@ -124,7 +124,10 @@ class BatchNormSync:
       yield
 
   def check_complete(self) -> None:
-    """Raises if the towers did not all reach the same sync points."""
+    """Raises if the towers did not all reach the same sync points; a join's slot that
+    no tower filled gets a placeholder (`sync_points.Exchange.finish`)."""
+    for point in self._points:
+      point.finish()
     counts = {k: self._calls.get(k, 0) for k in self._devices}
     if len(set(counts.values())) > 1:
       raise BatchNormSyncError(
@@ -212,10 +215,11 @@ class BatchNormSync:
       kernel = _FusedKernel(original, epsilon, data_format)
       point = self._sync_point(tower)
       arithmetic = self._arithmetic(tower, original)
-      batch_mean, batch_var, corrected, total = point.forward.join(
+      moments, corrected, total = point.forward.join(
           tower, arithmetic.local_statistics(x, scale, epsilon, data_format),
-          lambda rows: self._fused_statistics(arithmetic, rows, x.shape.rank,
-                                              _channel_axis(x, data_format)))
+          lambda table: self._fused_statistics(arithmetic, table, x.shape.rank,
+                                               _channel_axis(x, data_format)))
+      batch_mean, batch_var = tf.unstack(moments)  # on this tower's device: one transfer
       new_mean, new_variance = batch_mean, corrected
       if exponential_avg_factor not in (None, 1, 1.0):
         f = float(exponential_avg_factor)
@@ -225,7 +229,8 @@ class BatchNormSync:
                                 total)
       return y, new_mean, new_variance, new_mean, new_variance, new_variance
 
-  def _fused_statistics(self, arithmetic: '_Arithmetic', rows: list, rank: int, axis: int):
+  def _fused_statistics(self, arithmetic: '_Arithmetic', table: tf.Tensor, rank: int,
+                        axis: int):
     """The global statistics from the towers' rows (shape, mean, variance), once per sync point.
 
     An empty shard's borrowed row counts 0 (its presence factor); its mean
@@ -233,10 +238,9 @@ class BatchNormSync:
     workers, every worker's towers are combined to one row first, and the
     workers' rows (rank order) combined the same way.
     """
-    statistics = arithmetic.counted(tf.stop_gradient(tf.stack(rows)), rank, axis,
-                                    self._presents())
+    statistics = arithmetic.counted(tf.stop_gradient(table), rank, axis, self._presents())
     if self._across is not None:
-      row = _fused_row(arithmetic.global_statistics(*statistics))
+      row = _fused_row(arithmetic.combined(*statistics))
       statistics = arithmetic.split_table(self._across.gather(row[None]))
     return arithmetic.global_statistics(*statistics)
 
@@ -278,40 +282,44 @@ class BatchNormSync:
                 x, scale, mean, variance, count, reserve) -> list:
     """`_fused_normalise`'s gradient for tower `tower` (its tensors `x` and `reserve`)."""
     dx, dscale, doffset = kernel.gradient(dy, x, scale, mean, variance, reserve)
-    correction_scale, correction_offset = point.backward(tower).join(
+    coefficients = point.backward(tower).join(
         tower, tf.stack([dscale, doffset]),
-        lambda sums: list(zip(*self._correction_scales(
-            self._arithmetic(tower), sums, scale, variance, count, kernel.epsilon))),
+        lambda sums: self._correction_scales(
+            self._arithmetic(tower), sums, scale, variance, count, kernel.epsilon),
         per_tower=True)
+    correction_scale, correction_offset = tf.unstack(coefficients)  # one transfer
     correction, _ = kernel.apply(x, correction_scale, correction_offset, mean, variance)
     return None, dx - correction, dscale, doffset
 
-  def _correction_scales(self, arithmetic: '_Arithmetic', sums: list, scale, variance, count,
-                         epsilon: float):
-    """Per tower, the correction kernel's scale and offset, from the towers' [dscale, doffset].
+  def _correction_scales(self, arithmetic: '_Arithmetic', sums: tf.Tensor, scale, variance,
+                         count, epsilon: float) -> list:
+    """Per tower, the correction kernel's [scale, offset], from the towers' [dscale, doffset]
+    (`sums`, stacked).
 
     scale / (s n) * (sum(dy * x^), sum(dy)) over the global batch; zero for
     a tower whose shard is empty (its borrowed row is not in the statistics).
+    Only the sums wait for the backward pass: the factor scale / (s n) is
+    the forward's, so after the last tower's sums the join is a sum and a
+    product (and the presence factors).
     """
-    presents = self._presents()
+    factor = arithmetic.correction_factor(scale, variance, count, epsilon)
+    presents = self._presents(rank=3)
+    zero = arithmetic.const(0, tf.int32)
     if presents is None:
-      totals = tf.add_n(sums)
-    else:
-      totals = tf.reduce_sum(tf.stack(sums) * tf.expand_dims(presents, 2), 0)
-    scales = arithmetic.correction_scales(self._total(totals), scale, variance, count, epsilon)
-    if presents is None:
-      return [[t] * len(sums) for t in scales]
-    return [tf.unstack(presents * t) for t in scales]
+      return [self._total(tf.reduce_sum(sums, zero)) * factor] * len(self._devices)
+    totals = self._total(tf.reduce_sum(sums * presents, zero))
+    return tf.unstack(presents * (totals * factor))
 
-  def _presents(self):
-    """The towers' presence factors as a [towers, 1] column, or None when all are 1."""
+  def _presents(self, rank: int = 2):
+    """The towers' presence factors as a [towers, 1] (or [towers, 1, 1]) column, or None
+    when all are 1."""
     if all(isinstance(p, float) and p == 1.0 for p in self._present.values()):
       return None
     if self._presents_column is None:
       with self._graph.control_dependencies(None), tf.name_scope('sync_batch_norm_presents'):
-        self._presents_column = tf.reshape(tf.stack(
-            [tf.cast(self._present[k], tf.float32) for k in sorted(self._devices)]), [-1, 1])
-    return self._presents_column
+        column = tf.stack([tf.cast(self._present[k], tf.float32) for k in sorted(self._devices)])
+        self._presents_column = {2: tf.reshape(column, [-1, 1]), 3: tf.reshape(column, [-1, 1, 1])}
+    return self._presents_column[rank]
 
   def _moments(self, original, x, axes, shift=None, name=None, keep_dims=None,
                keepdims=None):
@@ -348,7 +356,7 @@ class BatchNormSync:
     row = tf.concat([tf.reshape(tf.cast(count, mean.dtype), [1]), mean, m2], 0)
     return point.forward.join(
         tower, _times(row, self._present[tower]),
-        lambda rows: _chan(self._table(tf.stack(rows), lambda t: _chan_row(_chan(t)))))
+        lambda table: _chan(self._table(table, lambda t: _chan_row(_chan(t)))))
 
   def _table(self, table: tf.Tensor, combine: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
     """The towers' rows; across workers, every worker's towers combined to one row (rank order)."""
@@ -387,7 +395,7 @@ def _chan_row(statistics) -> tf.Tensor:
 
 
 def _fused_row(statistics) -> tf.Tensor:
-  """`global_statistics`' result as a row (count, mean, Bessel-corrected variance)."""
+  """`combined`'s result as a row (count, mean, Bessel-corrected variance)."""
   mean, _, corrected, total = statistics
   return tf.concat([tf.reshape(total, [1]), mean, corrected], 0)
 
@@ -460,7 +468,8 @@ class _Arithmetic:
     """The towers' rows (shape, mean, variance) as counts [towers, 1], means and variances.
 
     A count is the product of the shape's dimensions but the channels' (at
-    `axis`; in float64, exact), times the tower's presence factor (0 for an
+    `axis`; in float32, exact up to 2^24 values per channel and shard, rounded
+    like the statistics beyond), times the tower's presence factor (0 for an
     empty shard) when `presents` is given.
     """
     one = self.const(1, tf.int32)
@@ -474,7 +483,7 @@ class _Arithmetic:
     means, variances = parts if channels else tf.split(parts[0], 2, one)
     others = [t for t in (before, after) if t is not None]
     others = others[0] if len(others) == 1 else tf.concat(others, one)
-    counts = tf.cast(tf.reduce_prod(tf.cast(others, tf.float64), one, keepdims=True), tf.float32)
+    counts = tf.reduce_prod(others, one, keepdims=True)
     if presents is not None:
       counts = counts * presents
     return counts, means, variances
@@ -483,7 +492,7 @@ class _Arithmetic:
     """A table's rows (count, mean, variance) as counts [rows, 1], means and variances."""
     return _split_table(table, self.const)
 
-  def global_statistics(self, counts, means, variances):
+  def combined(self, counts, means, variances):
     """Global mean, variance and Bessel-corrected variance, and count: Chan et al.
 
     With n_i, mean_i and M2_i = variance_i * max(n_i - 1, 0) the rows', n the
@@ -498,10 +507,16 @@ class _Arithmetic:
                        tf.math.squared_difference(means, mean), zero)
     return mean, m2 / safe, m2 / tf.maximum(total - one, one), total
 
-  def correction_scales(self, sums, scale, variance, count, epsilon):
-    """scale / (s n) * (sum(dy * x^), sum(dy))."""
+  def global_statistics(self, counts, means, variances):
+    """[global mean, variance] (one tensor: one transfer to each tower), the
+    Bessel-corrected variance and the count."""
+    mean, variance, corrected, total = self.combined(counts, means, variances)
+    return tf.stack([mean, variance]), corrected, total
+
+  def correction_factor(self, scale, variance, count, epsilon):
+    """scale / (s n), s = sqrt(variance + epsilon): the forward's part of the correction."""
     inverse = tf.math.rsqrt(variance + self.const(epsilon)) / tf.maximum(count, self.const(1.0))
-    return tf.unstack(sums * (scale * inverse))
+    return scale * inverse
 
 
 class _FusedKernel:

@@ -310,8 +310,8 @@ def add_control_inputs(op: tf.Operation, controls: list[tf.Operation]) -> None:
 def replace_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
   """Makes `tensor` op's input `index` (`Operation._update_input`).
 
-  Sync points of batch statistics (`batch_norm_sync`) join tensors of towers
-  built one after another: a tower built earlier holds a placeholder for each
-  later tower's tensor until that tower builds it.
+  Sync points of batch statistics (`sync_points`) join tensors of towers
+  built one after another: the table a tower built earlier holds its own
+  tensor in each later tower's slot until that tower builds its own.
   """
   op._update_input(index, tensor)  # pylint: disable=protected-access

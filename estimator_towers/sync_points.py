@@ -3,11 +3,13 @@
 A cross-shard value (a batch norm's statistics, the two per-channel sums of
 its backward pass) needs every tower's part before any tower can go on. The
 towers are built one after another, so the first tower to reach a sync point
-cannot wait for the others' parts: it joins placeholders for them, and each
-later tower's part replaces its placeholder when that tower is built (a
-placeholder left over fails the step with its name, instead of a wrong or
-hanging step). The join is ordinary graph edges between the towers' devices:
-TensorFlow sends the parts to the first tower's device and the result back.
+cannot wait for the others' parts: it stacks its own part into every later
+tower's slot of the table, and each later tower's part replaces its slot's
+input when that tower is built. `finish()` (once the towers are built) gives a
+slot no tower filled a placeholder, which fails the step with its name instead
+of a wrong or hanging step. The join is ordinary graph edges between the
+towers' devices: TensorFlow sends the parts to the first tower's device and
+the result back.
 
 `SyncPoint` is one statistic's joins: forward, and one per backward pass.
 """
@@ -25,19 +27,20 @@ class Exchange:
   """One join of every tower's value.
 
   `join(k, value, fn)` is called by every tower k with its value; it returns
-  fn(the towers' values, in tower order), built once, by the first tower to
-  call, on its device (the hub), and shared by all (for batch statistics a
-  few hundred bytes each way, no collective). With `per_tower`, fn returns
-  one result per tower (in tower order) and each tower gets its own.
+  fn(the towers' values stacked in tower order), built once, by the first
+  tower to call, on its device (the hub), and shared by all (for batch
+  statistics a few hundred bytes each way, no collective). With `per_tower`,
+  fn returns one result per tower (in tower order) and each tower gets its own.
   """
 
   def __init__(self, towers: Sequence[int]):
     self._towers = list(towers)
     self._values: dict[int, tf.Tensor] = {}
-    self._waiting: dict[int, list] = {}  # tower: [(op, input index)] awaiting its value
+    self._table: tf.Operation | None = None
+    self._slots: dict[int, int] = {}  # tower: its input of the table, filled later
     self._result = None
     self._per_tower = False
-    self.made: list[tf.Operation] = []  # the join's ops (placeholders included), shared
+    self.made: list[tf.Operation] = []  # the join's ops, shared
 
   def value(self, tower: int) -> tf.Tensor | None:
     """The value tower `tower` joined, or None."""
@@ -49,26 +52,31 @@ class Exchange:
       return self._result
     return self._result[self._towers.index(tower)]
 
-  def join(self, tower: int, value: tf.Tensor, fn: Callable[[list], Any] | None,
+  def join(self, tower: int, value: tf.Tensor, fn: Callable[[tf.Tensor], Any] | None,
            per_tower: bool = False) -> Any:
     self._values[tower] = value
-    for op, index in self._waiting.pop(tower, []):
-      interception.replace_input(op, index, value)
-    if self._result is None:
-      graph = tf.compat.v1.get_default_graph()
-      first = graph.version
-      parts = [self._values.get(k) for k in self._towers]
-      for i, k in enumerate(self._towers):
-        if parts[i] is None:
-          parts[i] = tf.compat.v1.placeholder(value.dtype, value.shape,
-                                              name=f'tower_{k}_statistics')
-      self._result, self._per_tower = fn(parts), per_tower
-      self.made = graph.get_operations()[first:]
-      for k, part in zip(self._towers, parts):
-        if part.op.type == 'Placeholder' and k not in self._values:
-          self._waiting[k] = [(op, index) for op in part.consumers()
-                              for index, t in enumerate(op.inputs) if t is part]
+    if self._table is not None:
+      if tower in self._slots:
+        interception.replace_input(self._table, self._slots[tower], value)
+      return self.result(tower)
+    graph = tf.compat.v1.get_default_graph()
+    first = graph.version
+    table = tf.stack([self._values.get(k, value) for k in self._towers])
+    self._table = table.op
+    self._slots = {k: i for i, k in enumerate(self._towers) if k not in self._values}
+    self._result, self._per_tower = fn(table), per_tower
+    self.made = graph.get_operations()[first:]
     return self.result(tower)
+
+  def finish(self) -> None:
+    """Gives each slot no tower filled a placeholder: a step that runs it fails with its name."""
+    for k, i in self._slots.items():
+      if k not in self._values:
+        with self._table.graph.as_default(), tf.control_dependencies(None):
+          missing = tf.compat.v1.placeholder(self._table.inputs[i].dtype,
+                                             self._table.inputs[i].shape,
+                                             name=f'tower_{k}_statistics')
+        interception.replace_input(self._table, i, missing)
 
 
 class SyncPoint:
@@ -87,6 +95,10 @@ class SyncPoint:
   @property
   def backward_exchanges(self) -> list[Exchange]:
     return list(self._backward)
+
+  def finish(self) -> None:
+    for exchange in [self.forward] + self._backward:
+      exchange.finish()
 
   def backward(self, tower: int) -> Exchange:
     j = self._backward_uses.get(tower, 0)

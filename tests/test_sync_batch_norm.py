@@ -394,6 +394,31 @@ def test_error_sync_batch_norm_with_micro_batches():
     et.make_plan(devices=testlib.cpu_devices(2), sync_batch_norm=True, micro_batches=2)
 
 
+def test_a_later_towers_value_takes_its_slot_of_the_join():
+  """The join is built when tower 0 joins; towers 1 and 2 fill their slots when they join."""
+  from estimator_towers import sync_points  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default():
+    exchange = sync_points.Exchange([0, 1, 2])
+    values = [tf.constant([float(k + 1)]) for k in range(3)]
+    result = exchange.join(0, values[0], lambda table: table * 10.0)
+    assert exchange.join(2, values[2], None) is result
+    exchange.join(1, values[1], None)
+    exchange.finish()  # every slot filled: no placeholder
+    with tf.compat.v1.Session() as session:
+      np.testing.assert_array_equal(session.run(result), [[10.0], [20.0], [30.0]])
+
+
+def test_error_a_tower_that_never_joined_fails_the_step_by_name():
+  from estimator_towers import sync_points  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default():
+    exchange = sync_points.Exchange([0, 1])
+    result = exchange.join(0, tf.constant([1.0]), lambda table: table * 10.0)
+    exchange.finish()
+    with tf.compat.v1.Session() as session:
+      with pytest.raises(tf.errors.InvalidArgumentError, match='tower_1_statistics'):
+        session.run(result)
+
+
 def _threads() -> int:
   with open('/proc/self/status', encoding='utf-8') as status:
     return int(next(line for line in status if line.startswith('Threads:')).split()[1])
