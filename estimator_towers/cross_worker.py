@@ -47,6 +47,7 @@ from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-ten
 
 from estimator_towers import cluster as cluster_lib
 from estimator_towers import interception
+from estimator_towers import sharing
 
 GROUP_KEY = 0x2400
 LOCAL_GROUP_KEY_BASE = 0x2500
@@ -198,11 +199,6 @@ class CrossWorker:
       return tf.group(*assigns)
 
 
-# Op types that change a variable's value (checked by prefix).
-MUTATING_PREFIXES = ('Assign', 'ResourceScatter', 'Scatter', 'ResourceApply', 'Apply',
-                     'ResourceSparseApply', 'SparseApply')
-
-
 def gate_updates(across: CrossWorker, train_op: Any) -> None:
   """Every variable update the train_op runs waits for the step's gate.
 
@@ -219,7 +215,7 @@ def gate_updates(across: CrossWorker, train_op: Any) -> None:
     if op.name in seen or op.name not in made:
       continue
     seen.add(op.name)
-    if (op.type.startswith(MUTATING_PREFIXES) and not interception.in_control_flow(op)
+    if (sharing.is_update(op) and not interception.in_control_flow(op)
         and across.gate.op not in op.control_inputs):
       interception.add_control_inputs(op, [across.gate.op])
     pending.extend(t.op for t in op.inputs)
@@ -261,7 +257,7 @@ def _written_variables(across: CrossWorker, update_ops: Sequence[tf.Operation]) 
     if op.name in seen or (op.name not in made and op not in update_ops):
       continue
     seen.add(op.name)
-    if op.type.startswith(MUTATING_PREFIXES) and op.inputs:
+    if sharing.is_update(op) and op.inputs:
       target = op.inputs[0].op
       while target.type == 'Identity' and target.inputs:
         target = target.inputs[0].op

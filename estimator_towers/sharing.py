@@ -29,6 +29,15 @@ from tensorflow.python.ops import variable_scope as vs  # pylint: disable=g-dire
 
 GraphKeys = tf.compat.v1.GraphKeys
 
+# Op types that change a variable's value (checked by prefix).
+_UPDATE_PREFIXES = ('Assign', 'ResourceScatter', 'Scatter', 'ResourceApply', 'Apply',
+                    'ResourceSparseApply', 'SparseApply')
+
+
+def is_update(op: tf.Operation) -> bool:
+  """Whether `op` changes a variable's value (an assignment, a scatter, an optimizer's apply)."""
+  return op.type.startswith(_UPDATE_PREFIXES)
+
 
 class TowerMismatchError(ValueError):
   """Towers built from the same model_fn created different variables."""

@@ -38,10 +38,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import tensorflow as tf
 
-from estimator_towers import cross_worker
 from estimator_towers import interception
 from estimator_towers import logs
 from estimator_towers import op_templates
+from estimator_towers import sharing
 from estimator_towers import tower_context
 
 Counterpart = op_templates.Counterpart
@@ -245,10 +245,6 @@ def map_gradient(counterpart: Counterpart, grad: object) -> object:
   return None if grad is None else counterpart(grad)
 
 
-def _mutating(op: tf.Operation) -> bool:
-  return op.type.startswith(cross_worker.MUTATING_PREFIXES)
-
-
 def _kept(segment: Sequence[tf.Operation]) -> list:
   """The segment less its variable updates and the ops that only feed them.
 
@@ -258,7 +254,7 @@ def _kept(segment: Sequence[tf.Operation]) -> list:
   members = set(segment)
   dropped = set()
   for op in segment:
-    if _mutating(op) or any(t.op in dropped for t in op.inputs):
+    if sharing.is_update(op) or any(t.op in dropped for t in op.inputs):
       dropped.add(op)
   for op in reversed(segment):
     if op in dropped:

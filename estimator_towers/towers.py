@@ -45,9 +45,6 @@ GraphKeys = tf.compat.v1.GraphKeys
 # while it is built, and tower 0's are kept afterwards.
 _PER_TOWER_COLLECTIONS = (GraphKeys.UPDATE_OPS, GraphKeys.LOSSES, GraphKeys.SUMMARIES)
 
-# Op types that change a variable's value (checked by prefix).
-_MUTATING_PREFIXES = cross_worker.MUTATING_PREFIXES
-
 _MODEL_FN_ARGS = ('features', 'labels', 'mode', 'params', 'config')
 
 
@@ -341,7 +338,7 @@ def _detach_side_effects(ops: Sequence[tf.Operation]) -> None:
   """
   mutating = set()
   for op in ops:
-    if (op.type.startswith(_MUTATING_PREFIXES)
+    if (sharing.is_update(op)
         or any(t.op in mutating for t in op.inputs)
         or any(c in mutating for c in op.control_inputs)):
       mutating.add(op)

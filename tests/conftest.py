@@ -1,0 +1,30 @@
+"""pytest's setup for these tests: one temporary directory per test process.
+
+Tests make Estimators in fresh temporary directories (`testlib.make_estimator`)
+and TensorFlow writes its autograph files there too. Each test process sends
+them to a directory of its own (`tempfile.tempdir`, and TMPDIR for the
+processes it starts), removed when the process's tests end, so that runs of
+the suite do not fill the machine's /tmp.
+"""
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _temporary_directory():
+  path = tempfile.mkdtemp(prefix='et_tests_')
+  saved_dir, saved_env = tempfile.tempdir, os.environ.get('TMPDIR')
+  tempfile.tempdir = os.environ['TMPDIR'] = path
+  try:
+    yield path
+  finally:
+    tempfile.tempdir = saved_dir
+    if saved_env is None:
+      os.environ.pop('TMPDIR', None)
+    else:
+      os.environ['TMPDIR'] = saved_env
+    shutil.rmtree(path, ignore_errors=True)
