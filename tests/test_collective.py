@@ -32,6 +32,10 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'collective_ta
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# What a task's log says when its gRPC server could not bind its port.
+_PORT_TAKEN = 'Address already in use'
+
+
 def _free_port():
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
@@ -88,14 +92,25 @@ class Cluster:
         proc.wait()
 
   def run(self, timeout=150):
-    try:
-      for task_type, index in self.tasks:
-        self.start(task_type, index)
-      for task_type, _ in self.tasks:
-        code = self.wait(task_type, timeout)
-        assert code == 0, f'{task_type} exited with {code}:\n' + self.log(task_type)[-3000:]
-    finally:
-      self.kill()
+    """Runs every task to its end; once more on fresh ports if a server could not bind its
+    port (another process took it between `_free_port` and the task's start)."""
+    for attempt in range(2):
+      codes, lost_port = {}, False
+      try:
+        for task_type, index in self.tasks:
+          self.start(task_type, index)
+        for task_type, _ in self.tasks:
+          codes[task_type] = self.wait(task_type, timeout)
+          lost_port = codes[task_type] != 0 and _PORT_TAKEN in self.log(task_type)
+          if lost_port:
+            break
+      finally:
+        self.kill()
+      if not lost_port or attempt:
+        break
+      self.cluster = {t: [f'127.0.0.1:{_free_port()}'] for t in self.cluster}
+    for task_type, code in codes.items():
+      assert code == 0, f'{task_type} exited with {code}:\n' + self.log(task_type)[-3000:]
 
 
 def _global_batches(data, sizes, batch=BATCH):
