@@ -71,7 +71,7 @@ class Exchange:
   def finish(self) -> None:
     """Gives each slot no tower filled a placeholder: a step that runs it fails with its name."""
     for k, i in self._slots.items():
-      if k not in self._values:
+      if k not in self._values and self._table.inputs[i].op.type != 'Placeholder':
         with self._table.graph.as_default(), tf.control_dependencies(None):
           missing = tf.compat.v1.placeholder(self._table.inputs[i].dtype,
                                              self._table.inputs[i].shape,

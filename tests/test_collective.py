@@ -95,18 +95,18 @@ class Cluster:
     """Runs every task to its end; once more on fresh ports if a server could not bind its
     port (another process took it between `_free_port` and the task's start)."""
     for attempt in range(2):
-      codes, lost_port = {}, False
+      codes = {}
       try:
         for task_type, index in self.tasks:
           self.start(task_type, index)
         for task_type, _ in self.tasks:
           codes[task_type] = self.wait(task_type, timeout)
-          lost_port = codes[task_type] != 0 and _PORT_TAKEN in self.log(task_type)
-          if lost_port:
+          if codes[task_type] != 0:
             break
       finally:
         self.kill()
-      if not lost_port or attempt:
+      failed = [t for t, code in codes.items() if code != 0]
+      if attempt or not failed or _PORT_TAKEN not in self.log(failed[0]):
         break
       self.cluster = {t: [f'127.0.0.1:{_free_port()}'] for t in self.cluster}
     for task_type, code in codes.items():
