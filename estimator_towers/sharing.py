@@ -106,6 +106,7 @@ class VariableSharing:
     self._primaries: dict[int, tf.Variable] = {}  # id(copy) -> original
     self._replicas: dict[int, tuple[tf.Variable, list[tf.Variable]]] = {}  # id(original) -> copies
     self._copies: dict[tuple[int, int], tf.Variable] = {}  # (id(original), tower) -> copy
+    self._initial_reads: dict[int, tf.Tensor] = {}  # id(original) -> its copies' initial value
     self._suspended = 0  # > 0 while another tower is built inside tower 0
     # (first, end) positions in the graph's op list of the ops made to create
     # variables: tower 0 makes them, the other towers do not.
@@ -159,11 +160,14 @@ class VariableSharing:
                  device: str) -> tf.Variable:
     """Tower `tower`'s copy of `original` on `device`, a local variable."""
     graph = tf.compat.v1.get_default_graph()
-    # The initial value is read on the original's device, outside the tower's
-    # control flow and control dependencies, in the original's name scope.
-    with tf.init_scope(), graph.name_scope(f'{original.op.name}/'), \
-        tf.device(original.device), self._creation_span():
-      initial_value = original.read_value()
+    # The initial value is read once for all copies, on the original's device,
+    # outside the tower's control flow and control dependencies, in the
+    # original's name scope.
+    initial_value = self._initial_reads.get(id(original))
+    if initial_value is None:
+      with tf.init_scope(), graph.name_scope(f'{original.op.name}/'), \
+          tf.device(original.device), self._creation_span():
+        initial_value = self._initial_reads[id(original)] = original.read_value()
     with graph.name_scope(None), tf.device(device), self._creation_span():  # not under tower_k/
       copy = next_creator(
           initial_value=initial_value, name=f'{original.op.name}/replica_{tower}',
