@@ -283,7 +283,8 @@ def live_inputs(features: Any, labels: Any) -> tuple[Any, Any, tf.Tensor]:
   Raises:
     ValueError: if the inputs do not all come from one dataset iterator.
   """
-  leaves = tf.nest.flatten((features, labels), expand_composites=True)
+  leaves = [t for t in tf.nest.flatten((features, labels), expand_composites=True)
+            if t is not None]  # absent labels: a features-only dataset
   ops = {t.op for t in leaves if isinstance(t, tf.Tensor)}
   op = next(iter(ops)) if len(ops) == 1 else None
   if op is None or op.type != 'IteratorGetNext' or len(leaves) != len(op.outputs) or any(
@@ -315,6 +316,6 @@ def live_inputs(features: Any, labels: Any) -> tuple[Any, Any, tf.Tensor]:
     value.set_shape(tf.TensorShape([None]).concatenate(shape[1:]))
     by_output[output.ref()] = value
   structure = (features, labels)
-  replaced = tf.nest.map_structure(lambda t: by_output[t.ref()], structure,
-                                   expand_composites=True)
+  replaced = tf.nest.map_structure(lambda t: None if t is None else by_output[t.ref()],
+                                   structure, expand_composites=True)
   return replaced[0], replaced[1], has_data
