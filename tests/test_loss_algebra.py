@@ -50,6 +50,12 @@ def _input_fn():
   return tf.data.Dataset.from_tensor_slices((features, targets)).batch(BATCH)
 
 
+def _features_only_input_fn():
+  """As BERT's pre-training input_fn: the targets are features, labels are None."""
+  features, targets = _data()
+  return tf.data.Dataset.from_tensor_slices(dict(features, masked_lm_ids=targets)).batch(BATCH)
+
+
 def _logits(tokens):
   embedding = tf.compat.v1.get_variable(
       'embedding', [VOCAB, 8], initializer=tf.compat.v1.random_normal_initializer(seed=1))
@@ -195,6 +201,8 @@ def _bert_optimizer(loss):
 
 
 def _model_fn(loss_fn, features, labels, mode, optimizer=_adam):
+  if labels is None:  # BERT's pre-training: the targets come as a feature
+    labels = features['masked_lm_ids']
   tokens = features['tokens']
   mask = tf.cast(tf.not_equal(tokens, 0), tf.float32)
   logits = _logits(tokens)
@@ -221,6 +229,14 @@ LOSSES = {
     'per_example': (_per_example, _adam),
     'declared': (_declared, _adam),
 }
+# Fed features only (labels None), as BERT's run_pretraining feeds them.
+FEATURES_ONLY = ('bert_pretraining',)
+
+
+def _input_of(name):
+  return _features_only_input_fn if name in FEATURES_ONLY else _input_fn
+
+
 # The patterns of several terms, trained on every layout.
 TERMS = ('padded', 'bert_pretraining', 'two_ratios', 'total_loss', 'ratio_plus_mean',
          'z_loss', 'weighted_mean_plus_mean')
@@ -269,33 +285,33 @@ class ReportedLoss(tf.compat.v1.train.SessionRunHook):
     self.values.append(float(run_values.results))
 
 
-def _run(model_fn, num_cpus=1, model_dir=None):
+def _run(model_fn, num_cpus=1, model_dir=None, input_fn=_input_fn):
   """Variables after 1 step and after 3 more (batches 1; 1, 2, 3), the
   estimator, and the loss each of the 4 steps reported."""
   est = testlib.make_estimator(model_fn, num_cpus=num_cpus, model_dir=model_dir)
   reported = ReportedLoss()
-  est.train(_input_fn, steps=1, hooks=[reported])
+  est.train(input_fn, steps=1, hooks=[reported])
   after_1 = testlib.variables(est)
-  est.train(_input_fn, steps=3, hooks=[reported])
+  est.train(input_fn, steps=3, hooks=[reported])
   return after_1, testlib.variables(est), est, reported.values
 
 
 @functools.lru_cache(maxsize=None)
 def _plain(name):
-  return _run(_plain_model_fn(name))
+  return _run(_plain_model_fn(name), input_fn=_input_of(name))
 
 
 @functools.lru_cache(maxsize=None)
 def _plain_eval_loss(name):
   """The plain model_fn's EVAL loss on its checkpoint of step 4, the three batches."""
-  return _plain(name)[2].evaluate(_input_fn, name='plain')['loss']
+  return _plain(name)[2].evaluate(_input_of(name), name='plain')['loss']
 
 
 def _check_like_plain(name, num_cpus, **settings):
   plain_1, plain_4, plain, plain_losses = _plain(name)
   assert plain_4['global_step'] == 4
   towered_fn = et.replicate_model_fn(_plain_model_fn(name), **settings)
-  towered_1, towered_4, _, towered_losses = _run(towered_fn, num_cpus)
+  towered_1, towered_4, _, towered_losses = _run(towered_fn, num_cpus, input_fn=_input_of(name))
   _assert_rule(towered_1, plain_1)
   _assert_rule(towered_4, plain_4)
   # The loss each training step reports (logged, summarised).
@@ -304,7 +320,7 @@ def _check_like_plain(name, num_cpus, **settings):
   # EVAL on the plain checkpoint, over the same three batches.
   towered = testlib.make_estimator(towered_fn, num_cpus=num_cpus, model_dir=plain.model_dir)
   expected = _plain_eval_loss(name)
-  actual = towered.evaluate(_input_fn, name='towered')['loss']
+  actual = towered.evaluate(_input_of(name), name='towered')['loss']
   assert abs(actual - expected) <= 1e-5 * max(1.0, abs(expected)), (actual, expected)
 
 
