@@ -1,21 +1,28 @@
-"""Property: any feature structure, batch sizes, towers and staging end like the plain model_fn.
+"""Property: any input structure, batch sizes and layout end like the plain model_fn.
 
-Hypothesis draws a feature structure (nested dicts of float, int, string and
-bool Tensors, SparseTensors and RaggedTensors), 0 to 3 batches of 0..3N+1
-examples each, N = 1..8 towers, staging off or depth 1 or 2, a mode, and
-optionally a failing batch (a `tf.py_function` in the pipeline raises for it).
-The model_fn reduces every feature to one number per example; it trains a
-weight per feature, evaluates their means and predicts them. Reference: the
-plain single-device model_fn on the same data. Each case must end the way the
-reference ends: with the same variables, metrics or predictions, or, when the
-reference fails on the injected error, with an error that names it; never a
-hang (every op has a time limit) and within CASE_LIMIT seconds.
+Hypothesis draws what Estimator allows an input_fn and a model_fn: features a
+single Tensor, SparseTensor or RaggedTensor, or nested dicts of float, int,
+string and bool ones; labels absent (features only, as BERT's pre-training),
+a Tensor or a nested dict; a model_fn signature with or without `labels`
+(only when there are none, as Estimator requires), `params` and `config`.
+It draws 0 to 3 batches of 0..3N+1 examples each, N = 1..8 towers, the layout
+(towers copied, or built because the model_fn asks `current_tower()`;
+micro-batches 1 or 2), staging off or depth 1 or 2, a mode, and optionally a
+failing batch (a `tf.py_function` in the pipeline raises for it). The
+model_fn reduces every feature and label to one number per example; it trains
+a weight per feature and label, evaluates their means and predicts them.
+Reference: the plain single-device model_fn on the same data. Each case must
+end the way the reference ends: with the same variables, metrics or
+predictions, or, when the reference fails on the injected error, with an
+error that names it; never a hang (every op has a time limit) and within
+CASE_LIMIT seconds.
 
 Both are run through `estimator_graph.EstimatorGraph`: the graph Estimator
 builds, driven by MonitoredSession as Estimator drives it (full Estimator
 calls would make each case several times slower).
 """
 
+import inspect
 import time
 
 from hypothesis import HealthCheck
@@ -30,12 +37,14 @@ import tensorflow as tf
 
 import testlib
 from estimator_graph import EstimatorGraph
+from estimator_towers import current_tower
 from estimator_towers import make_plan
 from estimator_towers import replicate_model_fn
 from estimator_towers import staged_input_fn
 
 ModeKeys = tf.estimator.ModeKeys
 KINDS = ('float', 'int', 'string', 'bool', 'sparse', 'ragged')
+LABELS = ('absent', 'tensor', 'nest')
 MESSAGE = 'injected fault in batch'
 CASE_LIMIT = 60  # seconds per case (plain and towered), graph building included
 OP_TIMEOUT_MS = 30000
@@ -44,7 +53,7 @@ OP_TIMEOUT_MS = 30000
 # --- Data ----------------------------------------------------------------------
 
 def leaves(structure, prefix=''):
-  """(path, leaf) pairs of a nested dict, in sorted key order."""
+  """(path, leaf) pairs of a nested dict, in sorted key order (a lone leaf: path '')."""
   if isinstance(structure, dict):
     return [item for key in sorted(structure)
             for item in leaves(structure[key], f'{prefix}/{key}' if prefix else key)]
@@ -97,7 +106,17 @@ def slice_leaf(t, start, size):
   return t[start:start + size]
 
 
-def make_input_fn(structure, data, sizes, fault):
+def make_labels(kind, start, size):
+  """A batch's labels: None, a Tensor, or a nest of Tensors."""
+  if kind == 'absent':
+    return None
+  ids = tf.range(start, start + size)
+  if kind == 'tensor':
+    return ids
+  return {'id': ids, 'more': {'half': tf.cast(ids, tf.float32) / 2.0}}
+
+
+def make_input_fn(structure, data, sizes, fault, labels_kind='tensor'):
   """Batches of the given sizes; a py_function raises in batch `fault`."""
   lengths = np.array(sizes, np.int64).reshape(-1)
   starts = np.cumsum(lengths) - lengths
@@ -118,8 +137,9 @@ def make_input_fn(structure, data, sizes, fault):
         features = {path: tf.nest.map_structure(tf.identity, slice_leaf(t, start, size),
                                                 expand_composites=True)
                     for path, t in tensors.items()}
-        labels = tf.range(start, start + size)
-      return rebuild(structure, features), labels
+        labels = make_labels(labels_kind, start, size)
+      features = rebuild(structure, features)
+      return features if labels is None else (features, labels)
 
     return tf.data.Dataset.from_tensor_slices((starts, lengths)).enumerate().map(batch)
 
@@ -141,8 +161,9 @@ def per_example(t):
 
 
 def model_fn(features, labels, mode):
-  del labels
-  parts = {path: per_example(t) for path, t in leaves(features)}
+  parts = {path or 'features': per_example(t) for path, t in leaves(features)}
+  if labels is not None and mode != ModeKeys.PREDICT:
+    parts.update((f'label/{path}', per_example(t)) for path, t in leaves(labels))
   names = sorted(parts)
   stacked = tf.stack([parts[n] for n in names], axis=1)  # [batch, leaves]
   if mode == ModeKeys.PREDICT:
@@ -161,11 +182,32 @@ def model_fn(features, labels, mode):
       mode, loss=loss, train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
 
 
+def with_signature(arguments, asks_tower):
+  """model_fn behind a signature of `arguments` (Estimator passes only those),
+  asking `current_tower()` (its towers then built, not copied) if `asks_tower`."""
+
+  def call(features, labels=None, mode=None, params=None, config=None):
+    del params, config
+    if asks_tower:
+      current_tower()
+    return model_fn(features, labels, mode)
+
+  def signed(*args, **kwargs):
+    values = dict(zip(arguments, args), **kwargs)
+    assert sorted(values) == sorted(arguments), (sorted(values), arguments)
+    return call(values['features'], values.get('labels'), values['mode'])
+
+  signed.__signature__ = inspect.Signature(
+      [inspect.Parameter(a, inspect.Parameter.POSITIONAL_OR_KEYWORD) for a in arguments])
+  return signed
+
+
 # --- Running -------------------------------------------------------------------
 
 def outcome(model, input_fn, mode, num_cpus):
   """('ok', results) or ('error', message) of one run of the graph."""
-  graph = EstimatorGraph(model, input_fn, mode, num_cpus=num_cpus, timeout_ms=OP_TIMEOUT_MS)
+  graph = EstimatorGraph(model, input_fn, mode, num_cpus=num_cpus, timeout_ms=OP_TIMEOUT_MS,
+                         params={})
   try:
     result = graph.run()
   except tf.errors.OpError as e:
@@ -194,29 +236,46 @@ structures = st.recursive(
 
 
 @st.composite
+def signatures(draw, labels_kind):
+  """The model_fn's arguments: features and mode, labels unless there are none
+  (then optional), params and config optional."""
+  arguments = ['features']
+  if labels_kind != 'absent' or draw(st.booleans()):
+    arguments.append('labels')
+  arguments.append('mode')
+  arguments += [a for a in ('params', 'config') if draw(st.booleans())]
+  return tuple(arguments)
+
+
+@st.composite
 def cases(draw):
   num_towers = draw(st.integers(1, 8))
   sizes = draw(st.lists(st.integers(0, 3 * num_towers + 1), min_size=0, max_size=3))
   fault = draw(st.none() | st.integers(0, len(sizes) - 1)) if sizes else None
+  labels = draw(st.sampled_from(LABELS))
   return dict(
-      features=draw(st.dictionaries(st.sampled_from('abcd'), structures, min_size=1,
-                                    max_size=3)),
+      features=draw(st.sampled_from(KINDS) | st.dictionaries(
+          st.sampled_from('abcd'), structures, min_size=1, max_size=3)),
+      labels=labels, signature=draw(signatures(labels)),
       num_towers=num_towers, sizes=sizes, fault=fault,
+      micro_batches=draw(st.sampled_from([1, 2])), asks_tower=draw(st.booleans()),
       depth=draw(st.sampled_from([0, 1, 2])),  # 0: unstaged
       mode=draw(st.sampled_from([ModeKeys.TRAIN, ModeKeys.EVAL, ModeKeys.PREDICT])),
       seed=draw(st.integers(0, 2**16)))
 
 
-def check_case(features, num_towers, sizes, fault, depth, mode, seed):
+def check_case(features, num_towers, sizes, fault, depth, mode, seed, labels='tensor',
+               signature=('features', 'labels', 'mode'), micro_batches=1, asks_tower=False):
   start = time.monotonic()
   rng = np.random.RandomState(seed)
   data = {path: numpy_leaf(kind, sum(sizes), rng) for path, kind in leaves(features)}
-  input_fn = make_input_fn(features, data, sizes, fault)
+  input_fn = make_input_fn(features, data, sizes, fault, labels)
   plan = make_plan(devices=testlib.cpu_devices(num_towers), loss_reduction='sum',
-                   staging_depth=depth)
+                   staging_depth=depth, micro_batches=micro_batches)
+  model = with_signature(signature, asks_tower)
 
-  expected = outcome(model_fn, input_fn, mode, 1)
-  actual = outcome(replicate_model_fn(model_fn, plan=plan), staged_input_fn(input_fn, plan),
+  expected = outcome(model, input_fn, mode, 1)
+  actual = outcome(replicate_model_fn(model, plan=plan), staged_input_fn(input_fn, plan),
                    mode, num_towers)
   if fault is None:
     assert expected[0] == 'ok', expected
@@ -245,6 +304,22 @@ def check_case(features, num_towers, sizes, fault, depth, mode, seed):
 # An empty batch, unstaged: a sparse feature's borrowed row has no rows, like a ragged one's.
 @example(dict(features={'c': {'a': 'sparse', 'c': 'ragged', 'd': 'int'}}, num_towers=2,
               sizes=[0, 6], fault=None, depth=0, mode=ModeKeys.TRAIN, seed=10000))
+# Features only (BERT's input), a lone Tensor, nested labels; each on copied
+# towers, built towers and micro-batches.
+@example(dict(features={'a': {'b': 'float'}, 'c': 'int'}, labels='absent',
+              signature=('features', 'mode', 'params'), num_towers=3, sizes=[7, 2],
+              fault=None, micro_batches=1, asks_tower=False, depth=0, mode=ModeKeys.TRAIN,
+              seed=5))
+@example(dict(features='float', labels='absent', signature=('features', 'labels', 'mode'),
+              num_towers=2, sizes=[5], fault=None, micro_batches=2, asks_tower=False,
+              depth=1, mode=ModeKeys.TRAIN, seed=6))
+@example(dict(features={'a': 'sparse'}, labels='nest',
+              signature=('features', 'labels', 'mode', 'config'), num_towers=3, sizes=[8, 0],
+              fault=None, micro_batches=1, asks_tower=True, depth=2, mode=ModeKeys.TRAIN,
+              seed=7))
+@example(dict(features='ragged', labels='absent', signature=('features', 'mode'),
+              num_towers=2, sizes=[3, 4], fault=None, micro_batches=1, asks_tower=True,
+              depth=0, mode=ModeKeys.EVAL, seed=8))
 @given(cases())
 def test_any_structure_ends_like_the_plain_model_fn(case):
   check_case(**case)
