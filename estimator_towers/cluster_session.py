@@ -106,7 +106,9 @@ class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
 
   When a worker dies, the others' all-reduces would wait for it forever; the
   step's RunOptions.timeout_in_ms makes them fail with DeadlineExceededError,
-  and this hook logs which cluster and bound it was.
+  and this hook logs which cluster and bound it was. At the session's start
+  (the chief's variables broadcast, whose all-reduce has the same time limit),
+  it logs the training tasks the start waits for once it has waited as long.
   """
 
   def __init__(self, timeout_secs: float, cluster: cluster_lib.Cluster,
@@ -115,6 +117,15 @@ class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
     self._cluster = cluster
     self._progress = progress
     self._timer = None
+
+  def begin(self):
+    self._timer = threading.Timer(self._timeout_secs, self._report_start)
+    self._timer.daemon = True
+    self._timer.start()
+
+  def after_create_session(self, session, coord):
+    del session, coord
+    self._timer.cancel()
 
   def before_run(self, run_context):
     self._timer = threading.Timer(self._timeout_secs, self._report)
@@ -131,6 +142,17 @@ class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
   def end(self, session):
     if self._timer is not None:
       self._timer.cancel()
+
+  def _report_start(self):
+    logging.error(
+        'estimator_towers: %s (rank %d of %d training tasks) has waited %.0f s '
+        '(make_plan(worker_timeout_secs=...)) at its start for the other training '
+        'tasks (%s) to take the chief\'s variables: one of them has not started, or '
+        'cannot reach this one (check TF_CONFIG\'s addresses). If it does not '
+        'answer, the start fails with DeadlineExceededError; start every task of '
+        'the cluster.', self._cluster.device, self._cluster.rank,
+        self._cluster.num_workers, self._timeout_secs,
+        ', '.join(self._cluster.training_tasks))
 
   def _report(self):
     logging.error(

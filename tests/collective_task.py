@@ -9,7 +9,10 @@ inputs end), dump (a directory: each training task writes its variables there
 as rank<r>.npz at the end, and its global_step at session start in
 rank<r>.npz.start), step_sleep (seconds each step of this task waits,
 to let a test kill it mid-training), eval (the evaluator writes its metrics to
-dump/eval.json).
+dump/eval.json), features_only (the input_fn yields features only, the
+labels among them as 'y', as BERT's pre-training input_fn does),
+user_session_config (the RunConfig's session_config is a ConfigProto built by
+hand, not make_run_config's).
 """
 
 import json
@@ -79,7 +82,10 @@ def two_terms_model_fn(features, labels, mode, params):
 
 
 def bert_model_fn(features, labels, mode, params):
-  """BERT's optimizer: AdamWeightDecay, global-norm clipping, global_step by hand."""
+  """BERT's optimizer: AdamWeightDecay, global-norm clipping, global_step by hand;
+  features only (the labels a feature), as BERT's pre-training is fed."""
+  if labels is None:
+    labels = features['y']
   loss, logits = _two_terms_loss(features, labels)
   if mode == tf.estimator.ModeKeys.EVAL:
     return _spec(mode, loss, logits, labels, None)
@@ -122,9 +128,12 @@ MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_m
           'bn': bn_model_fn}
 
 
-def input_fn(data, suffix, batch):
+def input_fn(data, suffix, batch, features_only=False):
   def fn():
     features = {'x': data['x' + suffix], 'w': data['w' + suffix]}
+    if features_only:
+      features['y'] = data['y' + suffix]
+      return tf.data.Dataset.from_tensor_slices(features).batch(batch)
     return tf.data.Dataset.from_tensor_slices((features, data['y' + suffix])).batch(batch)
   return fn
 
@@ -196,9 +205,14 @@ def main(spec_path):
                       sync_batch_norm=spec.get('sync_batch_norm', False),
                       worker_timeout_secs=spec.get('timeout', 60))
   model_fn = et.replicate_model_fn(MODELS[spec['model']], plan=plan)
-  run_config = et.make_run_config(config, model_dir=spec['model_dir'],
-                                  save_checkpoints_steps=spec.get('save_every', 1000),
-                                  save_summary_steps=1000, log_step_count_steps=1000)
+  settings = dict(model_dir=spec['model_dir'], save_checkpoints_steps=spec.get('save_every', 1000),
+                  save_summary_steps=1000, log_step_count_steps=1000)
+  if spec.get('user_session_config'):  # the usual hand-made ConfigProto: no device filters
+    run_config = tf.estimator.RunConfig(session_config=tf.compat.v1.ConfigProto(
+        device_count={'CPU': spec['towers']}, inter_op_parallelism_threads=2,
+        intra_op_parallelism_threads=1), **settings)
+  else:
+    run_config = et.make_run_config(config, **settings)
   estimator = tf.estimator.Estimator(model_fn, config=run_config,
                                      params={'learning_rate': spec.get('learning_rate', 0.1)})
   hooks = []
@@ -206,7 +220,8 @@ def main(spec_path):
     hooks.append(DumpVariables(os.path.join(spec['dump'], f'rank{rank}.npz'),
                                spec.get('step_sleep', {}).get(str(rank), 0.0)))
   suffix = str(rank) if task['type'] != 'evaluator' else 'e'
-  train_spec = tf.estimator.TrainSpec(input_fn(data, suffix, spec['batch']),
+  train_spec = tf.estimator.TrainSpec(input_fn(data, suffix, spec['batch'],
+                                               spec.get('features_only', False)),
                                       max_steps=spec.get('max_steps'), hooks=hooks)
   eval_spec = tf.estimator.EvalSpec(
       input_fn(data, 'e', spec['batch']), steps=None, start_delay_secs=0, throttle_secs=0,

@@ -10,6 +10,7 @@ Each cluster is a set of subprocesses (tests/collective_task.py) with free
 import glob
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -25,6 +26,7 @@ import testlib
 import estimator_towers as et
 from estimator_towers import cluster as cluster_lib
 from estimator_towers import cross_worker
+from estimator_towers import cross_worker_servers
 
 BATCH = 6
 SIZES = {0: 30, 1: 14}  # the worker's input ends after 3 of the chief's 5 batches
@@ -159,14 +161,15 @@ def _spec(tmp_path, model, towers, micro_batches=1, **extra):
 @pytest.mark.parametrize('model, micro_batches, evaluator', [
     ('mean', 1, True),        # plain gradient descent on a mean; an evaluator
     ('two_terms', 1, False),  # a token-weighted ratio + a mean + an L2 penalty, Adam, clipping
-    ('bert', 2, False),       # the same loss, BERT's AdamWeightDecay, micro-batches
+    ('bert', 2, False),       # the same loss, BERT's AdamWeightDecay, micro-batches,
+                              # features only (the labels a feature), as BERT is fed
 ])
 def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
     tmp_path, model, micro_batches, evaluator):
   data = _data(tmp_path / 'data.npz', SIZES)
   batches = _global_batches(data, SIZES)
   spec = _spec(tmp_path, model, 2, micro_batches,
-               max_steps=len(batches) if evaluator else None)
+               max_steps=len(batches) if evaluator else None, features_only=model == 'bert')
   started = time.time()
   Cluster(tmp_path, spec, evaluator=evaluator).run()
   print(f'cluster: {time.time() - started:.1f} s')
@@ -299,20 +302,30 @@ def test_a_dead_worker_stops_the_chief_within_the_timeout_and_a_restart_resumes(
 
 
 @pytest.mark.timeout(120)
-def test_a_worker_that_never_starts_stops_the_chief_after_the_timeout(tmp_path):
+@pytest.mark.parametrize('user_session_config', [False, True])
+def test_a_worker_that_never_starts_stops_the_chief_after_the_timeout(tmp_path,
+                                                                      user_session_config):
+  """Also with the RunConfig's session_config a ConfigProto of the user's own (no
+  device filters: its session would otherwise wait for the worker forever)."""
   _data(tmp_path / 'data.npz', SIZES)
   timeout = 4
-  cluster = Cluster(tmp_path, _spec(tmp_path, 'mean', 1, timeout=timeout))
+  cluster = Cluster(tmp_path, _spec(tmp_path, 'mean', 1, timeout=timeout,
+                                    user_session_config=user_session_config))
   started = time.time()
   try:
     cluster.start('chief')
     code = cluster.wait('chief', 90)
   finally:
     cluster.kill()
+  stopped = time.time() - started
   log = cluster.log('chief')
   assert code != 0
   assert 'DeadlineExceededError' in log and 'broadcast_from_chief' in log, log[-3000:]
-  print(f'chief stopped {time.time() - started:.1f} s after its start')
+  assert (f'has waited {timeout} s (make_plan(worker_timeout_secs=...)) at its start for '
+          'the other training tasks (/job:chief/replica:0/task:0, '
+          '/job:worker/replica:0/task:0)' in log), log[-3000:]
+  print(f'chief stopped {stopped:.1f} s after its start')
+  assert stopped < timeout + 60, stopped  # the process's start and graph, then the timeout
 
 
 @pytest.mark.timeout(120)
@@ -494,3 +507,22 @@ def test_collective_on_one_machine_all_reduces_between_the_devices(devices, hint
   spec = tf.DeviceSpec.from_string
   assert sorted({(spec(op.device).device_type, spec(op.device).device_index) for op in reduces}) == \
       sorted({(spec(d).device_type, spec(d).device_index) for d in devices})
+
+
+def test_session_device_filters_that_see_other_workers_are_an_error():
+  cluster = {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2', '127.0.0.1:3']}
+  proto = tf.compat.v1.ConfigProto(device_filters=['/job:worker'])
+  with pytest.raises(ValueError, match=re.escape(
+      "device_filters is ['/job:worker'], which lets the sessions of /job:worker/task:1 see "
+      "other training tasks' devices") + r".*Set device_filters to \['/job:worker/task:1'\]"):
+    cross_worker_servers.own_devices_only(proto, cluster, 'worker', 1)
+
+
+def test_a_session_config_without_device_filters_gets_the_task_s_own():
+  cluster = {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']}
+  proto = tf.compat.v1.ConfigProto(device_count={'CPU': 2})  # as users write it
+  cross_worker_servers.own_devices_only(proto, cluster, 'worker', 0)
+  assert list(proto.device_filters) == ['/job:worker/task:0']
+  chief = tf.compat.v1.ConfigProto(device_filters=['/job:chief', '/job:ps'])  # Estimator's own
+  cross_worker_servers.own_devices_only(chief, cluster, 'chief', 0)
+  assert list(chief.device_filters) == ['/job:chief', '/job:ps']
