@@ -20,7 +20,8 @@ name scope of its own. The rule for each op of an instance:
 A template cannot be made (the reason is returned instead) of an op in a v1
 `tf.cond` or `tf.while_loop` or that calls a function (TensorFlow's gradient
 of a `tf.cond` rewrites the function in place), a Placeholder, a stateful op
-with a shared name, or an op a device scope of the model_fn placed (`pinned`)
+with a shared name, an op that creates a resource (a copy would be a new,
+uninitialised table or queue), or an op a device scope of the model_fn placed (`pinned`)
 or that is on some other device.
 """
 
@@ -238,6 +239,10 @@ def _unsafe(op: tf.Operation) -> str | None:
     shared = b''
   if shared:
     return f'{op.name} is a stateful op with a shared name'
+  if (op.op_def.is_stateful and any(t.dtype == tf.resource for t in op.outputs)
+      and not any(t.dtype == tf.resource for t in op.inputs)):
+    return (f'{op.name} ({op.type}) creates a resource (a lookup table, queue or '
+            f'iterator) that only its own initializer fills')
   return None
 
 

@@ -237,3 +237,65 @@ def test_towers_that_cannot_be_copied_are_built(model_fn, batch, static, reason,
   assert _built(graph, 1), [op.name for op in graph.get_operations()][:50]
   assert any(reason in message for message in logged), logged
   testlib.assert_variables_close(towered, plain)
+
+
+def _unshared_table_model_fn(features, labels, mode):
+  """A lookup table with no shared name, filled by its own initializer (TABLE_INITIALIZERS)."""
+  table = tf.raw_ops.HashTableV2(key_dtype=tf.int64, value_dtype=tf.float32, shared_name='',
+                                 use_node_name_sharing=False)
+  tf.compat.v1.add_to_collection(
+      tf.compat.v1.GraphKeys.TABLE_INITIALIZERS, tf.raw_ops.LookupTableImportV2(
+          table_handle=table, keys=tf.constant([0, 1], tf.int64),
+          values=tf.constant([0.5, 2.0])))
+  scale = tf.raw_ops.LookupTableFindV2(table_handle=table, keys=tf.cast(labels > 0, tf.int64),
+                                       default_value=tf.constant(1.0))
+  logits = tf.compat.v1.layers.dense(
+      features * tf.reshape(scale, [-1, 1]), testlib.NUM_CLASSES,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=5))
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(
+      loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_an_op_that_creates_a_resource_is_built_not_copied():
+  """A copy of the table's op would be a new table no initializer fills (the step failed)."""
+  x, y = testlib.data(18)
+  plain, _ = _train(_unshared_table_model_fn, 1, x, y, 9)
+  towered, graph = _train(_unshared_table_model_fn, 2, x, y, 9)
+  assert _built(graph, 1)
+  testlib.assert_variables_close(towered, plain)
+
+
+class _Collected(tf.compat.v1.train.SessionRunHook):
+  """How many tensors the model_fn added to its own collection 'per_example_losses'."""
+
+  def begin(self):
+    self.count = len(tf.compat.v1.get_collection('per_example_losses'))
+
+
+@pytest.mark.parametrize('asks_tower', [False, True], ids=['copied', 'built'])
+def test_a_collection_holds_the_first_tower_s_tensors_unless_every_tower_is_built(asks_tower):
+  """The documented side-effect rule: a copied tower runs none of the model_fn's Python,
+  so a tensor it adds to a collection is added once (tower 0's); a model_fn that
+  asks current_tower() has every tower built, each adding its own."""
+
+  def model_fn(features, labels, mode):
+    if asks_tower:
+      current_tower()
+    logits = tf.compat.v1.layers.dense(
+        features, testlib.NUM_CLASSES,
+        kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=6))
+    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+    tf.compat.v1.add_to_collection('per_example_losses', losses)
+    loss = tf.reduce_mean(losses)
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+  x, y = testlib.data(9)
+  estimator = testlib.make_estimator(
+      replicate_model_fn(model_fn, devices=testlib.cpu_devices(3)), num_cpus=3)
+  collected = _Collected()
+  estimator.train(testlib.input_fn(x, y, 9), steps=1, hooks=[collected])
+  assert collected.count == (3 if asks_tower else 1)
