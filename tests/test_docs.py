@@ -201,3 +201,15 @@ def test_every_test_the_docs_name_exists():
         missing.append(f'{os.path.relpath(path, ROOT)}: no {function} in tests/{module}')
   assert count > 40, count
   assert not missing, '\n'.join(missing)
+
+
+def test_user_pages_hold_no_lab_notes():
+  """README.md and the user pages (docs/ but docs/contributing/) name no issue
+  numbers, dates or private names (`module._name`): measurement history and
+  design notes belong in docs/contributing/, figures on docs/performance.md."""
+  lab_note = re.compile(r'\bissue \d+|\b20\d\d-\d\d-\d\d\b|\b[a-z_]+\._[a-z]\w*')
+  found = [f'{os.path.relpath(path, ROOT)}: {match.group(0)}'
+           for path in markdown_files()
+           if os.sep + 'contributing' + os.sep not in path
+           for match in lab_note.finditer(read(path))]
+  assert not found, '\n'.join(found)
