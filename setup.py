@@ -24,6 +24,21 @@ setuptools.setup(
         'test': ['pytest>=7', 'pytest-timeout>=2', 'pytest-xdist>=3', 'hypothesis>=6'],
         # bench/towers_bench.py's plot: pip install -e '.[bench]'
         'bench': ['matplotlib>=3.5'],
+        # The docs site (mkdocs.yml): pip install -e '.[docs]' && mkdocs serve.
+        # mkdocstrings reads the docstrings statically (griffe); ruff formats
+        # the signatures. Pinned (versions that install on Python 3.9-3.11):
+        # .ci/run builds the site with --strict.
+        'docs': [
+            'mkdocs==1.6.1',
+            'mkdocs-material==9.6.14',
+            'mkdocstrings==0.29.1',
+            'mkdocstrings-python==1.16.12',
+            'mkdocs-autorefs==1.4.2',
+            'griffe==1.7.3',
+            'pymdown-extensions==10.15',
+            'Markdown==3.8',
+            'ruff==0.17.6',
+        ],
     },
     classifiers=[
         'Programming Language :: Python :: 3.9',

@@ -133,8 +133,31 @@ def worker_index_and_count(tf_config: str | Mapping | None = None) -> tuple[int,
   """(index, count) of this training task among the training tasks, for `Dataset.shard`.
 
   `dataset.shard(count, index)` gives each training task (the chief and the
-  workers, see the module docstring) its own part of the data. Without a
-  TF_CONFIG cluster (one machine) or on an evaluator: (0, 1).
+  workers) its own part of the data. The chief is 0 and worker i is i + 1;
+  count is the number of training tasks (parameter servers and the
+  evaluator do not count). Without a TF_CONFIG cluster (one machine) or on
+  an evaluator: (0, 1).
+
+  Args:
+    tf_config: the cluster as TF_CONFIG's JSON text or as its parsed dict;
+      None reads the `TF_CONFIG` environment variable.
+
+  Returns:
+    (index, count): this task's index among the training tasks, and their
+    number.
+
+  Raises:
+    ValueError: for a TF_CONFIG that is not valid JSON or names a task that
+      is not in its cluster, or a chief-and-workers cluster (no 'ps') that
+      `variable_strategy='collective'` cannot run.
+
+  Example:
+      ```python
+      def input_fn():
+        index, count = estimator_towers.worker_index_and_count()
+        return (tf.data.TFRecordDataset(files).shard(count, index)
+                .map(parse).batch(per_worker_batch))
+      ```
   """
   cluster = parse(tf_config)
   if cluster is None or not cluster.trains:

@@ -27,6 +27,11 @@ _DEVICE_CHOICES = ('num_gpus', 'devices', 'num_cpu_devices')
 class TowersConfig:
   """Immutable towering and session settings; build it with `make_config`.
 
+  What a training script configures: the towers (its `plan`, a `DevicePlan`
+  for `replicate_model_fn` and `staged_input_fn`) and the session
+  (`session_config`, `make_run_config`). Each field is also a `make_config`
+  keyword and a flag of `define_flags()` of the same name.
+
   Attributes:
     num_gpus: towers on '/gpu:0' .. '/gpu:N-1'; 0 trains on the host CPU.
       More GPUs than are visible is an error (raised by make_config) unless
@@ -36,10 +41,11 @@ class TowersConfig:
       (machines without GPUs); the session gets N CPU devices.
       At most one of num_gpus, devices and num_cpu_devices is set; with none,
       the towers are every visible GPU (the CPU when there is none).
-    variable_strategy: a key of `estimator_towers.placement.STRATEGIES`.
+    variable_strategy: 'cpu' (default), 'gpu', 'replicated' or 'collective':
+      where variables live and gradients are combined.
     staging_depth: shards kept in flight per device by the staged input_fn.
-    staging_backend: the staged input_fn's backend, one of `staging.BACKENDS`
-      ('staging_area').
+    staging_backend: the staged input_fn's backend: 'staging_area' (the only
+      value).
     loss_reduction: 'auto', 'exact', 'mean' or 'sum', how the model_fn's loss reduces the batch.
     log_device_placement: log the device of every op when the session starts.
     allow_soft_placement: let TensorFlow move ops without a kernel for their
@@ -56,6 +62,13 @@ class TowersConfig:
       the missing towers on the host CPU with one warning, instead of raising.
     sync_batch_norm: in TRAIN, batch norms use the global batch's statistics.
     micro_batches: micro-batches per device and step (1: none).
+
+  Example:
+      ```python
+      config = estimator_towers.make_config(num_gpus=8, variable_strategy='replicated')
+      model_fn = estimator_towers.replicate_model_fn(my_model_fn, plan=config.plan)
+      run_config = estimator_towers.make_run_config(config, model_dir='/tmp/model')
+      ```
   """
   num_gpus: int | None = None
   devices: tuple[str, ...] | None = None
@@ -99,12 +112,27 @@ def make_config(**kwargs: Any) -> TowersConfig:
 
   Messages spell settings in Python syntax (`num_gpus=2`), or as flags
   (`--num_gpus=2`) when called by `config_from_flags` or a flag validator.
+  Unlike `make_plan`, it checks GPUs against the visible ones at once.
+
+  Args:
+    **kwargs: any `TowersConfig` field (num_gpus, devices, num_cpu_devices,
+      variable_strategy, micro_batches, sync_batch_norm, session settings,
+      ...); the others keep their defaults.
+
+  Returns:
+    The validated `TowersConfig`.
 
   Raises:
     TypeError: for an argument that is not a `TowersConfig` field.
     ValueError: for more than one of num_gpus / devices / num_cpu_devices, a
       value out of range, anything `plan.make_plan` rejects, or num_gpus
       beyond the visible GPUs without allow_cpu_fallback.
+
+  Example:
+      ```python
+      config = estimator_towers.make_config(num_cpu_devices=2, variable_strategy='gpu')
+      config.plan.devices   # ('/device:CPU:0', '/device:CPU:1')
+      ```
   """
   return _make_config(kwargs, resolve=True)
 
@@ -164,7 +192,26 @@ def session_config(config: TowersConfig) -> tf.compat.v1.ConfigProto:
   """The session's ConfigProto for `config`.
 
   Keeps Estimator's default graph rewriting (one meta-optimizer pass); sets
-  device_count CPU to the number of virtual CPU devices the towers need.
+  device_count CPU to the number of virtual CPU devices the towers need, the
+  GPU memory options, the thread counts and soft placement from `config`;
+  under `variable_strategy='collective'` in a chief-and-workers cluster,
+  limits the session to this task's devices (`device_filters`).
+
+  Args:
+    config: a TowersConfig from `make_config` or `config_from_flags`.
+
+  Returns:
+    A `tf.compat.v1.ConfigProto` for `tf.estimator.RunConfig(session_config=...)`.
+
+  Raises:
+    TypeError: if `config` is not a TowersConfig.
+
+  Example:
+      ```python
+      config = estimator_towers.make_config(num_cpu_devices=2)
+      run_config = tf.estimator.RunConfig(
+          model_dir='/tmp/model', session_config=estimator_towers.session_config(config))
+      ```
   """
   _check_config(config, 'session_config')
   proto = tf.compat.v1.ConfigProto(
@@ -191,13 +238,30 @@ def make_run_config(config: TowersConfig, **run_config_kwargs: Any
                     ) -> tf.estimator.RunConfig:
   """A `tf.estimator.RunConfig` with `session_config(config)`.
 
+  Under `variable_strategy='collective'` with a TF_CONFIG cluster it also
+  checks the cluster and turns off Estimator's start delay of the workers
+  (`experimental_max_worker_delay_secs=0`, unless given).
+
   Args:
     config: a TowersConfig from `make_config` or `config_from_flags`.
     **run_config_kwargs: any other RunConfig argument (model_dir,
       save_checkpoints_steps, ...).
 
+  Returns:
+    A `tf.estimator.RunConfig`.
+
   Raises:
-    ValueError: if run_config_kwargs holds session_config.
+    TypeError: if `config` is not a TowersConfig.
+    ValueError: if run_config_kwargs holds session_config, or the TF_CONFIG
+      cluster does not suit the variable strategy.
+
+  Example:
+      ```python
+      config = estimator_towers.config_from_flags()
+      estimator = tf.estimator.Estimator(
+          estimator_towers.replicate_model_fn(model_fn, plan=config.plan),
+          config=estimator_towers.make_run_config(config, model_dir=FLAGS.model_dir))
+      ```
   """
   _check_config(config, 'make_run_config')
   if 'session_config' in run_config_kwargs:

@@ -166,7 +166,27 @@ def define_flags(flag_values: flags.FlagValues | None = None) -> None:
   `--num_gpus=2` on a machine without GPUs), fails the parse with absl's
   "FATAL Flags parsing error" and a message in flag syntax.
 
-  Safe to call more than once: flags already defined are left alone.
+  Safe to call more than once: flags already defined are left alone. Every
+  flag, with its default and choices, is listed on the flags page.
+
+  Args:
+    flag_values: the absl FlagValues to define the flags on; None for
+      `absl.flags.FLAGS`.
+
+  Example:
+      ```python
+      from absl import app
+      import estimator_towers
+
+      estimator_towers.define_flags()   # --num_gpus, --devices, --variable_strategy, ...
+
+      def main(argv):
+        config = estimator_towers.config_from_flags()
+        ...
+
+      if __name__ == '__main__':
+        app.run(main)
+      ```
   """
   flag_values = flags.FLAGS if flag_values is None else flag_values
   defined = []
@@ -212,11 +232,29 @@ def config_from_flags(flag_values: flags.FlagValues | None = None
                       ) -> config_lib.TowersConfig:
   """The TowersConfig of the parsed flags, validated by `make_config`.
 
-  Errors speak flag syntax (`--num_cpu_devices=0`).
+  Call it after absl has parsed argv (in `main`). Errors speak flag syntax
+  (`--num_cpu_devices=0`).
+
+  Args:
+    flag_values: the parsed FlagValues `define_flags` defined the flags on;
+      None for `absl.flags.FLAGS`.
+
+  Returns:
+    The validated `TowersConfig`; its `plan` is the `DevicePlan` for
+    `replicate_model_fn` and `staged_input_fn`.
 
   Raises:
     ValueError: if `define_flags` was not called on `flag_values`, or for any
       value `make_config` rejects.
+
+  Example:
+      ```python
+      def main(argv):
+        config = estimator_towers.config_from_flags()
+        estimator = tf.estimator.Estimator(
+            estimator_towers.replicate_model_fn(model_fn, plan=config.plan),
+            config=estimator_towers.make_run_config(config, model_dir=FLAGS.model_dir))
+      ```
   """
   flag_values = flags.FLAGS if flag_values is None else flag_values
   missing = [name for name in config_lib.FIELDS if name not in flag_values]

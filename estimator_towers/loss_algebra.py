@@ -90,7 +90,7 @@ def loss_denominator(denominator: tf.Tensor) -> tf.Tensor:
   across shards (a count of tokens, a sum of weights), however it is
   computed (a matrix product, a custom op). The whole batch's loss then uses
   the sum of the shards' `d`, exactly as the plain model_fn uses the whole
-  batch's `d`. Needed only when `d` is not one of what `loss_algebra`
+  batch's `d`. Needed only when `d` is not one of what the library
   recognises (`tf.reduce_sum`, `tf.reduce_mean`, `tf.size`, `tf.shape(x)[0]`,
   and so every `tf.compat.v1.losses` / Keras reduction).
 
@@ -104,6 +104,12 @@ def loss_denominator(denominator: tf.Tensor) -> tf.Tensor:
 
   Raises:
     ValueError: if `denominator` is not a scalar Tensor.
+
+  Example:
+      ```python
+      tokens = tf.squeeze(tf.matmul(mask_rows, ones_column))   # a count the library cannot read
+      loss = tf.reduce_sum(xent * mask) / estimator_towers.loss_denominator(tokens)
+      ```
   """
   if not isinstance(denominator, tf.Tensor) or denominator.shape.rank not in (None, 0):
     raise ValueError(

@@ -23,32 +23,47 @@ LOSS_REDUCTIONS = ('auto', 'exact', 'mean', 'sum')
 class DevicePlan:
   """Immutable description of a towered setup; build it with `make_plan`.
 
+  The one value both sides of a towered Estimator take: the towered model_fn
+  (`replicate_model_fn(model_fn, plan=plan)`) and the staged input_fn
+  (`staged_input_fn(input_fn, plan)`), so that they cannot disagree on the
+  devices. Frozen: change a field with `dataclasses.replace`, which does not
+  validate; prefer a new `make_plan`.
+
   Attributes:
     devices: canonical tower devices, or None for "every visible GPU (the CPU
       when there is none)", resolved at graph construction.
     num_gpus: the GPU count asked for, when given as a count; 0 means one
       tower on the host CPU.
-    variable_strategy: a key of `placement.STRATEGIES`.
+    variable_strategy: where variables live and gradients are combined:
+      'cpu' (default), 'gpu', 'replicated' or 'collective' (see the
+      placement page).
     loss_reduction: 'auto' (default: the whole batch's loss is rebuilt from
-      the shards' statistics by `loss_algebra`'s rule; a loss it cannot
+      the shards' statistics (see the losses page); a loss it cannot
       rebuild gets one warning naming the op and the reduction the model_fn's
       TensorFlow loss function recorded, else a mean), 'exact' ('auto', with
       that warning an error), 'mean' (the loss is a mean over the batch:
       towers are weighted by their share of the batch) or 'sum' (towers add
       up).
     staging_depth: shards kept in flight per device by the staged input_fn.
-    staging_backend: how the staged input_fn prefetches shards: one of
-      `staging_backends.BACKENDS` ('staging_area', a StagingArea per device).
+    staging_backend: how the staged input_fn prefetches shards:
+      'staging_area' (a StagingArea per device; the only value).
     allow_cpu_fallback: when num_gpus asks for more GPUs than are visible, run
       the missing towers on the host CPU (with one warning) instead of raising.
     sync_batch_norm: in TRAIN, every batch normalisation uses the statistics
-      of the global batch (all towers' shards) instead of its tower's shard
-      (see `batch_norm_sync`). Off by default.
+      of the global batch (all towers' shards) instead of its tower's shard.
+      Off by default.
     micro_batches: k, the micro-batches each device splits its shard into and
-      runs one after another within a step (1: none); see `micro_batches`.
+      runs one after another within a step (1: none).
     worker_timeout_secs: under variable_strategy='collective' across workers,
       how long a training step (and the start, for the variables' broadcast)
       waits for the other workers before failing with DeadlineExceededError.
+
+  Example:
+      ```python
+      plan = estimator_towers.make_plan(num_gpus=8, variable_strategy='replicated')
+      model_fn = estimator_towers.replicate_model_fn(my_model_fn, plan=plan)
+      input_fn = estimator_towers.staged_input_fn(my_input_fn, plan)
+      ```
   """
   devices: tuple[str, ...] | None = None
   num_gpus: int | None = None
@@ -91,13 +106,26 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
               worker_timeout_secs: float = 120.0) -> DevicePlan:
   """Validates arguments and returns a DevicePlan.
 
+  Give the plan to `replicate_model_fn(model_fn, plan=plan)` and, for staged
+  input, to `staged_input_fn(input_fn, plan)`. With neither num_gpus nor
+  devices, the towers are every visible GPU (the CPU when there is none),
+  resolved when the graph is built.
+
   Args:
     num_gpus: towers on /gpu:0 .. /gpu:N-1; 0 trains on the host CPU.
-    devices: explicit tower devices, instead of num_gpus.
-    variable_strategy: a key of `placement.STRATEGIES`.
-    loss_reduction: 'auto', 'mean' or 'sum'.
-    staging_depth: shards kept in flight per device by `staged_input_fn`.
-    staging_backend: a key of `staging_backends.BACKENDS`.
+    devices: explicit tower devices, instead of num_gpus, e.g.
+      ['/gpu:0', '/gpu:2'] or ['/cpu:0', '/cpu:1'].
+    variable_strategy: 'cpu' (default: variables on the host CPU), 'gpu'
+      (spread over the tower devices), 'replicated' (a copy per tower) or
+      'collective' (a copy per tower, all-reduced; also across a chief and
+      workers). See the placement page.
+    loss_reduction: 'auto' (default: the whole batch's loss rebuilt from the
+      shards' statistics, one warning for a loss it cannot rebuild), 'exact'
+      ('auto' with that warning an error), 'mean' or 'sum' (the towers'
+      losses weighted by that rule, without analysis).
+    staging_depth: shards kept in flight per device by `staged_input_fn`;
+      0 turns staging off.
+    staging_backend: 'staging_area' (the only value).
     allow_cpu_fallback: run towers on the host CPU when num_gpus asks for
       more GPUs than are visible, instead of raising at graph construction.
     sync_batch_norm: batch norms in TRAIN use the global batch's statistics.
@@ -111,6 +139,13 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
       duplicate or malformed devices, an unknown strategy or reduction, or a
       negative staging depth, an unknown or removed staging backend, or
       micro_batches that is not a positive integer.
+
+  Example:
+      ```python
+      plan = estimator_towers.make_plan(num_gpus=4, sync_batch_norm=True)
+      estimator = tf.estimator.Estimator(
+          estimator_towers.replicate_model_fn(model_fn, plan=plan))
+      ```
   """
   if num_gpus is not None and devices is not None:
     raise ValueError(

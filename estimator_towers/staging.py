@@ -124,16 +124,26 @@ def staged_input_fn(input_fn: Callable, plan: plan_lib.DevicePlan,
     input_fn: an Estimator input_fn returning a `tf.data.Dataset`; it may take
       any of `mode`, `params`, `config` and `input_context`, as usual.
     plan: the `DevicePlan` (from `make_plan`) of the towered model_fn.
-    backend: one of `BACKENDS` ('staging_area': a StagingArea per device,
-      puts driven by a hook); None: `plan.staging_backend`
-      (--staging_backend).
+    backend: 'staging_area' (a StagingArea per device, puts driven by a
+      hook; the only backend), or None for `plan.staging_backend`
+      (`--staging_backend`). Another name raises a ValueError.
 
   Returns:
     An input_fn for Estimator.
 
   Raises:
-    TypeError: if `input_fn` is not callable or `plan` is not a DevicePlan.
+    TypeError: if `input_fn` is not callable or `plan` is not a DevicePlan;
+      when the input_fn runs, if it returns something other than a
+      `tf.data.Dataset`.
     ValueError: for an unknown or removed backend.
+
+  Example:
+      ```python
+      plan = estimator_towers.make_plan(num_gpus=4, staging_depth=1)
+      estimator = tf.estimator.Estimator(
+          estimator_towers.replicate_model_fn(model_fn, plan=plan), model_dir='/tmp/model')
+      estimator.train(estimator_towers.staged_input_fn(train_input_fn, plan))
+      ```
   """
   if not callable(input_fn):
     raise TypeError(f'input_fn must be callable, got {input_fn!r}.')

@@ -79,6 +79,14 @@ class ThroughputHook(tf.compat.v1.train.SessionRunHook):
     TypeError: if `config` is not a RunConfig.
     ValueError: if max_steps is not a positive integer; in `begin`, if the
       graph has no towered model_fn (replicate_model_fn) or global step.
+
+  Example:
+      ```python
+      estimator = tf.estimator.Estimator(estimator_towers.replicate_model_fn(model_fn))
+      hook = estimator_towers.ThroughputHook(estimator.config, max_steps=10000)
+      estimator.train(input_fn, max_steps=10000, hooks=[hook])
+      # logs: examples/sec: 854.0 (53.4 steps/sec, 16.0 examples/step); step 11 of 10000, ETA ...
+      ```
   """
 
   def __init__(self, config: tf.estimator.RunConfig, max_steps: int | None = None):

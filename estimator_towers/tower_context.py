@@ -35,6 +35,14 @@ class TowerContext:
     primary: True for the tower whose side effects run: its train_op is the
       one Estimator runs, with its update ops (batch-norm moving averages) and
       summaries (tower 0). The other towers contribute gradients only.
+
+  Example:
+      ```python
+      tower = estimator_towers.current_tower()   # inside a model_fn
+      if tower.num_towers > 1:
+        tf.compat.v1.logging.info('building tower %d of %d on %s',
+                                  tower.index, tower.num_towers, tower.device)
+      ```
   """
   index: int
   num_towers: int
@@ -92,12 +100,19 @@ def current_tower() -> TowerContext:
   Outside a towered model_fn (a plain model_fn, an input_fn, a hook) the
   answer is one device: index 0 of 1 tower, device None, primary.
 
+  Returns:
+    A `TowerContext`: the tower's index, the number of towers, its device
+    and whether it is the primary tower (the one whose side effects run).
+
   Example:
-    tower = estimator_towers.current_tower()
-    if tower.primary:
-      tf.compat.v1.summary.histogram('logits', logits)
-    per_tower_state = tf.compat.v1.get_local_variable(
-        f'seen_on_tower_{tower.index}', ...)
+      ```python
+      def model_fn(features, labels, mode):
+        logits = build_model(features)
+        tower = estimator_towers.current_tower()
+        if tower.primary:   # once per step, not once per tower
+          tf.compat.v1.summary.histogram('logits', logits)
+        ...
+      ```
   """
   _count_read()
   stack = _stack()

@@ -72,6 +72,14 @@ def global_mean(name: str, value: tf.Tensor) -> str:
 
   Raises:
     ValueError: if `value` is not a scalar, or the same tower uses `name` twice.
+
+  Example:
+      ```python
+      accuracy = tf.reduce_mean(tf.cast(tf.equal(predictions, labels), tf.float32))
+      name = estimator_towers.global_mean('train_accuracy', accuracy)  # before minimize()
+      train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+      hooks = [tf.estimator.LoggingTensorHook({'train_accuracy': name}, every_n_iter=100)]
+      ```
   """
   value = tf.convert_to_tensor(value)
   if value.shape.rank not in (None, 0):

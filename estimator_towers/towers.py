@@ -79,7 +79,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   optimizers), it receives the gradient of the whole batch's loss: the loss
   as a function of the batch's statistics (sums, means, token counts, sums of
   weights, combined by arithmetic with regularisers and constants) rebuilt on
-  the whole batch's totals (`loss_algebra`), so token-weighted losses, BERT's
+  the whole batch's totals, so token-weighted losses, BERT's
   two-term loss and a loss plus a regulariser equal the plain loss, and a
   shard with no tokens adds nothing (no NaN); a plain mean weighs tower k by
   w_k = n_k / B, a plain sum by 1. A loss it cannot rebuild gets one warning
@@ -88,15 +88,14 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   made at that moment and stopped at their own request, so they have their
   forward pass only: copied from tower 0's ops (with their own shard, device
   and random seeds) where that is what building them would give, else built
-  by running the model_fn again (`tower_copies`). What the model_fn
+  by running the model_fn again. What the model_fn
   then does (clipping, loss scaling, its optimizer's apply_gradients, a
   manual global_step update) runs once. Gradients with respect to anything
   other than variables (a gradient penalty on the inputs) stay per tower.
   EVAL reports the whole batch's loss, weighted the same way; metric state
   is shared, so metrics of per-example values equal the plain ones. PREDICT
   concatenates predictions in input order. In EVAL and PREDICT a tower whose
-  shard is empty at run time runs nothing computed from it
-  (estimator_towers.empty_shards).
+  shard is empty at run time runs nothing computed from it.
 
   On side effects: the train_op Estimator runs is tower 0's, so whatever the
   model_fn hangs on it (batch-norm moving averages in UPDATE_OPS or
@@ -108,7 +107,9 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   On placement: tower k's ops run on device k; `variable_strategy` decides
   where variables live: 'cpu' (default) on the host CPU of the towers' worker
   (on the device itself when there is one), 'gpu' spread over the tower devices
-  balanced by bytes, 'replicated' a copy per tower refreshed after each update.
+  balanced by bytes, 'replicated' a copy per tower refreshed after each update,
+  'collective' a copy per tower kept equal by all-reduce (also across a chief
+  and workers).
   Gradients are combined on each variable's device, or on the worker's CPU when
   the variable sits on a parameter server. Features from
   `staged_input_fn(input_fn, plan)` are read from per-device staging areas.
@@ -133,9 +134,9 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     num_gpus: number of GPU towers ('/gpu:0' .. '/gpu:N-1'); 0 trains on the
       CPU alone.
     devices: explicit tower devices, e.g. ['/cpu:0', '/cpu:1'].
-    variable_strategy: a key of `estimator_towers.placement.STRATEGIES`.
+    variable_strategy: 'cpu' (default), 'gpu', 'replicated' or 'collective'.
     loss_reduction: 'auto' (the whole batch's loss rebuilt from the shards'
-      statistics by `loss_algebra`'s rule; one warning naming the op for a
+      statistics; one warning naming the op for a
       loss it cannot rebuild, which then follows the reduction the model_fn's
       TensorFlow loss function records, a mean when none does), 'exact'
       ('auto' with that warning an error), 'mean' or 'sum' (the loss is not
@@ -148,7 +149,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     micro_batches: k >= 1: each device's shard is split into k micro-batches
       (by the same rule) that run one after another on that device within
       the step; the model_fn still receives the whole batch's gradient and
-      updates once per global batch (see docs/micro_batches.md).
+      updates once per global batch.
     plan: a `DevicePlan` from `make_plan`, instead of the arguments above.
 
   Returns:
@@ -158,6 +159,20 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     ValueError: for a count together with devices, a negative GPU count (or a
       non-positive CPU device count), more GPUs than are visible (unless CPU
       fallback is allowed), duplicate devices, or conflicting arguments.
+    TypeError: if model_fn is not callable or plan is not a DevicePlan.
+
+  Example:
+      ```python
+      @estimator_towers.replicate_model_fn(num_gpus=8)
+      def model_fn(features, labels, mode):   # the unchanged single-device model_fn
+        logits = tf.compat.v1.layers.dense(features['x'], 10)
+        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+        optimizer = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+        train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+        return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+      estimator = tf.estimator.Estimator(model_fn)   # its input_fn returns global batches
+      ```
   """
   if isinstance(model_fn, int) and not isinstance(model_fn, bool):
     if num_gpus is not None:

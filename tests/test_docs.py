@@ -1,10 +1,15 @@
 """The docs cannot rot: the flags page, the links and the README's quick start.
 
+What the docs site's build (`mkdocs build --strict`, in .ci/run) does not
+check, and what must also hold on GitHub:
+
 - docs/flags.md lists exactly the flags `define_flags()` defines (on a fresh
   FlagValues), each once, with its current default and, for an enum, its
   choices.
-- Every relative link (and image) in README.md and docs/*.md resolves to a
-  file and, where it names one, to a heading of that file (GitHub's anchors).
+- Every relative link (and image) in README.md, CHANGELOG.md and docs/ (its
+  subfolders too) resolves to a file and, where it names one, to a heading of
+  that file (GitHub's anchors, which mkdocs.yml makes the site's too). The
+  site's build checks docs/ again, but not README.md or CHANGELOG.md.
 - Every test the docs name (`test_x.py::test_y`) exists.
 - The README's quick-start code runs as written, in a fresh process, trains
   its 20 steps and towers (its training graph has a tower on /cpu:1).
@@ -33,8 +38,17 @@ def read(path: str) -> str:
 
 
 def markdown_files() -> list[str]:
-  return [os.path.join(ROOT, 'README.md')] + sorted(
-      os.path.join(DOCS, name) for name in os.listdir(DOCS) if name.endswith('.md'))
+  """README.md, CHANGELOG.md, then every page under docs/ (subfolders too)."""
+  return [os.path.join(ROOT, 'README.md'), os.path.join(ROOT, 'CHANGELOG.md')] + sorted(
+      os.path.join(folder, name) for folder, _, names in os.walk(DOCS)
+      for name in names if name.endswith('.md'))
+
+
+def generated(path: str) -> bool:
+  """A page whose text is made at build time: an API page (`::: name`), or
+  docs/changelog.md (CHANGELOG.md, included)."""
+  text = read(path).strip()
+  return text.startswith(':::') or text.startswith('--8<--')
 
 
 def prose_lines(text: str) -> list[str]:
@@ -135,6 +149,8 @@ def test_flags_page_lists_every_flag_once_with_its_default_and_choices():
 
 def test_every_docs_page_says_what_it_answers():
   for path in markdown_files()[1:]:
+    if generated(path):
+      continue
     head = read(path)[:600]
     assert head.startswith('# '), path
     assert '**What this page answers:**' in head, path
@@ -185,3 +201,15 @@ def test_every_test_the_docs_name_exists():
         missing.append(f'{os.path.relpath(path, ROOT)}: no {function} in tests/{module}')
   assert count > 40, count
   assert not missing, '\n'.join(missing)
+
+
+def test_user_pages_hold_no_lab_notes():
+  """README.md and the user pages (docs/ but docs/contributing/) name no issue
+  numbers, dates or private names (`module._name`): measurement history and
+  design notes belong in docs/contributing/, figures on docs/performance.md."""
+  lab_note = re.compile(r'\bissue \d+|\b20\d\d-\d\d-\d\d\b|\b[a-z_]+\._[a-z]\w*')
+  found = [f'{os.path.relpath(path, ROOT)}: {match.group(0)}'
+           for path in markdown_files()
+           if os.sep + 'contributing' + os.sep not in path
+           for match in lab_note.finditer(read(path))]
+  assert not found, '\n'.join(found)
