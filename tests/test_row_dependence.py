@@ -1,0 +1,232 @@
+"""Row dependence (`row_dependence.classify`) on the graphs of one tower.
+
+Every pattern of issue 33, written for one device, is read on a graph whose
+inputs are a shard's placeholders: the op that first mixes the batch's rows
+is named, and the frontier is the per-example tensors it reads. The
+per-example controls (and the models of the other tests) have no mixing op.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import testlib
+from estimator_towers import row_dependence as rd
+
+ModeKeys = tf.estimator.ModeKeys
+F = 6
+
+
+def _dense(x, units, name):
+  return tf.compat.v1.layers.dense(
+      x, units, name=name, kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1))
+
+
+def _encoders(x):
+  q = tf.math.l2_normalize(_dense(x[:, :3], 4, 'query'), axis=-1)
+  d = tf.math.l2_normalize(_dense(x[:, 3:], 4, 'doc'), axis=-1)
+  return q, d
+
+
+def in_batch_softmax(x, y):
+  q, d = _encoders(x)
+  logits = tf.matmul(q, d, transpose_b=True) / 0.1
+  labels = tf.range(tf.shape(q)[0])
+  return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)), [q, d]
+
+
+def clip(x, y):
+  q, d = _encoders(x)
+  scale = tf.compat.v1.get_variable('log_scale', [], initializer=tf.compat.v1.zeros_initializer())
+  logits = tf.exp(scale) * tf.matmul(q, tf.transpose(d))
+  labels = tf.range(tf.shape(q)[0])
+  rows = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+  columns = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, tf.transpose(logits))
+  return (tf.reduce_mean(rows) + tf.reduce_mean(columns)) / 2, [q, d]
+
+
+def simclr(x, y):
+  """NT-Xent on two views stacked on the batch axis, as google-research/simclr."""
+  views = tf.concat(tf.split(x, 2, -1), 0)
+  hidden = tf.math.l2_normalize(_dense(tf.nn.relu(_dense(views, 5, 'encoder')), 4, 'head'), -1)
+  h1, h2 = tf.split(hidden, 2, 0)
+  batch = tf.shape(h1)[0]
+  labels = tf.one_hot(tf.range(batch), batch * 2)
+  masks = tf.one_hot(tf.range(batch), batch)
+  aa = tf.matmul(h1, h1, transpose_b=True) / 0.5 - masks * 1e9
+  bb = tf.matmul(h2, h2, transpose_b=True) / 0.5 - masks * 1e9
+  ab = tf.matmul(h1, h2, transpose_b=True) / 0.5
+  ba = tf.matmul(h2, h1, transpose_b=True) / 0.5
+  loss_a = tf.compat.v1.losses.softmax_cross_entropy(labels, tf.concat([ab, aa], 1))
+  loss_b = tf.compat.v1.losses.softmax_cross_entropy(labels, tf.concat([ba, bb], 1))
+  return loss_a + loss_b, [h1, h2]
+
+
+def _xent(x, y):
+  logits = _dense(x, 3, 'logits')
+  return logits, tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
+
+
+def top_k(x, y):
+  _, xent = _xent(x, y)
+  return tf.reduce_mean(xent) + tf.reduce_mean(tf.math.top_k(xent, 3).values), [xent]
+
+
+def opaque(x, y):
+  embeddings = _dense(x, 4, 'embeddings')
+
+  @tf.function
+  def batch_loss(e):
+    return tf.reduce_mean(tf.reduce_logsumexp(tf.matmul(e, e, transpose_b=True), 1))
+
+  return batch_loss(embeddings), [embeddings]
+
+
+def mixup(x, y):
+  mixed = 0.7 * x + 0.3 * tf.reverse(x, [0])
+  onehot = tf.one_hot(y, 3)
+  labels = 0.7 * onehot + 0.3 * tf.reverse(onehot, [0])
+  logits = _dense(mixed, 3, 'logits')
+  return tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels, logits)), [x]
+
+
+def attention(x, y):
+  h = _dense(x, 4, 'hidden')
+  mixed = h + tf.matmul(tf.nn.softmax(tf.matmul(h, h, transpose_b=True)), h)
+  logits = _dense(mixed, 3, 'logits')
+  return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)), [h]
+
+
+def per_example(x, y):
+  _, xent = _xent(x, y)
+  return tf.reduce_mean(xent), []
+
+
+PATTERNS = {  # name: (model, type of the first mixing op)
+    'in_batch_softmax': (in_batch_softmax, 'MatMul'),
+    'clip': (clip, 'MatMul'),
+    'simclr': (simclr, 'MatMul'),
+    'top_k': (top_k, 'TopKV2'),
+    'opaque': (opaque, 'StatefulPartitionedCall'),
+    'mixup': (mixup, 'ReverseV2'),
+    'attention': (attention, 'MatMul'),
+}
+
+
+def _classify(model, static=False, labels=True):
+  graph = tf.Graph()
+  with graph.as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [4 if static else None, F], name='x')
+    y = tf.compat.v1.placeholder(tf.int32, [4 if static else None], name='y') if labels else None
+    loss, frontier = model(x, y if labels else tf.zeros_like(x[:, 0], tf.int32))
+    return rd.classify([loss], [x] + ([y] if labels else [])), loss, frontier
+
+
+@pytest.mark.parametrize('static', [False, True])
+@pytest.mark.parametrize('name', sorted(PATTERNS))
+def test_each_pattern_is_mixing_at_its_op(name, static):
+  model, op_type = PATTERNS[name]
+  found, loss, frontier = _classify(model, static)
+  assert found.mixing, name
+  assert found.mixing[0].op.type in (op_type, 'PartitionedCall'), found.mixing[0].describe()
+  assert found.kind(loss).tag == rd.MIXED
+  assert {t.name for t in frontier} <= {t.name for t in found.frontier}, (
+      [t.name for t in frontier], [t.name for t in found.frontier])
+
+
+def test_simclr_encoder_on_stacked_views_stays_per_example():
+  found, _, _ = _classify(simclr)
+  graph = tf.compat.v1.get_default_graph()
+  kinds = {name: k for name, k in found.kinds.items()}
+  encoder = [k for name, k in kinds.items() if name.startswith('encoder/') and 'Relu' not in name]
+  assert encoder and all(k == rd.Kind(rd.ROWS, 2) for k in encoder), encoder
+  assert all(m.op.type == 'MatMul' for m in found.mixing), [m.describe() for m in found.mixing]
+  assert len(found.mixing) == 4   # the four similarity matrices, nothing before them
+  assert sorted(t.name for t in found.frontier) == ['split_1:0', 'split_1:1']
+  del graph
+
+
+def test_batch_size_values():
+  found, _, _ = _classify(simclr)
+  by_name = found.kinds
+  assert by_name['Shape:0'].tag == rd.SHAPE
+  assert by_name['strided_slice:0'].tag == rd.SIZE
+  assert by_name['range:0'].tag == rd.SIZE
+  assert by_name['one_hot:0'].tag == rd.SIZE
+
+
+def test_per_example_control_has_no_mixing_and_a_statistic_loss():
+  found, loss, _ = _classify(per_example)
+  assert not found.mixing and not found.frontier
+  assert found.kind(loss).tag == rd.STAT
+
+
+def test_features_only_input():
+  found, loss, _ = _classify(attention, labels=False)
+  assert found.mixing and found.mixing[0].op.type == 'MatMul'
+  found, loss, _ = _classify(per_example, labels=False)
+  assert not found.mixing
+
+
+def test_a_statistic_of_the_batch_in_the_rows_is_mixing():
+  def normalised(x, y):
+    _, xent = _xent(x, y)
+    return tf.reduce_sum(xent / tf.reduce_sum(xent)), []
+  found, _, _ = _classify(normalised)
+  assert [m.op.type for m in found.mixing] == ['RealDiv']
+  assert 'statistic of the batch' in found.mixing[0].why
+
+
+def test_a_gram_matrix_over_the_batch_is_a_statistic():
+  """Barlow Twins' x^T y sums over the examples: a statistic, not a mixing op."""
+  def gram(x, y):
+    h = _dense(x, 4, 'h')
+    return tf.reduce_sum(tf.square(tf.matmul(h, h, transpose_a=True))), []
+  found, loss, _ = _classify(gram)
+  assert not found.mixing
+  assert found.kind(loss).tag == rd.STAT
+
+
+def test_unknown_ops_fed_by_the_batch_are_mixing():
+  def py(x, y):
+    doubled = tf.compat.v1.py_func(lambda v: v * 2, [x], tf.float32)
+    return tf.reduce_mean(doubled), []
+  found, _, _ = _classify(py)
+  assert found.mixing[0].op.type == 'PyFunc'
+  assert 'Python function' in found.mixing[0].why
+
+
+# --- The models of the other tests: every op per-example --------------------
+
+def _model_graph_mixing(model_fn, mode, features, labels, params=None):
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.compat.v1.train.create_global_step()
+    feature_tensors = tf.nest.map_structure(
+        lambda a: tf.compat.v1.placeholder(tf.as_dtype(a.dtype), [None] + list(a.shape[1:])),
+        features)
+    label_tensors = None if labels is None else tf.compat.v1.placeholder(
+        tf.as_dtype(labels.dtype), [None] + list(labels.shape[1:]))
+    spec = model_fn(feature_tensors, label_tensors, mode, params)
+    inputs = tf.nest.flatten((feature_tensors, label_tensors))
+    found = rd.classify([spec.loss], inputs)
+    return [m.describe() for m in found.mixing]
+
+
+@pytest.mark.parametrize('mode', [ModeKeys.TRAIN, ModeKeys.EVAL])
+@pytest.mark.parametrize('name', sorted(testlib.MODELS))
+def test_reference_models_have_no_mixing_op(name, mode):
+  x, y = testlib.data(7)
+  assert _model_graph_mixing(testlib.MODELS[name], mode, x, y) == []
+
+
+def test_loss_algebra_models_have_no_mixing_op():
+  import test_loss_algebra as tla  # pylint: disable=g-import-not-at-top
+  features, targets = tla._data()  # pylint: disable=protected-access
+  for name in sorted(tla.LOSSES):
+    if name in ('undeclared', 'declared'):
+      continue   # a count by a dot product, recognised only when declared in towers
+    model_fn = lambda f, l, m, p, name=name: tla._plain_model_fn(name)(f, l, m)  # pylint: disable=protected-access
+    assert _model_graph_mixing(model_fn, ModeKeys.TRAIN, features, targets) == [], name
