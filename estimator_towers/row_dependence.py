@@ -26,6 +26,9 @@ target (the loss), and gives each tensor in between one *kind*:
   `tf.range` of it, a one-hot of width 2B, an identity matrix of it);
   `shape` is the shape vector whose first element is the batch size, which
   makes rows of constants (`tf.zeros([n, d])`, random noise of `tf.shape(x)`).
+- **distinct values**: `tf.unique` of the batch's ids (what
+  `embedding_lookup_sparse` looks up once per id); rows again only where a
+  sparse segment reduction sums them back per example.
 - **mixed**: a row depends on other examples of the batch. The first op that
   makes a mixed tensor out of none is a *mixing op*: a matrix product of two
   batch operands, a transpose, top-k, reverse, gather or slice across the
@@ -41,6 +44,13 @@ a statistic, whatever computes it.
 
 `classify` returns the kinds, the mixing ops (each with why), and the
 frontier: the last per-example tensors (rows or flat) that mixing ops read.
+
+Never silently wrong: `check` reads tower 0's loss when the towers' loss
+rule is chosen (`loss_algebra.analyse`, in TRAIN and EVAL). A mixing op that
+the library does not compute on the whole batch gets one warning at graph
+construction naming the op and why (an error with `loss_reduction='exact'`),
+and with micro-batches it is an error; a model whose rows are all
+per-example gets nothing.
 """
 
 from __future__ import annotations
@@ -51,8 +61,11 @@ from typing import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-ROWS, FLAT, COLS, STAT, SIZE, SHAPE, MIXED = (
-    'rows', 'flat', 'columns', 'statistic', 'batch size', 'shape', 'mixed')
+from estimator_towers import logs
+from estimator_towers import spelling
+
+ROWS, FLAT, COLS, STAT, SIZE, SHAPE, UNIQUE, MIXED = (
+    'rows', 'flat', 'columns', 'statistic', 'batch size', 'shape', 'distinct values', 'mixed')
 _SEARCH_LIMIT = 200000
 
 
@@ -69,7 +82,7 @@ class Kind:
 
 
 _ROWS, _FLAT, _COLS = Kind(ROWS), Kind(FLAT), Kind(COLS)
-_SIZE, _SHAPE, _MIXED = Kind(SIZE), Kind(SHAPE), Kind(MIXED)
+_SIZE, _SHAPE, _UNIQUE, _MIXED = Kind(SIZE), Kind(SHAPE), Kind(UNIQUE), Kind(MIXED)
 _STAT, _NORM = Kind(STAT), Kind(STAT, norm=True)
 
 # Ops applied elementwise (with broadcasting) or within each row.
@@ -96,7 +109,11 @@ _LAYERS = frozenset((
     'Conv2D', 'Conv3D', 'Conv1D', 'DepthwiseConv2dNative', 'MaxPool', 'MaxPoolV2', 'AvgPool',
     'MaxPool3D', 'AvgPool3D', 'LRN', 'Conv2DBackpropInput', 'ResizeBilinear',
     'ResizeNearestNeighbor', 'ResizeBicubic', 'SpaceToDepth', 'DepthToSpace',
-    'ExtractImagePatches', 'Dilation2D'))
+    'ExtractImagePatches', 'Dilation2D', 'NearestNeighbors'))
+# Sparse segment reductions: (data, indices, segment_ids[, num_segments]).
+_SEGMENTS = frozenset(('SparseSegmentSum', 'SparseSegmentMean', 'SparseSegmentSqrtN',
+                       'SparseSegmentSumWithNumSegments', 'SparseSegmentMeanWithNumSegments',
+                       'SparseSegmentSqrtNWithNumSegments'))
 _FUSED_BATCH_NORMS = frozenset(('FusedBatchNorm', 'FusedBatchNormV2', 'FusedBatchNormV3'))
 _REDUCTIONS = frozenset(('Sum', 'Mean', 'Max', 'Min', 'Prod', 'All', 'Any', 'EuclideanNorm'))
 # The size of the shard's rows (a shape op reads the rows' shape, not their values).
@@ -170,11 +187,35 @@ def classify(targets: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],
   order = {op.name: i for i, op in enumerate(graph.get_operations())}
   ops.sort(key=lambda op: order.get(op.name, -1))
   reader = _Reader(_static_examples(inputs), declared)
-  for t in inputs:
-    reader.kinds[t.name] = _ROWS
+  reader.kinds.update(_input_kinds(inputs))
   for op in ops:
     reader.visit(op)
+  for t in targets:
+    if reader.kind(t) is not None and reader.kind(t).tag == UNIQUE:
+      reader.mixing.append(Mixing(t.op, 'a value of the batch\'s distinct ids, which no '
+                                        'sum over shards gives'))
   return RowDependence(reader.kinds, reader.mixing, reader.frontier)
+
+
+def _input_kinds(inputs: Sequence[tf.Tensor]) -> dict:
+  """Rows; a SparseTensor's (indices, values, dense_shape), as flattened: flat, flat, shape."""
+  kinds, i = {}, 0
+  while i < len(inputs):
+    window = inputs[i:i + 3]
+    if len(window) == 3 and _sparse(*window):
+      kinds.update({window[0].name: _FLAT, window[1].name: _FLAT, window[2].name: _SHAPE})
+      i += 3
+      continue
+    kinds[inputs[i].name] = _ROWS
+    i += 1
+  return kinds
+
+
+def _sparse(indices: tf.Tensor, values: tf.Tensor, shape: tf.Tensor) -> bool:
+  rank = indices.shape[1] if indices.shape.rank == 2 else None
+  return (indices.dtype == tf.int64 and indices.shape.rank == 2 and values.shape.rank == 1
+          and indices.op is values.op and shape.dtype == tf.int64 and shape.shape.rank == 1
+          and (rank is None or shape.shape[0] is None or shape.shape[0] == rank))
 
 
 def _static_examples(inputs: Sequence[tf.Tensor]) -> int | None:
@@ -262,6 +303,10 @@ class _Reader:
 
   def _rule(self, op: tf.Operation, kinds: list):
     t = op.type
+    present = [k for k in kinds if k is not None]
+    if present and all(k.tag == UNIQUE for k in present) and t not in _SEGMENTS and (
+        t not in ('GatherV2', 'Gather', 'ResourceGather') or kinds[0] is not None):
+      return _UNIQUE   # values per distinct id, whatever computes them
     if t in _SHAPES:
       return [self._shape_of(k) for k in kinds[:len(op.outputs)]]
     if t == 'Size':
@@ -284,6 +329,38 @@ class _Reader:
       return kinds[0] if kinds[0].tag in (ROWS, FLAT) else self._not_rows(op, kinds[0])
     if t in _REDUCTIONS:
       return self._reduction(op, kinds[0], kinds[1])
+    if t in _SEGMENTS:
+      return self._segments(op, kinds)
+    if t == 'SparseReshape':
+      if [k and k.tag for k in kinds] == [FLAT, SHAPE, SHAPE]:
+        return [_FLAT, _SHAPE]
+      return 'a sparse reshape of the batch axis'
+    if t == 'SparseFillEmptyRows':
+      if [k and k.tag for k in kinds[:3]] == [FLAT, FLAT, SHAPE] and kinds[3] is None:
+        return [_FLAT, _FLAT, _ROWS, _FLAT]
+      return 'a sparse op on values that are not the batch\'s entries'
+    if t == 'SparseToDense':
+      if [k and k.tag for k in kinds[:3]] in ([FLAT, SHAPE, FLAT], [FLAT, SHAPE, None]) and (
+          kinds[3] is None):
+        return _ROWS
+      return 'a sparse op on values that are not the batch\'s entries'
+    if t == 'SparseTensorDenseMatMul':
+      if [k and k.tag for k in kinds] == [FLAT, FLAT, SHAPE, None] and not op.get_attr(
+          'adjoint_a'):
+        return _ROWS
+      return 'a sparse matrix product across the batch axis'
+    if t == 'DynamicPartition':   # embedding_lookup of a partitioned table, by id
+      if kinds[0] is not None and kinds[0].tag == UNIQUE and kinds[1] is not None and (
+          kinds[1].tag == UNIQUE):
+        return _UNIQUE
+      return 'a partition of the batch\'s rows by value'
+    if t == 'DynamicStitch' or t == 'ParallelDynamicStitch':
+      if all(k is None or k.tag == UNIQUE for k in kinds):
+        return _UNIQUE
+      return 'a stitch of the batch\'s rows by index'
+    if t in ('Unique', 'UniqueV2'):
+      return [_UNIQUE, _FLAT] if kinds[0].tag == FLAT or kinds[0].tag == ROWS and (
+          op.inputs[0].shape.rank == 1) else 'the distinct values of the batch\'s rows'
     if t in ('ArgMax', 'ArgMin'):
       return self._reduction(op, kinds[0], kinds[1])
     if t == 'L2Loss':
@@ -358,13 +435,15 @@ class _Reader:
   def _size_of(self, kind):
     if kind is None:
       return None
-    return _SIZE if kind.tag in (ROWS, FLAT, SIZE, SHAPE) else kind
+    return _SIZE if kind.tag in (ROWS, FLAT, SIZE, SHAPE) else kind   # a set's size: the set's
 
   def _elementwise(self, op, kinds):
     present = [k for k in kinds if k is not None]
     tags = {k.tag for k in present}
     if COLS in tags:
       return _COLS if tags == {COLS} else 'values with the batch on axis 1 combined with rows'
+    if UNIQUE in tags:
+      return _UNIQUE if tags == {UNIQUE} else 'the batch\'s distinct values combined with rows'
     if tags <= {ROWS}:
       blocks = {k.blocks for k in present}
       if len(blocks) > 1:
@@ -374,8 +453,10 @@ class _Reader:
       return _FLAT
     if tags <= {STAT}:
       return _NORM if all(k.norm for k in present) else _STAT
+    if tags == {SHAPE}:
+      return _SHAPE   # still the batch size first
     if tags <= {SIZE, SHAPE}:
-      return _SIZE if op.type != 'Identity' else present[0]
+      return _SIZE
     if tags <= {STAT, SIZE, SHAPE}:
       return _STAT
     rows = [k for k in present if k.tag in (ROWS, FLAT)]
@@ -406,6 +487,9 @@ class _Reader:
 
   def _axes(self, op, axes_tensor, rank):
     value = _value(axes_tensor)
+    if value is None and axes_tensor.op.type == 'Range' and (
+        axes_tensor.op.inputs[1].op.type == 'Rank' and _value(axes_tensor.op.inputs[0]) == 0):
+      return list(range(64))   # range(rank(x)): every axis
     if value is None:
       return None
     axes = [int(a) for a in np.reshape(value, [-1])]
@@ -543,7 +627,8 @@ class _Reader:
   def _tile(self, op, kinds):
     x, multiples = kinds
     value = _value(op.inputs[1])
-    if multiples is None and x is not None and x.tag == ROWS and value is not None and value[0] == 1:
+    if multiples is None and x is not None and x.tag in (ROWS, FLAT) and value is not None and (
+        value[0] == 1):
       return x
     if multiples is not None and multiples.tag == SHAPE and (x is None) and (
         op.inputs[0].shape.rank and op.inputs[0].shape[0] == 1):
@@ -584,7 +669,7 @@ class _Reader:
     dims = list(op.get_attr('squeeze_dims'))
     rank = op.inputs[0].shape.rank
     dims = [d + rank if d < 0 and rank is not None else d for d in dims]
-    if (dims and 0 not in dims and all(d >= 0 for d in dims)) or (
+    if (dims and 0 not in dims and (rank is None or all(d >= 0 for d in dims))) or (
         not dims and op.inputs[0].shape.rank and op.inputs[0].shape[0] != 1):
       return x if x.tag != SHAPE else _SIZE
     return 'a squeeze of the batch axis'
@@ -624,6 +709,8 @@ class _Reader:
       return _SHAPE
     if tags <= {STAT, SIZE}:
       return _STAT if STAT in tags else _SIZE
+    if tags == {ROWS} and len(present) == len(kinds) and len({k.blocks for k in present}) == 1:
+      return _COLS   # [n] values stacked: the batch on axis 1
     return 'a stack of rows on a new axis before the batch axis'
 
   def _unpack(self, op, kind):
@@ -713,6 +800,14 @@ class _Reader:
       return x
     return 'padding of the batch axis'
 
+  def _segments(self, op, kinds):
+    data, indices, segment_ids = kinds[:3]
+    if (data is None or data.tag in (UNIQUE, FLAT)) and indices is not None and (
+        indices.tag == FLAT) and segment_ids is not None and segment_ids.tag == FLAT and all(
+            k is None or k.tag in (SIZE, SHAPE) for k in kinds[3:]):
+      return _ROWS   # one sum per example of its entries
+    return 'a segment reduction across the batch\'s rows'
+
   def _gather(self, op, kinds):
     params, indices = kinds[0], kinds[1]
     axis = 0
@@ -729,7 +824,7 @@ class _Reader:
     if op.type == 'ResourceGather':
       params = None if params is None or params.tag != MIXED else params
     if params is None:   # a table looked up by ids: the ids' rows
-      if indices.tag in (ROWS, FLAT):
+      if indices.tag in (ROWS, FLAT, UNIQUE):
         return indices
       return indices if indices.tag in (STAT,) else 'a gather of the batch size\'s values'
     if params.tag in (STAT, SIZE, SHAPE) and indices is None:
@@ -791,6 +886,8 @@ class _Reader:
 
   def _batch_size_value(self, op, kinds):
     present = [k for k in kinds if k is not None]
+    if all(k.tag == UNIQUE for k in present):
+      return _UNIQUE   # positions in the batch's distinct values
     if all(k.tag in (SIZE, SHAPE) for k in present):
       return _SIZE
     if all(k.tag in (SIZE, SHAPE, STAT) for k in present):
@@ -816,3 +913,57 @@ def _product(dims) -> int | None:
       return None
     total *= int(d)
   return total
+
+
+def check(targets: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor], loss_reduction: str,
+          micro_batches: bool, declared: Callable[[tf.Tensor], bool] = lambda t: False
+          ) -> RowDependence:
+  """`classify`, and the warning or error for a mixing op (see the module doc).
+
+  Args:
+    targets: tower 0's loss (or the tensors a gradient request is of).
+    inputs: tower 0's shard tensors, flattened.
+    loss_reduction: the plan's ('exact' makes the warning an error).
+    micro_batches: whether shards are micro-batches (a mixing op is an error).
+    declared: whether a tensor is declared a statistic (`loss_denominator`).
+
+  Raises:
+    ValueError: for a mixing op with micro-batches or loss_reduction='exact'.
+  """
+  found = classify(targets, inputs, declared)
+  if found.mixing:
+    _report([t for t in targets if isinstance(t, tf.Tensor)], found, loss_reduction,
+            micro_batches)
+  return found
+
+
+def _report(targets: list, found: RowDependence, loss_reduction: str,
+            micro_batches: bool) -> None:
+  first = found.mixing[0]
+  what = (f'the loss {targets[0].name}' if len(targets) == 1
+          else 'the tensors ' + ', '.join(t.name for t in targets))
+  more = len(found.mixing) - 1
+  others = (f' (and {more} more such op{"s" if more > 1 else ""}, first '
+            f'{", ".join(repr(m.op.name) for m in found.mixing[1:4])}'
+            f'{", ..." if more > 3 else ""})' if more else '')
+  may = 'may make' if first.op.type in _FUNCTIONS or 'does not know' in first.why else 'makes'
+  mixes = (f'{what} depends on {first.describe()}{others}, which {may} a row depend on '
+           f'other examples of the batch')
+  if micro_batches:
+    raise ValueError(
+        f'{spelling.name("micro_batches")} > 1 cannot train this model_fn: {mixes}, and '
+        f'micro-batches, which run one after another, never hold the whole batch\'s '
+        f'rows at once, so that op would see a micro-batch\'s rows only. Use '
+        f'{spelling.setting("micro_batches", 1)} (see docs/cross_example.md).')
+  message = (
+      f'estimator_towers: {mixes}. On towers each shard computes it on its own rows '
+      f'only, so the step differs from the single-device model_fn\'s on the whole '
+      f'batch (an in-batch softmax sees fewer negatives, a batch top-k picks other '
+      f'examples). The library does not compute this op on the whole batch (see '
+      f'docs/cross_example.md for what it recognises); train this model_fn on one '
+      f'device for the single-device step.')
+  if loss_reduction == 'exact':
+    raise ValueError(message + " loss_reduction='exact' makes this an error; use "
+                     "loss_reduction='auto' to train with each shard's rows.")
+  logs.warning_once(message + " Pass loss_reduction='exact' to make this an error.",
+                    key=f'row_dependence:{first.op.name}')

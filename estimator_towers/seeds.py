@@ -90,7 +90,8 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
   find = counterparts.in_losses([y[0] for y in ys]) if loss is not None else None
   analysis = loss_algebra.analyse(loss, inputs, variables, loss_reduction,
                                   lambda: fallback_reduction(graph, loss),
-                                  static_count=static_counts(graph, find, sizes))
+                                  static_count=static_counts(graph, find, sizes),
+                                  targets=ys[0], micro_batches=ungated is not None)
   found = None
   if analysis.rule == 'rebuild':
     if ungated is None:

@@ -735,7 +735,7 @@ def _reported_loss(built: Sequence, losses: Sequence, shards: _Shards,
   with tf.name_scope('tower_loss'):
     analysis = loss_algebra.analyse(
         built[0], _flat_shard(shards, shards.active[0]), (), plan.loss_reduction,
-        lambda: seeds_lib.fallback_reduction(graph, built[0]),
+        lambda: seeds_lib.fallback_reduction(graph, built[0]), micro_batches=plan.micro_batches > 1,
         static_count=seeds_lib.static_counts(
             graph, find, [shards.sizes[k] for k in shards.active]))
     if analysis.rule == 'rebuild':

@@ -1,0 +1,110 @@
+"""Issue 33: models whose rows depend on other examples of the batch.
+
+Never silently wrong: an op that mixes the batch's rows (an in-batch softmax's
+matrix product, a batch top-k, an opaque function, mixup's reverse, attention
+over the batch) gets one warning at graph construction that names it and says
+why, not the loss algebra's; `loss_reduction='exact'` makes it an error, and
+micro-batches refuse it. A per-example model gets no warning.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import testlib
+import test_row_dependence as patterns
+import estimator_towers as et
+from estimator_towers import logs
+
+ModeKeys = tf.estimator.ModeKeys
+BATCH = 10
+
+
+def _model_fn(pattern, features, labels, mode):
+  loss, _ = pattern(features['x'], labels)
+  if mode == ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss)
+  optimizer = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
+
+
+def _build(name, mode=ModeKeys.TRAIN, num_devices=3, **plan):
+  """The towered graph of pattern `name` (built, not run)."""
+  model_fn = functools.partial(_model_fn, patterns.PATTERNS[name][0] if name in patterns.PATTERNS
+                               else getattr(patterns, name))
+  towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices), **plan)
+  x = np.random.RandomState(0).randn(BATCH, patterns.F).astype(np.float32)
+  y = np.arange(BATCH, dtype=np.int32) % 3
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    return towered({'x': tf.constant(x)}, tf.constant(y), mode, None, None)
+
+
+@pytest.fixture
+def warnings(monkeypatch):
+  """The warnings logged while the test runs (each test sees its own)."""
+  monkeypatch.setattr(logs, '_warned', set())
+  found = []
+  monkeypatch.setattr(logs.logging, 'warning', lambda fmt, *a: found.append(fmt % a))
+  return found
+
+
+def _ours(found):
+  return [w for w in found if 'other examples of the batch' in w or 'loss algebra' in w]
+
+
+@pytest.mark.parametrize('name,op', [
+    ('in_batch_softmax', "MatMul op 'MatMul'"),
+    ('top_k', "TopKV2 op 'TopKV2'"),
+    ('mixup', "ReverseV2 op 'ReverseV2'"),
+    ('attention', "MatMul op 'MatMul'"),
+    ('opaque', "PartitionedCall op 'PartitionedCall' (a function call the library cannot see "
+               "inside, fed by the batch's rows), which may make a row depend on other "
+               "examples of the batch"),
+])
+def test_a_mixing_op_warns_once_naming_it(name, op, warnings):
+  _build(name)
+  found = _ours(warnings)
+  assert len(found) == 1, found
+  assert op in found[0], found[0]
+  assert 'a row depend on other examples of the batch' in found[0]
+  assert 'loss algebra' not in found[0] and 'arithmetic on statistics' not in found[0]
+  assert "Pass loss_reduction='exact' to make this an error" in found[0]
+
+
+def test_the_warning_says_why_and_counts_the_other_ops(warnings):
+  _build('simclr')
+  found = _ours(warnings)
+  assert len(found) == 1, found
+  assert ("a matrix product of two operands that depend on the batch) (and 3 more such ops"
+          in found[0]), found[0]
+
+
+def test_eval_warns_too(warnings):
+  _build('in_batch_softmax', mode=ModeKeys.EVAL)
+  found = _ours(warnings)
+  assert len(found) == 1 and "MatMul op 'MatMul'" in found[0], found
+
+
+def test_loss_reduction_exact_makes_it_an_error():
+  with pytest.raises(ValueError, match=r"depends on TopKV2 op 'TopKV2' \(a top-k across the "
+                                       r"batch axis\).*loss_reduction='exact' makes this an error"):
+    _build('top_k', loss_reduction='exact')
+
+
+@pytest.mark.parametrize('mode', [ModeKeys.TRAIN, ModeKeys.EVAL])
+def test_micro_batches_with_a_mixing_op_is_an_error(mode):
+  with pytest.raises(ValueError, match=r"micro_batches > 1 cannot train this model_fn: the "
+                                       r"loss .* depends on ReverseV2 op 'ReverseV2'.*Use "
+                                       r"micro_batches=1"):
+    _build('mixup', mode=mode, num_devices=1, micro_batches=3)
+
+
+@pytest.mark.parametrize('mode', [ModeKeys.TRAIN, ModeKeys.EVAL])
+def test_per_example_model_does_not_warn(mode, warnings):
+  _build('per_example', mode=mode)
+  _build('per_example', mode=mode, num_devices=1, micro_batches=3)
+  assert not _ours(warnings)
