@@ -122,6 +122,9 @@ def _is_declared(tensor: tf.Tensor) -> bool:
     return tensor.name in _declared.get(tensor.graph, ())
 
 
+is_declared = _is_declared   # for row_dependence's readers
+
+
 class Dependence:
   """Which tensors depend on the shard's inputs or read given variables."""
 

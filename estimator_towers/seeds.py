@@ -41,6 +41,8 @@ from estimator_towers import counterparts
 from estimator_towers import interception
 from estimator_towers import logs
 from estimator_towers import loss_algebra
+from estimator_towers import row_dependence
+from estimator_towers import whole_batch_head
 from estimator_towers.loss_algebra import Expression
 
 # Reductions recorded by tf.compat.v1.losses (Reduction.SUM) and Keras
@@ -88,6 +90,10 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
   """
   loss = ys[0][0] if len(ys[0]) == 1 else None
   find = counterparts.in_losses([y[0] for y in ys]) if loss is not None else None
+  head = _whole_batch_head(loss, inputs, grad_ys, find, nonempty, sizes, batch,
+                           ungated is None and across is None)
+  if head is not None:
+    return head
   analysis = loss_algebra.analyse(loss, inputs, variables, loss_reduction,
                                   lambda: fallback_reduction(graph, loss),
                                   static_count=static_counts(graph, find, sizes),
@@ -103,6 +109,28 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
     return found
   rule = analysis.rule if analysis.rule != 'rebuild' else 'mean'
   return weighted(ys, grad_ys, tower_weights(rule, sizes, batch, range(len(sizes))))
+
+
+def _whole_batch_head(loss: Any, inputs: Sequence[tf.Tensor], grad_ys: Sequence[list],
+                      find: Callable | None, nonempty: Sequence, sizes: Sequence, batch: Any,
+                      towers_only: bool) -> Seeds | None:
+  """A loss that mixes the batch's rows, its head on the whole batch (`whole_batch_head`).
+
+  Each shard's backward pass starts from its frontier tensors' rows of the
+  head's gradient; the head's own variables get theirs from the head's
+  backward pass stopped at the frontier (`stops`). None where there is no
+  mixing op or the head cannot be built (then `row_dependence` warns).
+  """
+  if loss is None or not towers_only or not isinstance(loss, tf.Tensor):
+    return None
+  found = row_dependence.classify([loss], inputs, loss_algebra.is_declared)
+  if not found.mixing:
+    return None
+  built = whole_batch_head.build(found, loss, grad_ys[0][0], find, sizes, nonempty, batch)
+  if built is None:
+    return None
+  whole, shards, stops = built
+  return Seeds(shards, whole, stops)
 
 
 def weighted(ys: Sequence[list], grad_ys: Sequence[list], weights: Sequence) -> Seeds:

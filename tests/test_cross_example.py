@@ -108,3 +108,62 @@ def test_per_example_model_does_not_warn(mode, warnings):
   _build('per_example', mode=mode)
   _build('per_example', mode=mode, num_devices=1, micro_batches=3)
   assert not _ours(warnings)
+
+
+# --- Exact towers: the head on the whole batch --------------------------------
+
+NUM_EXAMPLES = 22   # batches of 10, 10 and 2: shards 4/3/3, then 1/1/0 (one empty)
+
+
+def _data():
+  rng = np.random.RandomState(3)
+  x = rng.randn(NUM_EXAMPLES, patterns.F).astype(np.float32)
+  return x, (np.arange(NUM_EXAMPLES) % 3).astype(np.int32)
+
+
+def _input_fn(labels=True):
+  x, y = _data()
+  if not labels:
+    return lambda: tf.data.Dataset.from_tensor_slices({'x': x}).batch(BATCH)
+  return lambda: tf.data.Dataset.from_tensor_slices(({'x': x}, y)).batch(BATCH)
+
+
+def _features_only(pattern, features, labels, mode):
+  assert labels is None
+  return _model_fn(pattern, features, tf.cast(features['x'][:, 0] > 0, tf.int32), mode)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain(name, labels=True):
+  model_fn = functools.partial(_model_fn if labels else _features_only,
+                               patterns.PATTERNS[name][0])
+  est = testlib.make_estimator(model_fn)
+  est.train(_input_fn(labels), steps=1)
+  after_1 = testlib.variables(est)
+  est.train(_input_fn(labels), steps=2)
+  return after_1, testlib.variables(est)
+
+
+def _towered(name, labels=True, num_devices=3):
+  model_fn = functools.partial(_model_fn if labels else _features_only,
+                               patterns.PATTERNS[name][0])
+  est = testlib.make_estimator(
+      et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices)),
+      num_cpus=num_devices)
+  est.train(_input_fn(labels), steps=1)
+  after_1 = testlib.variables(est)
+  est.train(_input_fn(labels), steps=2)
+  return after_1, testlib.variables(est)
+
+
+EXACT = ('in_batch_softmax', 'clip', 'simclr', 'top_k', 'opaque', 'mixup', 'attention')
+
+
+@pytest.mark.parametrize('name', EXACT)
+def test_towers_equal_plain_on_the_whole_batch(name, warnings):
+  """3 towers: 1 step on shards 4/3/3, then 2 more, the last on 1/1/0 (an empty shard)."""
+  plain_1, plain_3 = _plain(name)
+  towered_1, towered_3 = _towered(name)
+  testlib.assert_variables_close(towered_1, plain_1)
+  testlib.assert_variables_close(towered_3, plain_3)
+  assert not _ours(warnings), _ours(warnings)   # exact: nothing to warn of
