@@ -54,6 +54,9 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
   micro-batch's backward pass they must wait for exists; `ordering` makes a
   read of a variable run before the updates created after it in a model_fn
   that trains without gradients (k-means).
+- The gradient of a `tf.function` call in a graph, kept on the Python op
+  (`Operation._gradient_function`): `whole_batch_head`'s copy of an opaque
+  function of the batch is differentiated as the original.
 """
 
 from __future__ import annotations
@@ -315,3 +318,15 @@ def replace_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
   tensor in each later tower's slot until that tower builds its own.
   """
   op._update_input(index, tensor)  # pylint: disable=protected-access
+
+
+def copy_gradient_function(source: tf.Operation, target: tf.Operation) -> None:
+  """`target` (a copy of `source`) is differentiated as `source` is.
+
+  A `tf.function` called in a graph is a call op whose gradient lives on the
+  Python op (`Operation._gradient_function`), not in the registry: the
+  whole-batch head's copy of the call needs it too.
+  """
+  function = getattr(source, '_gradient_function', None)
+  if function is not None:
+    target._gradient_function = function  # pylint: disable=protected-access

@@ -396,8 +396,8 @@ class _Parser:
 def analyse(loss: Any, inputs: Sequence[tf.Tensor], variables: Sequence[Any],
             loss_reduction: str, fallback: Callable[[], str],
             static_count: Callable[[tf.Tensor], bool] | None = None,
-            targets: Sequence[tf.Tensor] | None = None, micro_batches: bool = False
-            ) -> Analysis:
+            targets: Sequence[tf.Tensor] | None = None, micro_batches: bool = False,
+            note: str | None = None) -> Analysis:
   """The rule for the whole-batch loss of tower 0's `loss` (see the module doc).
 
   Args:
@@ -412,6 +412,7 @@ def analyse(loss: Any, inputs: Sequence[tf.Tensor], variables: Sequence[Any],
     targets: what the request differentiates, if not `loss` alone (read for
       ops that mix the batch's rows: `row_dependence`).
     micro_batches: whether the shards are micro-batches.
+    note: why the whole batch's head of a mixing loss could not be built.
 
   An op that mixes the batch's rows is `row_dependence`'s to report (one
   warning, or an error); the algebra then says nothing more of the loss.
@@ -421,7 +422,7 @@ def analyse(loss: Any, inputs: Sequence[tf.Tensor], variables: Sequence[Any],
       or that mixes the batch's rows; with micro-batches, for one that mixes.
   """
   rows = row_dependence.check(targets if targets is not None else [loss], inputs,
-                              loss_reduction, micro_batches, _is_declared)
+                              loss_reduction, micro_batches, _is_declared, note)
   auto = loss_reduction in ('auto', 'exact')
   if not isinstance(loss, tf.Tensor) or not _one_element(loss):
     return Analysis(loss_reduction if not auto else fallback(), exact=not auto)

@@ -856,14 +856,12 @@ class _Reader:
 
   def _last_axis(self, op, kinds, why):
     x = kinds[0]
+    rank = op.inputs[0].shape.rank
+    if x.tag not in (STAT, SIZE) and not (x.tag == ROWS and rank is not None and rank >= 2):
+      return why
     if any(k is not None for k in kinds[1:]):
       return 'an op whose size depends on the batch'
-    if x.tag in (STAT, SIZE):
-      return [x] * len(op.outputs)
-    rank = op.inputs[0].shape.rank
-    if x.tag == ROWS and rank is not None and rank >= 2:
-      return [x] * len(op.outputs)
-    return why
+    return [x] * len(op.outputs)
 
   def _reverse(self, op, kinds):
     x = kinds[0]
@@ -916,8 +914,8 @@ def _product(dims) -> int | None:
 
 
 def check(targets: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor], loss_reduction: str,
-          micro_batches: bool, declared: Callable[[tf.Tensor], bool] = lambda t: False
-          ) -> RowDependence:
+          micro_batches: bool, declared: Callable[[tf.Tensor], bool] = lambda t: False,
+          note: str | None = None) -> RowDependence:
   """`classify`, and the warning or error for a mixing op (see the module doc).
 
   Args:
@@ -926,6 +924,7 @@ def check(targets: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor], loss_reduct
     loss_reduction: the plan's ('exact' makes the warning an error).
     micro_batches: whether shards are micro-batches (a mixing op is an error).
     declared: whether a tensor is declared a statistic (`loss_denominator`).
+    note: why the library does not compute the head on the whole batch here.
 
   Raises:
     ValueError: for a mixing op with micro-batches or loss_reduction='exact'.
@@ -933,12 +932,12 @@ def check(targets: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor], loss_reduct
   found = classify(targets, inputs, declared)
   if found.mixing:
     _report([t for t in targets if isinstance(t, tf.Tensor)], found, loss_reduction,
-            micro_batches)
+            micro_batches, note)
   return found
 
 
 def _report(targets: list, found: RowDependence, loss_reduction: str,
-            micro_batches: bool) -> None:
+            micro_batches: bool, note: str | None = None) -> None:
   first = found.mixing[0]
   what = (f'the loss {targets[0].name}' if len(targets) == 1
           else 'the tensors ' + ', '.join(t.name for t in targets))
@@ -955,13 +954,15 @@ def _report(targets: list, found: RowDependence, loss_reduction: str,
         f'micro-batches, which run one after another, never hold the whole batch\'s '
         f'rows at once, so that op would see a micro-batch\'s rows only. Use '
         f'{spelling.setting("micro_batches", 1)} (see docs/cross_example.md).')
+  where = (f'the whole batch\'s head cannot be built here: {note}' if note else
+           'this is where the library computes each tower\'s loss on its own shard (EVAL '
+           'losses and metrics, a collective across workers)')
   message = (
-      f'estimator_towers: {mixes}. On towers each shard computes it on its own rows '
-      f'only, so the step differs from the single-device model_fn\'s on the whole '
-      f'batch (an in-batch softmax sees fewer negatives, a batch top-k picks other '
-      f'examples). The library does not compute this op on the whole batch (see '
-      f'docs/cross_example.md for what it recognises); train this model_fn on one '
-      f'device for the single-device step.')
+      f'estimator_towers: {mixes}. Towers compute it on each shard\'s rows only, so the '
+      f'result differs from the single-device model_fn\'s on the whole batch (an '
+      f'in-batch softmax sees fewer negatives, a batch top-k picks other examples): '
+      f'{where} (see docs/cross_example.md). Run this model_fn on one device for the '
+      f'single-device result.')
   if loss_reduction == 'exact':
     raise ValueError(message + " loss_reduction='exact' makes this an error; use "
                      "loss_reduction='auto' to train with each shard's rows.")

@@ -90,14 +90,15 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
   """
   loss = ys[0][0] if len(ys[0]) == 1 else None
   find = counterparts.in_losses([y[0] for y in ys]) if loss is not None else None
-  head = _whole_batch_head(loss, inputs, grad_ys, find, nonempty, sizes, batch,
+  head = _whole_batch_head(loss, ys[0], inputs, grad_ys, find, nonempty, sizes, batch,
                            ungated is None and across is None)
-  if head is not None:
+  if isinstance(head, Seeds):
     return head
   analysis = loss_algebra.analyse(loss, inputs, variables, loss_reduction,
                                   lambda: fallback_reduction(graph, loss),
                                   static_count=static_counts(graph, find, sizes),
-                                  targets=ys[0], micro_batches=ungated is not None)
+                                  targets=ys[0], micro_batches=ungated is not None,
+                                  note=head)
   found = None
   if analysis.rule == 'rebuild':
     if ungated is None:
@@ -111,24 +112,27 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
   return weighted(ys, grad_ys, tower_weights(rule, sizes, batch, range(len(sizes))))
 
 
-def _whole_batch_head(loss: Any, inputs: Sequence[tf.Tensor], grad_ys: Sequence[list],
-                      find: Callable | None, nonempty: Sequence, sizes: Sequence, batch: Any,
-                      towers_only: bool) -> Seeds | None:
+def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
+                      grad_ys: Sequence[list], find: Callable | None, nonempty: Sequence,
+                      sizes: Sequence, batch: Any, towers_only: bool) -> Seeds | str | None:
   """A loss that mixes the batch's rows, its head on the whole batch (`whole_batch_head`).
 
   Each shard's backward pass starts from its frontier tensors' rows of the
   head's gradient; the head's own variables get theirs from the head's
-  backward pass stopped at the frontier (`stops`). None where there is no
-  mixing op or the head cannot be built (then `row_dependence` warns).
+  backward pass stopped at the frontier (`stops`). None where no op mixes
+  rows; a sentence saying why the head cannot be built (for
+  `row_dependence`'s warning) where one does.
   """
-  if loss is None or not towers_only or not isinstance(loss, tf.Tensor):
-    return None
-  found = row_dependence.classify([loss], inputs, loss_algebra.is_declared)
+  if not towers_only:
+    return None   # micro-batches refuse it, workers warn (row_dependence)
+  found = row_dependence.classify(ys, inputs, loss_algebra.is_declared)
   if not found.mixing:
     return None
+  if not isinstance(loss, tf.Tensor):
+    return 'the gradient request is of several tensors, and the head takes one loss'
   built = whole_batch_head.build(found, loss, grad_ys[0][0], find, sizes, nonempty, batch)
-  if built is None:
-    return None
+  if isinstance(built, str):
+    return built
   whole, shards, stops = built
   return Seeds(shards, whole, stops)
 

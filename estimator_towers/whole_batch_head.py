@@ -34,8 +34,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import tensorflow as tf
 
+from estimator_towers import interception
 from estimator_towers import row_dependence as rd
 
 _HEAD_KINDS = (rd.MIXED, rd.STAT, rd.SIZE, rd.SHAPE, rd.COLS, rd.UNIQUE)
@@ -43,8 +45,8 @@ _HEAD_KINDS = (rd.MIXED, rd.STAT, rd.SIZE, rd.SHAPE, rd.COLS, rd.UNIQUE)
 
 def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
           sizes: Sequence, nonempty: Sequence, batch: Any
-          ) -> tuple[tf.Tensor, list, list] | None:
-  """The whole batch's head of tower 0's `loss`, or None where it cannot be built.
+          ) -> tuple[tf.Tensor, list, list] | str:
+  """The whole batch's head of tower 0's `loss`, or why it cannot be built.
 
   Args:
     found: `row_dependence.classify` of the loss (with mixing ops).
@@ -58,17 +60,78 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
   Returns:
     (whole-batch loss, per shard (frontier tensors, their initial
     gradients), every shard's frontier tensors: where the head's own
-    backward pass stops).
+    backward pass stops), or a sentence saying why there is none.
   """
   head, frontier, shapes = _head(found, loss)
   if head is None:
-    return None
+    return f'the loss {loss.name} is not computed from the mixing ops alone'
   per_shard = []
   for i in range(len(sizes)):
     mine = [t if i == 0 else find(i, t) for t in frontier]
-    if any(t is None for t in mine):
-      return None
+    missing = [f.name for f, t in zip(frontier, mine) if t is None]
+    if missing:
+      return f'shard {i} built no counterpart of {missing[0]}'
     per_shard.append(mine)
+  static = _static_size(head, found, frontier)
+  if static is not None:
+    return static
+  try:
+    return _build(found, loss, grad_y, head, frontier, shapes, per_shard, sizes, nonempty, batch)
+  except (ValueError, TypeError) as error:
+    return f'building it on the whole batch failed ({error})'
+
+
+def _static_size(head: list, found: rd.RowDependence, frontier: list) -> str | None:
+  """Why not, if a constant the head reads may hold the shard's static size.
+
+  With a static batch size, `tf.shape(x)` of a shard tensor is a constant of
+  the graph (`tf.range(tf.shape(q)[0])` is tower 0's range), which the head
+  on the whole batch cannot tell from a hyper-parameter.
+  """
+  rows = {t.shape[0] for t in frontier if t.shape.rank and t.shape[0] is not None}
+  rows |= {t.shape[0] for op in head for t in op.inputs
+           if t.shape.rank and t.shape[0] is not None and found.kind(t) is not None
+           and found.kind(t).tag in (rd.ROWS, rd.FLAT)}
+  rows.discard(1)
+  if not rows:
+    return None
+  for op in head:
+    for t in op.inputs:
+      if found.kind(t) is not None:
+        continue
+      const = _constant_with(t, rows)
+      if const is not None:
+        return (f'the batch size is static, so shape reads of the shard are constants of '
+                f'the graph, and the head reads {t.name}, made from the constant '
+                f'{const.name} that holds the shard\'s size ({sorted(rows)[0]}); leave the '
+                f'batch dimension unknown (batch without drop_remainder) for the whole '
+                f'batch\'s head')
+  return None
+
+
+_VARIABLE_READS = frozenset(('ReadVariableOp', 'VarHandleOp', 'VariableV2', 'Variable',
+                             'ResourceGather'))
+
+
+def _constant_with(t: tf.Tensor, values: set, limit: int = 200) -> tf.Tensor | None:
+  """A constant `t` is computed from (not through a variable) whose value holds one of `values`."""
+  pending, seen = [t], set()
+  while pending and len(seen) < limit:
+    x = pending.pop()
+    if x.op.name in seen or x.op.type in _VARIABLE_READS:
+      continue
+    seen.add(x.op.name)
+    if x.op.type == 'Const':
+      value = tf.get_static_value(x)
+      if value is not None and np.isin(np.asarray(value), list(values)).any():
+        return x
+      continue
+    pending.extend(x.op.inputs)
+  return None
+
+
+def _build(found, loss, grad_y, head, frontier, shapes, per_shard, sizes, nonempty, batch):
+  """The head's copy on the gathered rows, and the seeds (see `build`)."""
   device = loss.op.device
   with tf.device(device), tf.name_scope('whole_batch_head'):
     mapped = {}
@@ -169,5 +232,7 @@ def _copy(op: tf.Operation, inputs: list) -> tf.Operation:
   """`op` again on `inputs`: its type and attributes (its gradient override too)."""
   attrs = {k: v for k, v in op.node_def.attr.items()
            if not k.startswith('_') or k == '_gradient_op_type'}
-  return op.graph.create_op(op.type, list(inputs), [o.dtype for o in op.outputs],
+  copy = op.graph.create_op(op.type, list(inputs), [o.dtype for o in op.outputs],
                             attrs=attrs, name=op.name.split('/')[-1])
+  interception.copy_gradient_function(op, copy)
+  return copy

@@ -1,10 +1,16 @@
 """Issue 33: models whose rows depend on other examples of the batch.
 
-Never silently wrong: an op that mixes the batch's rows (an in-batch softmax's
-matrix product, a batch top-k, an opaque function, mixup's reverse, attention
-over the batch) gets one warning at graph construction that names it and says
-why, not the loss algebra's; `loss_reduction='exact'` makes it an error, and
-micro-batches refuse it. A per-example model gets no warning.
+Exact towers: a loss that depends on ops mixing the batch's rows (an in-batch
+softmax's matrix product, CLIP's symmetric loss with a trained temperature,
+SimCLR's stacked views, a batch top-k, an opaque function, mixup's reverse,
+attention over the batch) trains on towers as the plain model_fn on the whole
+batch: its head runs on the whole batch's rows (`whole_batch_head`).
+
+Never silently wrong: where the library does not compute such an op on the
+whole batch (EVAL, a gradient request of several tensors), one warning at
+graph construction names it and says why, not the loss algebra's;
+`loss_reduction='exact'` makes it an error, and micro-batches refuse it. A
+per-example model gets no warning.
 """
 
 import functools
@@ -31,8 +37,8 @@ def _model_fn(pattern, features, labels, mode):
       mode, loss=loss, train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
 
 
-def _build(name, mode=ModeKeys.TRAIN, num_devices=3, **plan):
-  """The towered graph of pattern `name` (built, not run)."""
+def _build(name, mode=ModeKeys.TRAIN, num_devices=3, static=False, **plan):
+  """The towered graph of pattern `name` (built, not run); the batch size unknown unless static."""
   model_fn = functools.partial(_model_fn, patterns.PATTERNS[name][0] if name in patterns.PATTERNS
                                else getattr(patterns, name))
   towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices), **plan)
@@ -40,7 +46,10 @@ def _build(name, mode=ModeKeys.TRAIN, num_devices=3, **plan):
   y = np.arange(BATCH, dtype=np.int32) % 3
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
-    return towered({'x': tf.constant(x)}, tf.constant(y), mode, None, None)
+    if static:
+      return towered({'x': tf.constant(x)}, tf.constant(y), mode, None, None)
+    return towered({'x': tf.compat.v1.placeholder_with_default(x, [None, patterns.F])},
+                   tf.compat.v1.placeholder_with_default(y, [None]), mode, None, None)
 
 
 @pytest.fixture
@@ -65,8 +74,9 @@ def _ours(found):
                "inside, fed by the batch's rows), which may make a row depend on other "
                "examples of the batch"),
 ])
-def test_a_mixing_op_warns_once_naming_it(name, op, warnings):
-  _build(name)
+def test_eval_of_a_mixing_op_warns_once_naming_it(name, op, warnings):
+  """EVAL computes each tower's loss and metrics on its shard: one warning names the op."""
+  _build(name, mode=ModeKeys.EVAL)
   found = _ours(warnings)
   assert len(found) == 1, found
   assert op in found[0], found[0]
@@ -76,23 +86,56 @@ def test_a_mixing_op_warns_once_naming_it(name, op, warnings):
 
 
 def test_the_warning_says_why_and_counts_the_other_ops(warnings):
-  _build('simclr')
+  _build('simclr', mode=ModeKeys.EVAL)
   found = _ours(warnings)
   assert len(found) == 1, found
   assert ("a matrix product of two operands that depend on the batch) (and 3 more such ops"
           in found[0]), found[0]
 
 
-def test_eval_warns_too(warnings):
-  _build('in_batch_softmax', mode=ModeKeys.EVAL)
+def _two_tensors_model_fn(features, labels, mode):
+  """A gradient request of two tensors: no whole-batch head (it takes one loss)."""
+  loss, _ = patterns.in_batch_softmax(features['x'], labels)
+  tvars = tf.compat.v1.trainable_variables()
+  grads = tf.gradients([loss, 0.5 * loss], tvars)
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).apply_gradients(
+      zip(grads, tvars), tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_train_without_a_whole_batch_head_warns(warnings):
+  towered = et.replicate_model_fn(_two_tensors_model_fn, devices=testlib.cpu_devices(3))
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    towered({'x': tf.zeros([BATCH, patterns.F])}, tf.zeros([BATCH], tf.int32),
+            ModeKeys.TRAIN, None, None)
   found = _ours(warnings)
-  assert len(found) == 1 and "MatMul op 'MatMul'" in found[0], found
+  assert len(found) == 1, found
+  assert "the tensors " in found[0] and "MatMul op 'MatMul'" in found[0], found[0]
+
+
+def test_train_with_a_whole_batch_head_does_not_warn(warnings):
+  for name in ('in_batch_softmax', 'top_k', 'opaque', 'simclr'):
+    _build(name)
+    _build(name, loss_reduction='exact')   # exact: no error either
+  assert not _ours(warnings), _ours(warnings)
+
+
+def test_a_static_batch_size_warns_that_the_head_cannot_be_built(warnings):
+  """tf.shape(q)[0] of a static shard is tower 0's constant: no head, one warning saying so."""
+  _build('in_batch_softmax', static=True)
+  found = _ours(warnings)
+  assert len(found) == 1, found
+  assert ("the whole batch's head cannot be built here: the batch size is static, so shape "
+          "reads of the shard are constants of the graph, and the head reads range:0, made "
+          "from the constant Shape:0 that holds the shard's size (4); leave the batch "
+          "dimension unknown") in found[0], found[0]
 
 
 def test_loss_reduction_exact_makes_it_an_error():
   with pytest.raises(ValueError, match=r"depends on TopKV2 op 'TopKV2' \(a top-k across the "
                                        r"batch axis\).*loss_reduction='exact' makes this an error"):
-    _build('top_k', loss_reduction='exact')
+    _build('top_k', mode=ModeKeys.EVAL, loss_reduction='exact')
 
 
 @pytest.mark.parametrize('mode', [ModeKeys.TRAIN, ModeKeys.EVAL])
