@@ -339,6 +339,14 @@ class _Reader:
       if [k and k.tag for k in kinds[:3]] == [FLAT, FLAT, SHAPE] and kinds[3] is None:
         return [_FLAT, _FLAT, _ROWS, _FLAT]
       return 'a sparse op on values that are not the batch\'s entries'
+    if t in ('SparseReduceSum', 'SparseReduceMax'):
+      if [k and k.tag for k in kinds] != [FLAT, FLAT, SHAPE, None]:
+        return 'a sparse reduction of values that are not the batch\'s entries'
+      axes = self._axes(op, op.inputs[3], op.inputs[2].shape[0] if op.inputs[2].shape.rank
+                        else None)
+      if axes is None:
+        return 'a sparse reduction over axes unknown when the graph is built'
+      return _STAT if 0 in axes or not axes else _ROWS
     if t == 'SparseToDense':
       if [k and k.tag for k in kinds[:3]] in ([FLAT, SHAPE, FLAT], [FLAT, SHAPE, None]) and (
           kinds[3] is None):

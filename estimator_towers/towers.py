@@ -707,7 +707,9 @@ def _train_without_gradients(builder: _TowerBuilder, features, labels, staged
 
 
 def _flat_shard(shards: _Shards, k: int) -> list:
-  return tf.nest.flatten((shards.features[k], shards.labels[k]), expand_composites=True)
+  """Shard k's tensors, flattened; absent labels (features-only input) have none."""
+  flat = tf.nest.flatten((shards.features[k], shards.labels[k]), expand_composites=True)
+  return [t for t in flat if t is not None]
 
 
 def _reported_loss(built: Sequence, losses: Sequence, shards: _Shards,

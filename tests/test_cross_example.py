@@ -210,3 +210,38 @@ def test_towers_equal_plain_on_the_whole_batch(name, warnings):
   testlib.assert_variables_close(towered_1, plain_1)
   testlib.assert_variables_close(towered_3, plain_3)
   assert not _ours(warnings), _ours(warnings)   # exact: nothing to warn of
+
+
+@pytest.mark.parametrize('name', ['simclr', 'attention'])
+def test_features_only_input_equals_plain(name, warnings):
+  """labels=None (self-supervised, BERT-style input): the same, from the features alone."""
+  plain_1, plain_3 = _plain(name, labels=False)
+  towered_1, towered_3 = _towered(name, labels=False)
+  testlib.assert_variables_close(towered_1, plain_1)
+  testlib.assert_variables_close(towered_3, plain_3)
+  assert not _ours(warnings), _ours(warnings)
+
+
+def _head_ops(name):
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.create_global_step()
+    model_fn = functools.partial(_model_fn, patterns.PATTERNS[name][0] if name in patterns.PATTERNS
+                                 else getattr(patterns, name))
+    towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(3))
+    x, y = _data()
+    towered({'x': tf.compat.v1.placeholder_with_default(x[:BATCH], [None, patterns.F])},
+            tf.compat.v1.placeholder_with_default(y[:BATCH], [None]), ModeKeys.TRAIN, None, None)
+    return [op for op in graph.get_operations() if op.name.startswith('whole_batch_head/')]
+
+
+def test_per_example_losses_gather_nothing():
+  """The loss algebra's scalars-only path is kept: no head, no gathered rows."""
+  assert _head_ops('per_example') == []
+
+
+def test_the_head_runs_on_the_first_tower_device():
+  ops = _head_ops('in_batch_softmax')
+  assert ops and {op.device for op in ops} == {'/device:CPU:0'}, {op.device for op in ops}
+  # Gathered: the two encoders' rows, once each (no other tensor is gathered).
+  concats = [op for op in ops if op.type == 'ConcatV2' and op.inputs[0].dtype == tf.float32]
+  assert len(concats) == 2, [op.name for op in concats]
