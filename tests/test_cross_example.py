@@ -199,7 +199,8 @@ def _towered(name, labels=True, num_devices=3):
   return after_1, testlib.variables(est)
 
 
-EXACT = ('in_batch_softmax', 'clip', 'simclr', 'top_k', 'opaque', 'mixup', 'attention')
+EXACT = ('in_batch_softmax', 'clip', 'simclr', 'top_k', 'opaque', 'mixup', 'attention',
+         'two_levels')
 
 
 @pytest.mark.parametrize('name', EXACT)

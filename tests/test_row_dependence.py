@@ -100,6 +100,17 @@ def attention(x, y):
   return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)), [h]
 
 
+def two_levels(x, y):
+  """An in-batch softmax of q, d = f(h), plus a similarity of h itself: the head reads both."""
+  h = tf.nn.tanh(_dense(x, 5, 'shared'))
+  q = tf.math.l2_normalize(_dense(h, 4, 'query'), axis=-1)
+  d = tf.math.l2_normalize(_dense(h, 4, 'doc'), axis=-1)
+  logits = tf.matmul(q, d, transpose_b=True) / 0.1
+  labels = tf.range(tf.shape(q)[0])
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+  return loss + 0.1 * tf.reduce_mean(tf.matmul(h, h, transpose_b=True)), [q, d, h]
+
+
 def per_example(x, y):
   _, xent = _xent(x, y)
   return tf.reduce_mean(xent), []
@@ -113,6 +124,7 @@ PATTERNS = {  # name: (model, type of the first mixing op)
     'opaque': (opaque, 'StatefulPartitionedCall'),
     'mixup': (mixup, 'ReverseV2'),
     'attention': (attention, 'MatMul'),
+    'two_levels': (two_levels, 'MatMul'),
 }
 
 
