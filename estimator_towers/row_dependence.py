@@ -56,7 +56,7 @@ per-example gets nothing.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -919,6 +919,31 @@ def _product(dims) -> int | None:
       return None
     total *= int(d)
   return total
+
+
+_ASSIGNS = frozenset(('AssignAddVariableOp', 'AssignSubVariableOp', 'AssignVariableOp',
+                      'AssignAdd', 'AssignSub', 'Assign', 'ResourceScatterAdd', 'ScatterAdd',
+                      'ResourceScatterUpdate', 'ScatterUpdate'))
+
+
+def in_eval_spec(spec: Any, inputs: Sequence[tf.Tensor]) -> RowDependence:
+  """`classify` of an EVAL EstimatorSpec: its loss, its metrics and what updates them.
+
+  A metric's update reaches its variables through assignments (often only a
+  control edge leads from the update op to them), so every value assigned to
+  a variable in the graph is a target too.
+  """
+  targets = [t for t in tf.nest.flatten(
+      (spec.loss, [v for v in (spec.eval_metric_ops or {}).values()
+                   if isinstance(v, (tuple, list))]))
+             if isinstance(t, tf.Tensor)]
+  inputs = [t for t in inputs if isinstance(t, tf.Tensor)]
+  if not inputs:
+    return RowDependence({}, [], [])
+  for op in inputs[0].graph.get_operations():
+    if op.type in _ASSIGNS:
+      targets.extend(op.inputs[1:])
+  return classify(targets, inputs)
 
 
 def check(targets: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor], loss_reduction: str,

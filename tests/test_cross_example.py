@@ -65,37 +65,9 @@ def _ours(found):
   return [w for w in found if 'other examples of the batch' in w or 'loss algebra' in w]
 
 
-@pytest.mark.parametrize('name,op', [
-    ('in_batch_softmax', "MatMul op 'MatMul'"),
-    ('top_k', "TopKV2 op 'TopKV2'"),
-    ('mixup', "ReverseV2 op 'ReverseV2'"),
-    ('attention', "MatMul op 'MatMul'"),
-    ('opaque', "PartitionedCall op 'PartitionedCall' (a function call the library cannot see "
-               "inside, fed by the batch's rows), which may make a row depend on other "
-               "examples of the batch"),
-])
-def test_eval_of_a_mixing_op_warns_once_naming_it(name, op, warnings):
-  """EVAL computes each tower's loss and metrics on its shard: one warning names the op."""
-  _build(name, mode=ModeKeys.EVAL)
-  found = _ours(warnings)
-  assert len(found) == 1, found
-  assert op in found[0], found[0]
-  assert 'a row depend on other examples of the batch' in found[0]
-  assert 'loss algebra' not in found[0] and 'arithmetic on statistics' not in found[0]
-  assert "Pass loss_reduction='exact' to make this an error" in found[0]
-
-
-def test_the_warning_says_why_and_counts_the_other_ops(warnings):
-  _build('simclr', mode=ModeKeys.EVAL)
-  found = _ours(warnings)
-  assert len(found) == 1, found
-  assert ("a matrix product of two operands that depend on the batch) (and 3 more such ops"
-          in found[0]), found[0]
-
-
-def _two_tensors_model_fn(features, labels, mode):
+def _two_tensors_model_fn(pattern, features, labels, mode):
   """A gradient request of two tensors: no whole-batch head (it takes one loss)."""
-  loss, _ = patterns.in_batch_softmax(features['x'], labels)
+  loss, _ = pattern(features['x'], labels)
   tvars = tf.compat.v1.trainable_variables()
   grads = tf.gradients([loss, 0.5 * loss], tvars)
   train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).apply_gradients(
@@ -103,15 +75,42 @@ def _two_tensors_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def test_train_without_a_whole_batch_head_warns(warnings):
-  towered = et.replicate_model_fn(_two_tensors_model_fn, devices=testlib.cpu_devices(3))
+def _build_two_tensors(name, **plan):
+  model_fn = functools.partial(_two_tensors_model_fn, patterns.PATTERNS[name][0])
+  towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(3), **plan)
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
-    towered({'x': tf.zeros([BATCH, patterns.F])}, tf.zeros([BATCH], tf.int32),
-            ModeKeys.TRAIN, None, None)
+    towered({'x': tf.compat.v1.placeholder(tf.float32, [None, patterns.F])},
+            tf.compat.v1.placeholder(tf.int32, [None]), ModeKeys.TRAIN, None, None)
+
+
+@pytest.mark.parametrize('name,op', [
+    ('in_batch_softmax', "MatMul op 'MatMul'"),
+    ('top_k', "TopKV2 op 'TopKV2' (a top-k across the batch axis)"),
+    ('mixup', "ReverseV2 op 'ReverseV2' (a reverse across the batch axis)"),
+    ('attention', "MatMul op 'MatMul'"),
+    ('opaque', "PartitionedCall op 'PartitionedCall' (a function call the library cannot see "
+               "inside, fed by the batch's rows), which may make a row depend on other "
+               "examples of the batch"),
+])
+def test_without_a_head_a_mixing_op_warns_once_naming_it(name, op, warnings):
+  _build_two_tensors(name)
   found = _ours(warnings)
   assert len(found) == 1, found
-  assert "the tensors " in found[0] and "MatMul op 'MatMul'" in found[0], found[0]
+  assert op in found[0], found[0]
+  assert 'a row depend on other examples of the batch' in found[0]
+  assert ("the whole batch's head cannot be built here: the gradient request is of several "
+          "tensors") in found[0], found[0]
+  assert 'loss algebra' not in found[0] and 'arithmetic on statistics' not in found[0]
+  assert "Pass loss_reduction='exact' to make this an error" in found[0]
+
+
+def test_the_warning_says_why_and_counts_the_other_ops(warnings):
+  _build_two_tensors('simclr')
+  found = _ours(warnings)
+  assert len(found) == 1, found
+  assert ("a matrix product of two operands that depend on the batch) (and 3 more such ops"
+          in found[0]), found[0]
 
 
 def test_train_with_a_whole_batch_head_does_not_warn(warnings):
@@ -135,15 +134,14 @@ def test_a_static_batch_size_warns_that_the_head_cannot_be_built(warnings):
 def test_loss_reduction_exact_makes_it_an_error():
   with pytest.raises(ValueError, match=r"depends on TopKV2 op 'TopKV2' \(a top-k across the "
                                        r"batch axis\).*loss_reduction='exact' makes this an error"):
-    _build('top_k', mode=ModeKeys.EVAL, loss_reduction='exact')
+    _build_two_tensors('top_k', loss_reduction='exact')
 
 
-@pytest.mark.parametrize('mode', [ModeKeys.TRAIN, ModeKeys.EVAL])
-def test_micro_batches_with_a_mixing_op_is_an_error(mode):
+def test_micro_batches_with_a_mixing_op_is_an_error():
   with pytest.raises(ValueError, match=r"micro_batches > 1 cannot train this model_fn: the "
                                        r"loss .* depends on ReverseV2 op 'ReverseV2'.*Use "
                                        r"micro_batches=1"):
-    _build('mixup', mode=mode, num_devices=1, micro_batches=3)
+    _build('mixup', num_devices=1, micro_batches=3)
 
 
 @pytest.mark.parametrize('mode', [ModeKeys.TRAIN, ModeKeys.EVAL])
@@ -151,6 +149,7 @@ def test_per_example_model_does_not_warn(mode, warnings):
   _build('per_example', mode=mode)
   _build('per_example', mode=mode, num_devices=1, micro_batches=3)
   assert not _ours(warnings)
+  assert not [w for w in warnings if 'on the whole batch' in w], warnings   # towers as ever
 
 
 # --- Exact towers: the head on the whole batch --------------------------------
@@ -246,3 +245,41 @@ def test_the_head_runs_on_the_first_tower_device():
   # Gathered: the two encoders' rows, once each (no other tensor is gathered).
   concats = [op for op in ops if op.type == 'ConcatV2' and op.inputs[0].dtype == tf.float32]
   assert len(concats) == 2, [op.name for op in concats]
+
+
+# --- EVAL: loss and metrics of cross-example tensors ----------------------------
+
+def _retrieval_model_fn(features, labels, mode):
+  """Two-tower retrieval with in-batch negatives; EVAL: an in-batch retrieval accuracy."""
+  q, d = patterns._encoders(features['x'])  # pylint: disable=protected-access
+  logits = tf.matmul(q, d, transpose_b=True) / 0.1
+  targets = tf.range(tf.shape(q)[0])
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(targets, logits))
+  if mode == ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+        'retrieval_accuracy': tf.compat.v1.metrics.accuracy(
+            targets, tf.argmax(logits, 1, output_type=tf.int32)),
+        'positive_logit': tf.compat.v1.metrics.mean(tf.linalg.diag_part(logits)),
+        'query_norm': tf.compat.v1.metrics.mean(tf.norm(q, axis=1)),
+    })
+  optimizer = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
+
+
+def test_eval_of_cross_example_metrics_equals_plain(warnings):
+  """Batches 10, 10, 2 (shards 4/3/3 and 1/1/0): loss and metrics as plain's, same checkpoint."""
+  plain = testlib.make_estimator(_retrieval_model_fn)
+  plain.train(_input_fn(), steps=2)
+  expected = plain.evaluate(_input_fn(), name='plain')
+  towered = testlib.make_estimator(
+      et.replicate_model_fn(_retrieval_model_fn, devices=testlib.cpu_devices(3)),
+      num_cpus=3, model_dir=plain.model_dir)
+  actual = towered.evaluate(_input_fn(), name='towered')
+  assert sorted(actual) == sorted(expected)
+  for key in expected:
+    testlib.assert_close(actual[key], expected[key], err_msg=key)
+  assert 0 < expected['retrieval_accuracy'] < 1   # in-batch: not trivially 0 or 1
+  said = [w for w in warnings if 'EVAL loss or metrics mix the batch' in w]
+  assert len(said) == 1 and 'evaluates on the whole batch on /device:CPU:0' in said[0], warnings
+  assert not _ours(warnings), _ours(warnings)
