@@ -61,6 +61,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers import interception
 from estimator_towers import logs
 from estimator_towers import spelling
 
@@ -171,9 +172,18 @@ def classify(targets: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],
   targets = [t for t in targets if isinstance(t, tf.Tensor)]
   if not inputs or not targets:
     return RowDependence({}, [], [])
+  reader = _read(targets, _input_kinds(inputs), _static_examples(inputs), declared)
+  for t in targets:
+    if reader.kind(t) is not None and reader.kind(t).tag == UNIQUE:
+      reader.mixing.append(Mixing(t.op, 'a value of the batch\'s distinct ids, which no '
+                                        'sum over shards gives'))
+  return RowDependence(reader.kinds, reader.mixing, reader.frontier)
+
+
+def _read(targets: Sequence[tf.Tensor], input_kinds: dict, examples: int | None,
+          declared: Callable[[tf.Tensor], bool]) -> '_Reader':
+  """The reader after visiting, in graph order, the ops between the inputs and `targets`."""
   graph = targets[0].graph
-  input_names = {t.name for t in inputs}
-  # The ops between: ancestors of the targets (data edges), stopped at the inputs.
   ops, seen, pending = [], set(), [t.op for t in targets]
   while pending and len(seen) < _SEARCH_LIMIT:
     op = pending.pop()
@@ -182,19 +192,15 @@ def classify(targets: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],
     seen.add(op.name)
     ops.append(op)
     for t in op.inputs:
-      if t.name not in input_names:
+      if t.name not in input_kinds:
         pending.append(t.op)
   order = {op.name: i for i, op in enumerate(graph.get_operations())}
   ops.sort(key=lambda op: order.get(op.name, -1))
-  reader = _Reader(_static_examples(inputs), declared)
-  reader.kinds.update(_input_kinds(inputs))
+  reader = _Reader(examples, declared)
+  reader.kinds.update(input_kinds)
   for op in ops:
     reader.visit(op)
-  for t in targets:
-    if reader.kind(t) is not None and reader.kind(t).tag == UNIQUE:
-      reader.mixing.append(Mixing(t.op, 'a value of the batch\'s distinct ids, which no '
-                                        'sum over shards gives'))
-  return RowDependence(reader.kinds, reader.mixing, reader.frontier)
+  return reader
 
 
 def _input_kinds(inputs: Sequence[tf.Tensor]) -> dict:
@@ -318,8 +324,10 @@ class _Reader:
         return [k if k is not None else _MIXED for k in kinds]
       return self._elementwise(op, kinds)
     if t in _FUSED_BATCH_NORMS:
-      if any(k is not None for k in kinds[1:]) or kinds[0] is None:
+      if any(k is not None for k in kinds[1:3]) or kinds[0] is None:
         return 'a batch norm whose scale or offset depends on the batch'
+      if any(k is not None and k.tag != STAT for k in kinds[3:]):
+        return 'a batch norm whose statistics are not the batch\'s statistics'
       if kinds[0].tag != ROWS:
         return 'a batch norm of values that are not one row per example'
       return [kinds[0]] + [_NORM] * (len(op.outputs) - 1)
@@ -421,12 +429,40 @@ class _Reader:
              'MatrixSetDiagV2', 'MatrixSetDiagV3', 'MatrixBandPart', 'MatrixDiagPart',
              'MatrixDiagPartV2', 'MatrixDiagPartV3', 'Eye'):
       return self._batch_size_value(op, kinds)
+    if t in ('If', 'StatelessIf'):
+      return self._cond(op, kinds)
     if t in _FUNCTIONS:
       return (f'a {"function call" if "Call" in t else "Python function" if "Py" in t else "functional control flow op"}'
               f' the library cannot see inside, fed by the batch\'s rows')
     return f'an op the library does not know how it treats the batch\'s rows ({t})'
 
   # -- helpers -----------------------------------------------------------------
+
+  def _cond(self, op, kinds):
+    """A functional tf.cond: its branches read like the rest, when the choice is not the batch's."""
+    if kinds[0] is not None:
+      return 'a tf.cond whose branch is chosen by a value of the batch'
+    graphs = interception.branch_graphs(op)
+    if graphs is None:
+      return 'a functional control flow op the library cannot see inside, fed by the batch\'s rows'
+    results = []
+    for graph in graphs:
+      inner = {t.name: k for t, k in zip(graph.inputs, kinds[1:]) if k is not None}
+      outputs = [t for t in graph.outputs if t is not None]
+      if len(outputs) != len(op.outputs):
+        return 'a tf.cond whose branches the library cannot read'
+      reader = _read(outputs, inner, self.examples, self.declared) if outputs else None
+      if reader is not None and reader.mixing:
+        return f'a tf.cond whose branch has {reader.mixing[0].describe()}'
+      results.append([None if reader is None else reader.kind(t) for t in outputs])
+    found = []
+    for a, b in zip(*results):
+      if a is None or b is None or a == b:
+        found.append(a if b is None else b)
+      else:
+        return 'a tf.cond whose branches give rows of different kinds'
+    return found
+
 
   def _not_rows(self, op, kind):
     if kind.tag in (STAT, SIZE, SHAPE):
@@ -902,8 +938,8 @@ class _Reader:
 
 
 def _in_moments(op: tf.Operation) -> bool:
-  """True for a reduction that `tf.nn.moments` made (a batch norm's)."""
-  return any(part.startswith('moments') for part in op.name.split('/')[:-1])
+  """True for a reduction that `tf.nn.moments` (or sync batch norm) made: a batch norm's."""
+  return any(part.startswith(('moments', 'SyncBatchNorm')) for part in op.name.split('/')[:-1])
 
 
 def _batch_axis(kind: Kind | None) -> int | None:

@@ -243,3 +243,31 @@ def test_loss_algebra_models_have_no_mixing_op():
       continue   # a count by a dot product, recognised only when declared in towers
     model_fn = lambda f, l, m, p, name=name: tla._plain_model_fn(name)(f, l, m)  # pylint: disable=protected-access
     assert _model_graph_mixing(model_fn, ModeKeys.TRAIN, features, targets) == [], name
+
+
+def test_a_cond_reads_its_branches():
+  """A tf.cond chosen by a hyper-parameter is per-example where its branches are; one
+  chosen by a statistic of the batch mixes."""
+  def fixed(x, y):
+    h = _dense(x, 3, 'h')
+    h = tf.cond(tf.constant(True), lambda: h * 2.0, lambda: tf.nn.relu(h))
+    return tf.reduce_mean(h), []
+
+  def by_batch(x, y):
+    h = _dense(x, 3, 'h')
+    h = tf.cond(tf.reduce_sum(x) > 0, lambda: h * 2.0, lambda: tf.nn.relu(h))
+    return tf.reduce_mean(h), []
+
+  def mixing_branch(x, y):
+    h = _dense(x, 3, 'h')
+    h = tf.cond(tf.constant(True), lambda: tf.reverse(h, [0]), lambda: h)
+    return tf.reduce_mean(h), []
+
+  found, _, _ = _classify(fixed)
+  assert not found.mixing, [m.describe() for m in found.mixing]
+  found, _, _ = _classify(by_batch)
+  assert [m.why for m in found.mixing] == [
+      'a tf.cond whose branch is chosen by a value of the batch']
+  found, _, _ = _classify(mixing_branch)
+  assert found.mixing[0].why.startswith(
+      "a tf.cond whose branch has ReverseV2 op 'ReverseV2' (a reverse across the batch axis)")
