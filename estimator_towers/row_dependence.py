@@ -323,6 +323,10 @@ class _Reader:
       if t == 'IdentityN':
         return [k if k is not None else _MIXED for k in kinds]
       return self._elementwise(op, kinds)
+    if t in _FUSED_BATCH_NORMS and kinds[0] is not None and kinds[0].tag == COLS and (
+        op.get_attr('data_format') in (b'NCHW', 'NCHW')) and all(
+            k is None or k.tag in (SIZE, SHAPE, ROWS) for k in kinds[1:]):
+      return [_COLS] + [_ROWS] * (len(op.outputs) - 1)   # statistics per example: layer norm
     if t in _FUSED_BATCH_NORMS:
       if any(k is not None for k in kinds[1:3]) or kinds[0] is None:
         return 'a batch norm whose scale or offset depends on the batch'
@@ -617,6 +621,10 @@ class _Reader:
     value = _value(op.inputs[1]) if shape is None else None
     if value is not None and value.ndim == 1 and out.rank == len(value):
       out = out.merge_with([None if d < 0 else int(d) for d in value])
+    if shape is not None and op.inputs[1].op.type == 'Pack' and x.tag == ROWS and (
+        [self.kind(e) is not None for e in op.inputs[1].op.inputs][:2] == [False, True]) and (
+            _value(op.inputs[1].op.inputs[0]) == 1):
+      return _COLS   # [1, n * ..., ...]: layer norm's fused batch norm over the examples
     if shape is not None and op.inputs[1].op.type == 'Pack':   # [n, -1], [1, n], ...
       elements = op.inputs[1].op.inputs
       sized = [i for i, e in enumerate(elements) if self.kind(e) is not None]
@@ -631,6 +639,9 @@ class _Reader:
           _value(elements[1]) == 1) and in_shape.rank == 1:
         return x
     if x.tag == COLS:
+      if shape is not None and in_shape.rank and in_shape[0] == 1 and (
+          op.inputs[1].op.type == 'Shape' or shape.tag == SHAPE):
+        return _ROWS   # [1, n, ...] back to the rows' shape
       return 'a reshape of values with the batch on axis 1'
     if out.rank == 0:
       return 'a reshape of the batch to one value'
@@ -674,6 +685,16 @@ class _Reader:
     if multiples is None and x is not None and x.tag in (ROWS, FLAT) and value is not None and (
         value[0] == 1):
       return x
+    if multiples is None and x is not None and x.tag == COLS and value is not None and (
+        len(value) == 2 and value[1] == 1):
+      return x   # more rows of the same columns (tf.metrics.auc's thresholds)
+    elements = op.inputs[1].op.inputs if op.inputs[1].op.type == 'Pack' else ()
+    sized = [i for i, e in enumerate(elements) if self.kind(e) is not None]
+    if x is None and multiples is not None and op.inputs[0].shape.rank == len(elements):
+      if sized == [0] and op.inputs[0].shape[0] == 1:
+        return _ROWS
+      if sized == [1] and len(elements) == 2 and op.inputs[0].shape[1] == 1:
+        return _COLS   # a constant column repeated for every example
     if multiples is not None and multiples.tag == SHAPE and (x is None) and (
         op.inputs[0].shape.rank and op.inputs[0].shape[0] == 1):
       return _ROWS
@@ -939,7 +960,8 @@ class _Reader:
 
 def _in_moments(op: tf.Operation) -> bool:
   """True for a reduction that `tf.nn.moments` (or sync batch norm) made: a batch norm's."""
-  return any(part.startswith(('moments', 'SyncBatchNorm')) for part in op.name.split('/')[:-1])
+  return any('moments' in part or part.startswith('SyncBatchNorm')
+             for part in op.name.split('/')[:-1])
 
 
 def _batch_axis(kind: Kind | None) -> int | None:

@@ -271,3 +271,18 @@ def test_a_cond_reads_its_branches():
   found, _, _ = _classify(mixing_branch)
   assert found.mixing[0].why.startswith(
       "a tf.cond whose branch has ReverseV2 op 'ReverseV2' (a reverse across the batch axis)")
+
+
+def test_layer_norm_batch_norm_and_auc_are_per_example():
+  """Keras layer norm (a fused batch norm over [1, n, d, 1]), Keras batch norm (its moments)
+  and tf.compat.v1.metrics.auc (the batch on axis 1 of its threshold table): no mixing."""
+  def model(x, y):
+    h = tf.keras.layers.LayerNormalization()(_dense(x, 4, 'h'))
+    h = tf.keras.layers.BatchNormalization()(h, training=True)
+    logits = _dense(h, 3, 'logits')
+    auc = tf.compat.v1.metrics.auc(tf.equal(y, 0), tf.nn.softmax(logits)[:, 0])
+    updates = [op.inputs[1] for op in tf.compat.v1.get_default_graph().get_operations()
+               if op.type.startswith('Assign')]
+    return tf.add_n([tf.reduce_mean(logits), auc[1]] + [tf.reduce_sum(u) for u in updates]), []
+  found, _, _ = _classify(model)
+  assert not found.mixing, [m.describe() for m in found.mixing]
