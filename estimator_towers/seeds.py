@@ -91,7 +91,7 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
   loss = ys[0][0] if len(ys[0]) == 1 else None
   find = counterparts.in_losses([y[0] for y in ys]) if loss is not None else None
   head = _whole_batch_head(loss, ys[0], inputs, grad_ys, find, nonempty, sizes, batch,
-                           ungated is None and across is None)
+                           ungated is None, across)
   if isinstance(head, Seeds):
     return head
   analysis = loss_algebra.analyse(loss, inputs, variables, loss_reduction,
@@ -114,7 +114,8 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
 
 def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
                       grad_ys: Sequence[list], find: Callable | None, nonempty: Sequence,
-                      sizes: Sequence, batch: Any, towers_only: bool) -> Seeds | str | None:
+                      sizes: Sequence, batch: Any, towers_only: bool, across: Any = None
+                      ) -> Seeds | str | None:
   """A loss that mixes the batch's rows, its head on the whole batch (`whole_batch_head`).
 
   Each shard's backward pass starts from its frontier tensors' rows of the
@@ -124,13 +125,14 @@ def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
   `row_dependence`'s warning) where one does.
   """
   if not towers_only:
-    return None   # micro-batches refuse it, workers warn (row_dependence)
+    return None   # micro-batches refuse it (row_dependence)
   found = row_dependence.classify(ys, inputs, loss_algebra.is_declared)
   if not found.mixing:
     return None
   if not isinstance(loss, tf.Tensor):
     return 'the gradient request is of several tensors, and the head takes one loss'
-  built = whole_batch_head.build(found, loss, grad_ys[0][0], find, sizes, nonempty, batch)
+  built = whole_batch_head.build(found, loss, grad_ys[0][0], find, sizes, nonempty, batch,
+                                 across)
   if isinstance(built, str):
     return built
   whole, shards, stops = built

@@ -44,7 +44,7 @@ _HEAD_KINDS = (rd.MIXED, rd.STAT, rd.SIZE, rd.SHAPE, rd.COLS, rd.UNIQUE)
 
 
 def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
-          sizes: Sequence, nonempty: Sequence, batch: Any
+          sizes: Sequence, nonempty: Sequence, batch: Any, across: Any = None
           ) -> tuple[tf.Tensor, list, list] | str:
   """The whole batch's head of tower 0's `loss`, or why it cannot be built.
 
@@ -55,7 +55,10 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     find: `find(i, t)`, shard i's counterpart of tower 0's `t` (None: unknown).
     sizes, nonempty: per shard, its examples (int or scalar Tensor) and
       whether it has any (bool or Tensor).
-    batch: the whole batch's examples.
+    batch: the whole batch's examples (the cluster's, across workers).
+    across: a `cross_worker.CrossWorker` when the batch spans workers: each
+      frontier tensor is then all-gathered from the workers in rank order, and
+      every worker runs the same head on the cluster's rows.
 
   Returns:
     (whole-batch loss, per shard (frontier tensors, their initial
@@ -76,7 +79,8 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
   if static is not None:
     return static
   try:
-    return _build(found, loss, grad_y, head, frontier, shapes, per_shard, sizes, nonempty, batch)
+    return _build(found, loss, grad_y, head, frontier, shapes, per_shard, sizes, nonempty,
+                  batch, across)
   except (ValueError, TypeError) as error:
     return f'building it on the whole batch failed ({error})'
 
@@ -130,7 +134,8 @@ def _constant_with(t: tf.Tensor, values: set, limit: int = 200) -> tf.Tensor | N
   return None
 
 
-def _build(found, loss, grad_y, head, frontier, shapes, per_shard, sizes, nonempty, batch):
+def _build(found, loss, grad_y, head, frontier, shapes, per_shard, sizes, nonempty, batch,
+           across):
   """The head's copy on the gathered rows, and the seeds (see `build`)."""
   device = loss.op.device
   with tf.device(device), tf.name_scope('whole_batch_head'):
@@ -138,6 +143,8 @@ def _build(found, loss, grad_y, head, frontier, shapes, per_shard, sizes, nonemp
     for j, t in enumerate(frontier):
       kind = found.kind(t)
       mapped[t.name] = _gathered([s[j] for s in per_shard], kind, sizes, nonempty)
+      if across is not None:
+        mapped[t.name] = _across_workers(mapped[t.name], kind, across)
     for t in shapes:
       mapped[t.name] = _whole_shape(t, found.kind(t.op.inputs[0]), batch)
     for op in head:
@@ -216,6 +223,47 @@ def _gathered(parts: list, kind: rd.Kind, sizes: Sequence, nonempty: Sequence) -
       pieces[j].append(part[j * rows:j * rows + tf.cast(size, tf.int32)])
   flat = [p for block in pieces for p in block]
   return flat[0] if len(flat) == 1 else tf.concat(flat, 0)
+
+
+def _across_workers(mine: tf.Tensor, kind: rd.Kind, across: Any) -> tf.Tensor:
+  """Every worker's rows of a gathered frontier tensor, in rank order (uneven counts too).
+
+  Each worker pads its rows to the largest count, one all-reduce sums the
+  workers' slots, and the padding is dropped. Every worker then runs the
+  same head on the same rows, so the gradient with respect to a worker's
+  rows is its own slice of its own head's gradient: no all-reduce backward.
+  A stacked layout's blocks stay apart (each worker's first views, then the
+  second views).
+  """
+  blocks = kind.blocks if kind.tag == rd.ROWS else 1
+  if blocks > 1:
+    return tf.concat([_across_workers(part, rd.Kind(rd.ROWS), across)
+                      for part in tf.split(mine, blocks, 0)], 0)
+
+  @tf.custom_gradient
+  def gathered(rows):
+    with tf.device(across.device):
+      count = tf.shape(rows)[0]
+      (counts,) = across.sum([tf.one_hot(across.rank, across.size, dtype=tf.int32) * count])
+      top = tf.reduce_max(counts)
+      padding = [[0, top - count]] + [[0, 0]] * (rows.shape.rank - 1)
+      padded = tf.pad(rows, padding)
+      slots = tf.scatter_nd([[across.rank]], padded[None],
+                            tf.concat([[across.size], tf.shape(padded)], 0))
+    (total,) = across.sum([slots])
+    with tf.device(across.device):
+      result = tf.boolean_mask(total, tf.sequence_mask(counts, top))
+      offset = tf.reduce_sum(counts[:across.rank])
+
+    def grad(upstream):
+      with tf.device(across.device):
+        return upstream[offset:offset + count]
+    return result, grad
+
+  with tf.name_scope('across_workers'):
+    out = gathered(mine)
+  out.set_shape(tf.TensorShape([None]).concatenate(mine.shape[1:]))
+  return out
 
 
 def _whole_shape(t: tf.Tensor, kind: rd.Kind, batch: Any) -> tf.Tensor:
