@@ -25,9 +25,13 @@ tensors. Nothing else changes: every op before the frontier runs on its
 tower, on its rows, and the gradient each row receives is the sum over every
 consumer of that row in the whole batch's head.
 
+Across workers the frontier rows are all-gathered from the workers in rank
+order and every worker runs the same head (`_across_workers`).
+
 What it does not do (the warning of `row_dependence` stays): micro-batches
-(an error), across workers, a frontier tensor some tower has no counterpart
-of, and a loss of several tensors.
+(an error), a frontier tensor some tower has no counterpart of, a gradient
+request of several tensors, and a static batch size whose shape reads are
+constants of the graph the head reads.
 """
 
 from __future__ import annotations
