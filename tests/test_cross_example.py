@@ -20,9 +20,9 @@ import pytest
 import tensorflow as tf
 
 import testlib
+from test_loss_algebra import warnings  # pylint: disable=unused-import  (a fixture)
 import test_row_dependence as patterns
 import estimator_towers as et
-from estimator_towers import logs
 
 ModeKeys = tf.estimator.ModeKeys
 BATCH = 10
@@ -50,15 +50,6 @@ def _build(name, mode=ModeKeys.TRAIN, num_devices=3, static=False, **plan):
       return towered({'x': tf.constant(x)}, tf.constant(y), mode, None, None)
     return towered({'x': tf.compat.v1.placeholder_with_default(x, [None, patterns.F])},
                    tf.compat.v1.placeholder_with_default(y, [None]), mode, None, None)
-
-
-@pytest.fixture
-def warnings(monkeypatch):
-  """The warnings logged while the test runs (each test sees its own)."""
-  monkeypatch.setattr(logs, '_warned', set())
-  found = []
-  monkeypatch.setattr(logs.logging, 'warning', lambda fmt, *a: found.append(fmt % a))
-  return found
 
 
 def _ours(found):
