@@ -220,7 +220,9 @@ def _input_kinds(inputs: Sequence[tf.Tensor]) -> dict:
 def _sparse(indices: tf.Tensor, values: tf.Tensor, shape: tf.Tensor) -> bool:
   rank = indices.shape[1] if indices.shape.rank == 2 else None
   return (indices.dtype == tf.int64 and indices.shape.rank == 2 and values.shape.rank == 1
-          and indices.op is values.op and shape.dtype == tf.int64 and shape.shape.rank == 1
+          and (indices.op is values.op or (indices.op.name.endswith('indices')
+                                            and values.op.name.endswith('values')))
+          and shape.dtype == tf.int64 and shape.shape.rank == 1
           and (rank is None or shape.shape[0] is None or shape.shape[0] == rank))
 
 

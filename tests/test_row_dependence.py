@@ -286,3 +286,23 @@ def test_layer_norm_batch_norm_and_auc_are_per_example():
     return tf.add_n([tf.reduce_mean(logits), auc[1]] + [tf.reduce_sum(u) for u in updates]), []
   found, _, _ = _classify(model)
   assert not found.mixing, [m.describe() for m in found.mixing]
+
+
+def test_sparse_inputs_and_embedding_lookups():
+  """A SparseTensor feature (indices, values, dense_shape) looked up with
+  embedding_lookup_sparse (tf.unique's distinct ids, summed back per example) is
+  per-example; a value of the distinct ids themselves in the loss is not."""
+  def build(distinct_in_loss):
+    graph = tf.Graph()
+    with graph.as_default():
+      ids = tf.compat.v1.sparse_placeholder(tf.int64, [None, 4], name='ids')
+      y = tf.compat.v1.placeholder(tf.int32, [None], name='y')
+      table = tf.compat.v1.get_variable('table', [10, 3])
+      embedded = tf.nn.embedding_lookup_sparse(table, ids, None, combiner='mean')
+      loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, embedded))
+      if distinct_in_loss:
+        loss += tf.reduce_sum(tf.nn.embedding_lookup(table, tf.unique(ids.values)[0]))
+      inputs = tf.nest.flatten((ids, y), expand_composites=True)
+      return rd.classify([loss], inputs)
+  assert not build(False).mixing, [m.describe() for m in build(False).mixing]
+  assert build(True).mixing
