@@ -184,7 +184,8 @@ def _read(targets: Sequence[tf.Tensor], input_kinds: dict, examples: int | None,
           declared: Callable[[tf.Tensor], bool]) -> '_Reader':
   """The reader after visiting, in graph order, the ops between the inputs and `targets`."""
   graph = targets[0].graph
-  ops, seen, pending = [], set(), [t.op for t in targets]
+  declared_stats = {}
+  ops, seen, pending = [], set(), [t.op for t in targets if not declared(t)]
   while pending and len(seen) < _SEARCH_LIMIT:
     op = pending.pop()
     if op.name in seen:
@@ -192,12 +193,18 @@ def _read(targets: Sequence[tf.Tensor], input_kinds: dict, examples: int | None,
     seen.add(op.name)
     ops.append(op)
     for t in op.inputs:
-      if t.name not in input_kinds:
-        pending.append(t.op)
+      if t.name in input_kinds:
+        continue
+      if declared(t):   # a declared statistic: what computes it is not read
+        declared_stats[t.name] = _STAT
+        continue
+      pending.append(t.op)
   order = {op.name: i for i, op in enumerate(graph.get_operations())}
   ops.sort(key=lambda op: order.get(op.name, -1))
   reader = _Reader(examples, declared)
   reader.kinds.update(input_kinds)
+  reader.kinds.update(declared_stats)
+  reader.kinds.update({t.name: _STAT for t in targets if declared(t)})
   for op in ops:
     reader.visit(op)
   return reader
@@ -253,6 +260,9 @@ def _value(t: tf.Tensor, depth: int = 0):
       begin, dims = _value(op.inputs[1], depth + 1), op.inputs[0].op.inputs[0].shape
       if begin is not None and -dims.rank <= int(begin[0]) < dims.rank and dims[int(begin[0])]:
         return np.asarray(dims[int(begin[0])], np.int32)
+    if op.type in ('Prod', 'Sum') and op.inputs[0].shape.is_fully_defined() and (
+        op.inputs[0].shape.num_elements() == 0):
+      return np.asarray(1 if op.type == 'Prod' else 0, op.outputs[0].dtype.as_numpy_dtype)
     if op.type == 'Pack':
       args = [_value(i, depth + 1) for i in op.inputs]
       if all(a is not None for a in args):
@@ -329,6 +339,9 @@ class _Reader:
         op.get_attr('data_format') in (b'NCHW', 'NCHW')) and all(
             k is None or k.tag in (SIZE, SHAPE, ROWS) for k in kinds[1:]):
       return [_COLS] + [_ROWS] * (len(op.outputs) - 1)   # statistics per example: layer norm
+    if t in _FUSED_BATCH_NORMS and kinds[0] is None and all(
+        k is None or k.tag == STAT for k in kinds[1:]) and not any(kinds[1:3]):
+      return _NORM   # another tower's rows on the global statistics (sync batch norm)
     if t in _FUSED_BATCH_NORMS:
       if any(k is not None for k in kinds[1:3]) or kinds[0] is None:
         return 'a batch norm whose scale or offset depends on the batch'
@@ -590,7 +603,7 @@ class _Reader:
       places.append('free' if free else 'summed')
     if 'unknown' in places:
       return 'a matrix product of values with the batch on an unknown axis'
-    if places == ['summed', 'summed'] and a.tag == b.tag and a.blocks == b.blocks:
+    if places == ['summed', 'summed']:
       return _STAT   # a sum over the examples (x^T y, a count by a dot product)
     if places[0] is not None and places[1] is not None:
       return 'a matrix product of two operands that depend on the batch'
@@ -623,7 +636,7 @@ class _Reader:
     value = _value(op.inputs[1]) if shape is None else None
     if value is not None and value.ndim == 1 and out.rank == len(value):
       out = out.merge_with([None if d < 0 else int(d) for d in value])
-    if shape is not None and op.inputs[1].op.type == 'Pack' and x.tag == ROWS and (
+    if shape is not None and op.inputs[1].op.type == 'Pack' and x.tag in (ROWS, FLAT) and (
         [self.kind(e) is not None for e in op.inputs[1].op.inputs][:2] == [False, True]) and (
             _value(op.inputs[1].op.inputs[0]) == 1):
       return _COLS   # [1, n * ..., ...]: layer norm's fused batch norm over the examples
