@@ -198,6 +198,8 @@ def _read(targets: Sequence[tf.Tensor], input_kinds: dict, examples: int | None,
       if declared(t):   # a declared statistic: what computes it is not read
         declared_stats[t.name] = _STAT
         continue
+      if t.op.name.startswith('shard_inputs'):
+        continue   # another shard's inputs (a row borrowed from this one): not this shard's
       pending.append(t.op)
   order = {op.name: i for i, op in enumerate(graph.get_operations())}
   ops.sort(key=lambda op: order.get(op.name, -1))
@@ -339,7 +341,7 @@ class _Reader:
         op.get_attr('data_format') in (b'NCHW', 'NCHW')) and all(
             k is None or k.tag in (SIZE, SHAPE, ROWS) for k in kinds[1:]):
       return [_COLS] + [_ROWS] * (len(op.outputs) - 1)   # statistics per example: layer norm
-    if t in _FUSED_BATCH_NORMS and kinds[0] is None and all(
+    if t in _FUSED_BATCH_NORMS and (kinds[0] is None or kinds[0].tag == STAT) and all(
         k is None or k.tag == STAT for k in kinds[1:]) and not any(kinds[1:3]):
       return _NORM   # another tower's rows on the global statistics (sync batch norm)
     if t in _FUSED_BATCH_NORMS:
@@ -521,7 +523,7 @@ class _Reader:
     if tags <= {SIZE, SHAPE}:
       return _SIZE
     if tags <= {STAT, SIZE, SHAPE}:
-      return _STAT
+      return _stat_of(present)
     rows = [k for k in present if k.tag in (ROWS, FLAT)]
     others = [k for k in present if k.tag not in (ROWS, FLAT)]
     if {k.tag for k in rows} == {ROWS, FLAT}:
@@ -566,7 +568,7 @@ class _Reader:
     if axes_kind is not None:
       return 'a reduction over axes that depend on the batch'
     if kind.tag in (STAT, SIZE, SHAPE):
-      return _STAT if kind.tag == STAT else _SIZE
+      return kind if kind.tag == STAT else _SIZE
     axes = self._axes(op, op.inputs[1], op.inputs[0].shape.rank)
     if axes is None:
       return 'a reduction over axes unknown when the graph is built'
@@ -610,7 +612,7 @@ class _Reader:
     other = b if places[0] is not None else a
     place = places[0] if places[0] is not None else places[1]
     if place is None:   # statistics and batch-size values only
-      return _STAT if any(k is not None and k.tag == STAT for k in (a, b)) else _SIZE
+      return _stat_of([a, b]) if any(k is not None and k.tag == STAT for k in (a, b)) else _SIZE
     if other is not None:   # the batch's rows against a statistic
       if other.tag == STAT and other.norm and place == 'free':
         return a if places[0] is not None else _COLS
@@ -629,7 +631,7 @@ class _Reader:
       return ('a reshape of a constant to the batch\'s size' if shape is not None
               else None)
     if x.tag in (STAT, SIZE, SHAPE):
-      return _STAT if x.tag == STAT else _SIZE
+      return x if x.tag == STAT else _SIZE
     if shape is not None and shape.tag == SHAPE:
       return Kind(ROWS, x.blocks) if x.tag == ROWS else _ROWS
     out, in_shape = op.outputs[0].shape, op.inputs[0].shape
@@ -774,7 +776,7 @@ class _Reader:
     if kinds[0] is not None and kinds[0].tag == SHAPE and len(present) == 1:
       return _SHAPE   # the batch size first, then sizes that do not depend on it
     if tags <= {STAT, SIZE, SHAPE}:
-      return _STAT if STAT in tags else _SIZE
+      return _stat_of(present) if STAT in tags else _SIZE
     return 'a concat on the batch axis of rows with other values'
 
   def _pack(self, op, kinds):
@@ -788,7 +790,7 @@ class _Reader:
         t.shape.rank == 0 for t in op.inputs):
       return _SHAPE
     if tags <= {STAT, SIZE}:
-      return _STAT if STAT in tags else _SIZE
+      return _stat_of(present) if STAT in tags else _SIZE
     if tags == {ROWS} and len(present) == len(kinds) and len({k.blocks for k in present}) == 1:
       return _COLS   # [n] values stacked: the batch on axis 1
     return 'a stack of rows on a new axis before the batch axis'
@@ -921,7 +923,7 @@ class _Reader:
     if params.tag in (ROWS, FLAT) and axis == 0 and indices is not None and indices.tag in (ROWS, FLAT):
       return _FLAT   # rows picked by the rows' own values (tf.boolean_mask)
     if params.tag in (STAT, SIZE) and indices is not None and indices.tag in (STAT, SIZE):
-      return _STAT
+      return _stat_of(kinds)
     return 'a gather across the batch axis'
 
   def _gather_nd(self, op, kinds):
@@ -969,8 +971,14 @@ class _Reader:
     if all(k.tag in (SIZE, SHAPE) for k in present):
       return _SIZE
     if all(k.tag in (SIZE, SHAPE, STAT) for k in present):
-      return _STAT
+      return _stat_of(present)
     return f'a {op.type} of the batch\'s rows'
+
+
+def _stat_of(kinds: Sequence) -> Kind:
+  """A statistic made from `kinds`: a batch norm's if every statistic among them is."""
+  stats = [k for k in kinds if k is not None and k.tag == STAT]
+  return _NORM if stats and all(k.norm for k in stats) else _STAT
 
 
 def _in_moments(op: tf.Operation) -> bool:
