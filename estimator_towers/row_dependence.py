@@ -1012,7 +1012,7 @@ def in_eval_spec(spec: Any, inputs: Sequence[tf.Tensor]) -> RowDependence:
 
   A metric's update reaches its variables through assignments (often only a
   control edge leads from the update op to them), so every value assigned to
-  a variable in the graph is a target too.
+  a local or metric variable in the graph is a target too.
   """
   targets = [t for t in tf.nest.flatten(
       (spec.loss, [v for v in (spec.eval_metric_ops or {}).values()
@@ -1021,8 +1021,12 @@ def in_eval_spec(spec: Any, inputs: Sequence[tf.Tensor]) -> RowDependence:
   inputs = [t for t in inputs if isinstance(t, tf.Tensor)]
   if not inputs:
     return RowDependence({}, [], [])
-  for op in inputs[0].graph.get_operations():
-    if op.type in _ASSIGNS:
+  graph = inputs[0].graph
+  metric_variables = {getattr(v, 'handle', v).op.name for v in graph.get_collection(
+      tf.compat.v1.GraphKeys.LOCAL_VARIABLES) + graph.get_collection(
+          tf.compat.v1.GraphKeys.METRIC_VARIABLES)}
+  for op in graph.get_operations():
+    if op.type in _ASSIGNS and op.inputs[0].op.name in metric_variables:
       targets.extend(op.inputs[1:])
   return classify(targets, inputs)
 

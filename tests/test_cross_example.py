@@ -23,6 +23,7 @@ import testlib
 from test_loss_algebra import warnings  # pylint: disable=unused-import  (a fixture)
 import test_row_dependence as patterns
 import estimator_towers as et
+from estimator_towers import towers
 
 ModeKeys = tf.estimator.ModeKeys
 BATCH = 10
@@ -240,12 +241,17 @@ def test_the_head_runs_on_the_first_tower_device():
 
 # --- EVAL: loss and metrics of cross-example tensors ----------------------------
 
-def _retrieval_model_fn(features, labels, mode):
-  """Two-tower retrieval with in-batch negatives; EVAL: an in-batch retrieval accuracy."""
+def _retrieval_model_fn(features, labels, mode, per_example_loss=False):
+  """Two-tower retrieval with in-batch negatives; EVAL: an in-batch retrieval accuracy.
+
+  With `per_example_loss`, the loss is each pair's own score: only the metrics mix rows.
+  """
   q, d = patterns._encoders(features['x'])  # pylint: disable=protected-access
   logits = tf.matmul(q, d, transpose_b=True) / 0.1
   targets = tf.range(tf.shape(q)[0])
   loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(targets, logits))
+  if per_example_loss:
+    loss = -tf.reduce_mean(tf.reduce_sum(q * d, 1))
   if mode == ModeKeys.EVAL:
     return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
         'retrieval_accuracy': tf.compat.v1.metrics.accuracy(
@@ -258,13 +264,16 @@ def _retrieval_model_fn(features, labels, mode):
       mode, loss=loss, train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
 
 
-def test_eval_of_cross_example_metrics_equals_plain(warnings):
+@pytest.mark.parametrize('per_example_loss', [False, True])
+def test_eval_of_cross_example_metrics_equals_plain(per_example_loss, warnings, monkeypatch):
   """Batches 10, 10, 2 (shards 4/3/3 and 1/1/0): loss and metrics as plain's, same checkpoint."""
-  plain = testlib.make_estimator(_retrieval_model_fn)
+  monkeypatch.setattr(towers, '_logged', set())   # its log line, said once per process
+  model_fn = functools.partial(_retrieval_model_fn, per_example_loss=per_example_loss)
+  plain = testlib.make_estimator(model_fn)
   plain.train(_input_fn(), steps=2)
   expected = plain.evaluate(_input_fn(), name='plain')
   towered = testlib.make_estimator(
-      et.replicate_model_fn(_retrieval_model_fn, devices=testlib.cpu_devices(3)),
+      et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(3)),
       num_cpus=3, model_dir=plain.model_dir)
   actual = towered.evaluate(_input_fn(), name='towered')
   assert sorted(actual) == sorted(expected)
