@@ -29,6 +29,9 @@ target (the loss), and gives each tensor in between one *kind*:
 - **distinct values**: `tf.unique` of the batch's ids (what
   `embedding_lookup_sparse` looks up once per id); rows again only where a
   sparse segment reduction sums them back per example.
+- **row splits**: a RaggedTensor's `row_splits` (its `flat_values` are
+  flat); their differences are rows (each example's length), and the
+  segment ids made from them (`RaggedSplitsToSegmentIds`) flat.
 - **mixed**: a row depends on other examples of the batch. The first op that
   makes a mixed tensor out of none is a *mixing op*: a matrix product of two
   batch operands, a transpose, top-k, reverse, gather or slice across the
@@ -65,8 +68,9 @@ from estimator_towers import interception
 from estimator_towers import logs
 from estimator_towers import spelling
 
-ROWS, FLAT, COLS, STAT, SIZE, SHAPE, UNIQUE, MIXED = (
-    'rows', 'flat', 'columns', 'statistic', 'batch size', 'shape', 'distinct values', 'mixed')
+ROWS, FLAT, COLS, STAT, SIZE, SHAPE, UNIQUE, SPLITS, MIXED = (
+    'rows', 'flat', 'columns', 'statistic', 'batch size', 'shape', 'distinct values',
+    'row splits', 'mixed')
 _SEARCH_LIMIT = 200000
 
 
@@ -84,6 +88,7 @@ class Kind:
 
 _ROWS, _FLAT, _COLS = Kind(ROWS), Kind(FLAT), Kind(COLS)
 _SIZE, _SHAPE, _UNIQUE, _MIXED = Kind(SIZE), Kind(SHAPE), Kind(UNIQUE), Kind(MIXED)
+_SPLITS = Kind(SPLITS)
 _STAT, _NORM = Kind(STAT), Kind(STAT, norm=True)
 
 # Ops applied elementwise (with broadcasting) or within each row.
@@ -104,7 +109,13 @@ _ELEMENTWISE = frozenset((
     'Complex', 'ComplexAbs', 'Conj', 'BroadcastGradientArgs', 'StringToHashBucketFast',
     'AsString', 'OneHot', 'Bucketize', 'Betainc', 'Igamma', 'Igammac', 'Zeta',
     'SigmoidGrad', 'TanhGrad', 'ReluGrad', 'SoftplusGrad', 'RsqrtGrad', 'SqrtGrad',
+    'StringLength', 'StringToNumber', 'StringToHashBucket', 'StringToHashBucketStrong',
+    'StringLower', 'StringUpper', 'StringStrip', 'RegexFullMatch', 'StaticRegexFullMatch',
+    'RegexReplace', 'StaticRegexReplace', 'Substr',
 ))
+_SEGMENT_SUMS = frozenset(('UnsortedSegmentSum', 'UnsortedSegmentMax', 'UnsortedSegmentMin',
+                           'UnsortedSegmentProd', 'SegmentSum', 'SegmentMean', 'SegmentMax',
+                           'SegmentMin', 'SegmentProd'))
 # Layers: input 0 is rows, the others (filters, pooling sizes) must not depend on the batch.
 _LAYERS = frozenset((
     'Conv2D', 'Conv3D', 'Conv1D', 'DepthwiseConv2dNative', 'MaxPool', 'MaxPoolV2', 'AvgPool',
@@ -221,9 +232,19 @@ def _input_kinds(inputs: Sequence[tf.Tensor]) -> dict:
       kinds.update({window[0].name: _FLAT, window[1].name: _FLAT, window[2].name: _SHAPE})
       i += 3
       continue
+    if len(window) >= 2 and _ragged(*window[:2]):
+      kinds.update({window[0].name: _FLAT, window[1].name: _SPLITS})
+      i += 2
+      continue
     kinds[inputs[i].name] = _ROWS
     i += 1
   return kinds
+
+
+def _ragged(values: tf.Tensor, splits: tf.Tensor) -> bool:
+  """A RaggedTensor of one ragged dimension, as flattened: (flat_values, row_splits)."""
+  return (splits.dtype in (tf.int32, tf.int64) and splits.shape.rank == 1
+          and 'Ragged' in splits.op.name and 'Ragged' in values.op.name)
 
 
 def _sparse(indices: tf.Tensor, values: tf.Tensor, shape: tf.Tensor) -> bool:
@@ -324,6 +345,16 @@ class _Reader:
   def _rule(self, op: tf.Operation, kinds: list):
     t = op.type
     present = [k for k in kinds if k is not None]
+    if 'RaggedSplitsToSegmentIds/' in op.name and all(k.tag != MIXED for k in present):
+      return _FLAT   # which example each entry of a RaggedTensor belongs to
+    if any(k.tag == SPLITS for k in present):
+      return self._splits(op, kinds)
+    if t in _SEGMENT_SUMS:
+      data, ids = kinds[0], kinds[1]
+      if data is not None and data.tag == FLAT and ids is not None and ids.tag == FLAT and all(
+          k is None or k.tag in (SIZE, SHAPE) for k in kinds[2:]):
+        return _ROWS   # each example's entries reduced (a ragged row's sum)
+      return 'a segment reduction across the batch\'s rows'
     if present and all(k.tag == UNIQUE for k in present) and t not in _SEGMENTS and (
         t not in ('GatherV2', 'Gather', 'ResourceGather') or kinds[0] is not None):
       return _UNIQUE   # values per distinct id, whatever computes them
@@ -458,6 +489,19 @@ class _Reader:
     return f'an op the library does not know how it treats the batch\'s rows ({t})'
 
   # -- helpers -----------------------------------------------------------------
+
+  def _splits(self, op, kinds):
+    """A RaggedTensor's row_splits: its slices, their differences, its segment ids."""
+    tags = {k.tag for k in kinds if k is not None}
+    if op.type == 'StridedSlice' and kinds[0] is not None and tags == {SPLITS}:
+      return _SPLITS   # splits[1:], splits[:-1]
+    if op.type in ('Sub',) and tags == {SPLITS}:
+      return _ROWS   # row lengths
+    if op.type in ('Shape', 'Size') and tags == {SPLITS}:
+      return _SHAPE if op.type == 'Shape' else _SIZE
+    if op.type in ('Identity', 'Cast') and tags == {SPLITS}:
+      return _SPLITS
+    return 'an op on a RaggedTensor\'s row splits'
 
   def _cond(self, op, kinds):
     """A functional tf.cond: its branches read like the rest, when the choice is not the batch's."""

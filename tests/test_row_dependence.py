@@ -305,3 +305,18 @@ def test_sparse_inputs_and_embedding_lookups():
       return rd.classify([loss], inputs)
   assert not build(False).mixing, [m.describe() for m in build(False).mixing]
   assert build(True).mixing
+
+
+def test_ragged_and_string_inputs():
+  """A RaggedTensor's per-example sum (segment ids from its row splits) and a string length
+  are per-example."""
+  graph = tf.Graph()
+  with graph.as_default():
+    values = tf.compat.v1.placeholder(tf.float32, [None], name='RaggedValues')
+    splits = tf.compat.v1.placeholder(tf.int64, [None], name='RaggedSplits')
+    words = tf.compat.v1.placeholder(tf.string, [None], name='words')
+    ragged = tf.RaggedTensor.from_row_splits(values, splits, validate=False)
+    loss = tf.reduce_sum(tf.reduce_sum(ragged, axis=1) * tf.cast(tf.strings.length(words),
+                                                                  tf.float32))
+    found = rd.classify([loss], [values, splits, words])
+  assert not found.mixing, [m.describe() for m in found.mixing]
