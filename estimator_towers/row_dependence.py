@@ -351,8 +351,9 @@ class _Reader:
       return self._splits(op, kinds)
     if t in _SEGMENT_SUMS:
       data, ids = kinds[0], kinds[1]
-      if data is not None and data.tag == FLAT and ids is not None and ids.tag == FLAT and all(
-          k is None or k.tag in (SIZE, SHAPE) for k in kinds[2:]):
+      if data is not None and data.tag in (ROWS, FLAT) and ids is not None and (
+          ids.tag == FLAT and 'RaggedSplitsToSegmentIds' in op.inputs[1].op.name) and all(
+              k is None or k.tag in (SIZE, SHAPE) for k in kinds[2:]):
         return _ROWS   # each example's entries reduced (a ragged row's sum)
       return 'a segment reduction across the batch\'s rows'
     if present and all(k.tag == UNIQUE for k in present) and t not in _SEGMENTS and (
