@@ -19,14 +19,18 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import cross_example_models as patterns
 import testlib
-from test_loss_algebra import warnings  # pylint: disable=unused-import  (a fixture)
-import test_row_dependence as patterns
 import estimator_towers as et
 from estimator_towers import towers
 
 ModeKeys = tf.estimator.ModeKeys
 BATCH = 10
+
+
+@pytest.fixture
+def warnings(monkeypatch):
+  return testlib.logged_warnings(monkeypatch)
 
 
 def _model_fn(pattern, features, labels, mode):
@@ -246,7 +250,7 @@ def _retrieval_model_fn(features, labels, mode, per_example_loss=False):
 
   With `per_example_loss`, the loss is each pair's own score: only the metrics mix rows.
   """
-  q, d = patterns._encoders(features['x'])  # pylint: disable=protected-access
+  q, d = patterns.encoders(features['x'])
   logits = tf.matmul(q, d, transpose_b=True) / 0.1
   targets = tf.range(tf.shape(q)[0])
   loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(targets, logits))
