@@ -136,6 +136,10 @@ def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
   if isinstance(built, str):
     return built
   whole, shards, stops = built
+  logs.info_once_per_graph(
+      f'estimator_towers: the loss {loss.name} depends on {found.mixing[0].describe()}, '
+      f'which mixes the batch\'s rows: its head ({len(found.frontier)} gathered tensor(s) '
+      f'to the loss) runs on the whole batch on {loss.op.device or "the first tower"}.')
   return Seeds(shards, whole, stops)
 
 
