@@ -610,3 +610,28 @@ def _is_batch_norm(layer: Any) -> bool:
           f'exactly (its result depends on how the batch is split). Remove '
           f'{option} ({option}={off!r}) or turn sync_batch_norm off.')
   return True
+
+
+class Unsynced:
+  """Per-tower batch statistics: nothing to synchronise."""
+
+  def syncing(self) -> Any:
+    return contextlib.nullcontext()
+
+  def check_complete(self) -> None:
+    pass
+
+  def copy_reason(self) -> None:
+    return None
+
+  def shared_ops(self) -> set:
+    return set()
+
+  def copied(self, primary: int, tower: int, counterpart: Callable) -> None:
+    pass
+
+  def joined_by(self, primary: int, tower: int) -> dict:
+    return {}
+
+  def copied_pass(self, primary: int, tower: int, counterpart: Callable, ops: set) -> None:
+    pass

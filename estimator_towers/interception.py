@@ -54,6 +54,11 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
   micro-batch's backward pass they must wait for exists; `ordering` makes a
   read of a variable run before the updates created after it in a model_fn
   that trains without gradients (k-means).
+- The branches of a functional `tf.cond` (`Graph._get_function`), which
+  `row_dependence` reads like the rest of the graph.
+- The gradient of a `tf.function` call in a graph, kept on the Python op
+  (`Operation._gradient_function`): `whole_batch_head`'s copy of an opaque
+  function of the batch is differentiated as the original.
 """
 
 from __future__ import annotations
@@ -315,3 +320,36 @@ def replace_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
   tensor in each later tower's slot until that tower builds its own.
   """
   op._update_input(index, tensor)  # pylint: disable=protected-access
+
+
+def copy_gradient_function(source: tf.Operation, target: tf.Operation) -> None:
+  """`target` (a copy of `source`) is differentiated as `source` is.
+
+  A `tf.function` called in a graph is a call op whose gradient lives on the
+  Python op (`Operation._gradient_function`), not in the registry: the
+  whole-batch head's copy of the call needs it too.
+  """
+  function = getattr(source, '_gradient_function', None)
+  if function is not None:
+    target._gradient_function = function  # pylint: disable=protected-access
+
+
+def branch_graphs(op: tf.Operation) -> list | None:
+  """The FuncGraphs of a functional `If`'s two branches (then, else), or None.
+
+  `row_dependence` reads a `tf.cond`'s branches like the rest of the graph;
+  the branch functions are found by name in the graph's function library
+  (`Graph._get_function`).
+  """
+  graphs = []
+  for attr in ('then_branch', 'else_branch'):
+    try:
+      name = op.get_attr(attr).name
+    except ValueError:
+      return None
+    function = op.graph._get_function(name)  # pylint: disable=protected-access
+    graph = getattr(function, 'graph', None)
+    if graph is None:
+      return None
+    graphs.append(graph)
+  return graphs

@@ -56,6 +56,7 @@ import weakref
 import tensorflow as tf
 
 from estimator_towers import logs
+from estimator_towers import row_dependence
 from estimator_towers import tower_context
 
 # Ops the algebra rebuilds by copying them onto the whole batch's values.
@@ -125,6 +126,9 @@ def loss_denominator(denominator: tf.Tensor) -> tf.Tensor:
 def _is_declared(tensor: tf.Tensor) -> bool:
   with _lock:
     return tensor.name in _declared.get(tensor.graph, ())
+
+
+is_declared = _is_declared   # for row_dependence's readers
 
 
 class Dependence:
@@ -397,7 +401,9 @@ class _Parser:
 
 def analyse(loss: Any, inputs: Sequence[tf.Tensor], variables: Sequence[Any],
             loss_reduction: str, fallback: Callable[[], str],
-            static_count: Callable[[tf.Tensor], bool] | None = None) -> Analysis:
+            static_count: Callable[[tf.Tensor], bool] | None = None,
+            targets: Sequence[tf.Tensor] | None = None, micro_batches: bool = False,
+            note: str | None = None) -> Analysis:
   """The rule for the whole-batch loss of tower 0's `loss` (see the module doc).
 
   Args:
@@ -409,10 +415,20 @@ def analyse(loss: Any, inputs: Sequence[tf.Tensor], variables: Sequence[Any],
       loss the algebra does not rebuild (the recorded reduction).
     static_count: for a shard-independent one-element divisor, whether it
       is the shard's element count made a constant by a static batch.
+    targets: what the request differentiates, if not `loss` alone (read for
+      ops that mix the batch's rows: `row_dependence`).
+    micro_batches: whether the shards are micro-batches.
+    note: why the whole batch's head of a mixing loss could not be built.
+
+  An op that mixes the batch's rows is `row_dependence`'s to report (one
+  warning, or an error); the algebra then says nothing more of the loss.
 
   Raises:
-    ValueError: with loss_reduction='exact', for a loss that cannot be rebuilt.
+    ValueError: with loss_reduction='exact', for a loss that cannot be rebuilt
+      or that mixes the batch's rows; with micro-batches, for one that mixes.
   """
+  rows = row_dependence.check(targets if targets is not None else [loss], inputs,
+                              loss_reduction, micro_batches, _is_declared, note)
   auto = loss_reduction in ('auto', 'exact')
   if not isinstance(loss, tf.Tensor) or not _one_element(loss):
     return Analysis(loss_reduction if not auto else fallback(), exact=not auto)
@@ -424,7 +440,8 @@ def analyse(loss: Any, inputs: Sequence[tf.Tensor], variables: Sequence[Any],
     if not auto:
       return Analysis(loss_reduction)
     rule = fallback()
-    _report(loss, unrecognised, rule, strict=loss_reduction == 'exact')
+    if not rows.mixing:
+      _report(loss, unrecognised, rule, strict=loss_reduction == 'exact')
     return Analysis(rule, exact=False)
   expression = Expression(loss, parser.leaves, dependence)
   if not auto:

@@ -41,6 +41,8 @@ from estimator_towers import counterparts
 from estimator_towers import interception
 from estimator_towers import logs
 from estimator_towers import loss_algebra
+from estimator_towers import row_dependence
+from estimator_towers import whole_batch_head
 from estimator_towers.loss_algebra import Expression
 
 # Reductions recorded by tf.compat.v1.losses (Reduction.SUM) and Keras
@@ -88,9 +90,15 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
   """
   loss = ys[0][0] if len(ys[0]) == 1 else None
   find = counterparts.in_losses([y[0] for y in ys]) if loss is not None else None
+  head = _whole_batch_head(loss, ys[0], inputs, grad_ys, find, nonempty, sizes, batch,
+                           ungated is None, across)
+  if isinstance(head, Seeds):
+    return head
   analysis = loss_algebra.analyse(loss, inputs, variables, loss_reduction,
                                   lambda: fallback_reduction(graph, loss),
-                                  static_count=static_counts(graph, find, sizes))
+                                  static_count=static_counts(graph, find, sizes),
+                                  targets=ys[0], micro_batches=ungated is not None,
+                                  note=head)
   found = None
   if analysis.rule == 'rebuild':
     if ungated is None:
@@ -102,6 +110,37 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
     return found
   rule = analysis.rule if analysis.rule != 'rebuild' else 'mean'
   return weighted(ys, grad_ys, tower_weights(rule, sizes, batch, range(len(sizes))))
+
+
+def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
+                      grad_ys: Sequence[list], find: Callable | None, nonempty: Sequence,
+                      sizes: Sequence, batch: Any, towers_only: bool, across: Any = None
+                      ) -> Seeds | str | None:
+  """A loss that mixes the batch's rows, its head on the whole batch (`whole_batch_head`).
+
+  Each shard's backward pass starts from its frontier tensors' rows of the
+  head's gradient; the head's own variables get theirs from the head's
+  backward pass stopped at the frontier (`stops`). None where no op mixes
+  rows; a sentence saying why the head cannot be built (for
+  `row_dependence`'s warning) where one does.
+  """
+  if not towers_only:
+    return None   # micro-batches refuse it (row_dependence)
+  found = row_dependence.classify(ys, inputs, loss_algebra.is_declared)
+  if not found.mixing:
+    return None
+  if not isinstance(loss, tf.Tensor):
+    return 'the gradient request is of several tensors, and the head takes one loss'
+  built = whole_batch_head.build(found, loss, grad_ys[0][0], find, sizes, nonempty, batch,
+                                 across)
+  if isinstance(built, str):
+    return built
+  whole, shards, stops = built
+  logs.info_once_per_graph(
+      f'estimator_towers: the loss {loss.name} depends on {found.mixing[0].describe()}, '
+      f'which mixes the batch\'s rows: its head ({len(found.frontier)} gathered tensor(s) '
+      f'to the loss) runs on the whole batch on {loss.op.device or "the first tower"}.')
+  return Seeds(shards, whole, stops)
 
 
 def weighted(ys: Sequence[list], grad_ys: Sequence[list], weights: Sequence) -> Seeds:

@@ -28,6 +28,7 @@ from estimator_towers import ordering
 from estimator_towers import micro_batches as micro_batches_lib
 from estimator_towers import placement as placement_lib
 from estimator_towers import plan as plan_lib
+from estimator_towers import row_dependence
 from estimator_towers import seeds as seeds_lib
 from estimator_towers import sharding
 from estimator_towers import sharing
@@ -535,12 +536,16 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None, acr
   builder = _TowerBuilder(run, mode, shards, placement)
   if mode == ModeKeys.TRAIN:
     return _build_train(builder, plan, features, labels, staged, across)
-  return _build_eval_predict(builder, plan)
+  return _build_eval_predict(builder, plan, (features, labels, staged))
 
 
-def _build_eval_predict(builder: _TowerBuilder, plan: plan_lib.DevicePlan
+def _build_eval_predict(builder: _TowerBuilder, plan: plan_lib.DevicePlan, whole: tuple
                         ) -> tf.estimator.EstimatorSpec:
-  """EVAL / PREDICT: every tower's full model_fn; losses weighted, predictions joined."""
+  """EVAL / PREDICT: every tower's full model_fn; losses weighted, predictions joined.
+
+  An EVAL loss or metric computed from ops that mix the batch's rows
+  (`row_dependence`) is evaluated on the whole batch instead.
+  """
   shards, graph = builder.shards, builder.graph
   # A shard empty at run time feeds its tower nothing (see empty_shards).
   gated = {k: ne for k, ne in zip(shards.active[1:], shards.nonempty[1:])
@@ -563,6 +568,9 @@ def _build_eval_predict(builder: _TowerBuilder, plan: plan_lib.DevicePlan
     _order_next(shards, k, [spec.loss, spec.predictions])
   if builder.mode == ModeKeys.PREDICT:
     return specs_lib.merge_predict(tower_specs)
+  if row_dependence.in_eval_spec(built[0], _flat_shard(shards, builder.primary)).mixing:
+    return _whole_batch(builder, *whole, 'its EVAL loss or metrics mix the batch\'s rows, '
+                        'so they cannot be split across towers; it evaluates', order=False)
   loss = _reported_loss([s.loss for s in built], [s.loss for s in tower_specs], shards, plan,
                         graph, gated)
   _tower_summaries(shards.active, [s.loss for s in tower_specs], shards.sizes)
@@ -643,7 +651,9 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
           f'by summing the workers\' gradients, but this model_fn asked for no '
           f'gradient with respect to variables (its update, like k-means\', '
           f'cannot be split). Train it on one machine.')
-    return _train_without_gradients(builder, features, labels, staged)
+    return _whole_batch(builder, features, labels, staged, 'this model_fn asked for no '
+                        'gradients with respect to variables in TRAIN, so its update cannot '
+                        'be split across towers; it trains')
   builder.keep_collections(kept)
   statistics.check_complete()
   with statistics.syncing():  # a tower built again meets the sync points again: an error
@@ -695,18 +705,17 @@ def _tower_loss(broker: gradients.WholeBatchGradients, build_other: Callable, k:
   return loss_k
 
 
-def _train_without_gradients(builder: _TowerBuilder, features, labels, staged
-                             ) -> tf.estimator.EstimatorSpec:
-  """A TRAIN model_fn that asks for no gradients (k-means) on the whole batch.
+def _whole_batch(builder: _TowerBuilder, features, labels, staged, why: str,
+                 order: bool = True) -> tf.estimator.EstimatorSpec:
+  """A model_fn whose TRAIN or EVAL cannot be split across towers, on the whole batch.
 
-  Updates that are not gradient steps (k-means' cluster updates) cannot be
-  split across towers: the model_fn trains on the whole batch on tower 0's
-  device, with the variables tower 0 created, and tower 0's build is unused.
+  Updates that are not gradient steps (k-means' cluster updates) and EVAL
+  values of ops that mix the batch's rows cannot be split across towers:
+  the model_fn runs on the whole batch on tower 0's device, with the
+  variables tower 0 created, and the towers' build is unused. `why` says so.
   """
   device = builder.tower_devices[0]
-  _log_once('estimator_towers: this model_fn asked for no gradients with '
-            'respect to variables in TRAIN, so its update cannot be split '
-            'across towers; it trains on the whole batch on %s.' % device)
+  _log_once(f'estimator_towers: {why} on the whole batch on {device}.')
   shards = builder.shards
   whole = (features, labels) if staged is None else (
       sharding.concat(shards.features), sharding.concat(shards.labels))
@@ -716,8 +725,8 @@ def _train_without_gradients(builder: _TowerBuilder, features, labels, staged
       builder.variable_sharing.reusing(0, builder.root_scope, copies=False), \
       tower_context.entering(0, 1, device, True):
     spec = builder.run(whole[0], whole[1], builder.mode)
-  # Reads of a variable see it as the code says: before later updates.
-  ordering.order_reads_before_writes(builder.graph.get_operations()[first_op:])
+  if order:  # Reads of a variable see it as the code says: before later updates.
+    ordering.order_reads_before_writes(builder.graph.get_operations()[first_op:])
   return spec
 
 
@@ -752,7 +761,7 @@ def _reported_loss(built: Sequence, losses: Sequence, shards: _Shards,
   with tf.name_scope('tower_loss'):
     analysis = loss_algebra.analyse(
         built[0], _flat_shard(shards, shards.active[0]), (), plan.loss_reduction,
-        lambda: seeds_lib.fallback_reduction(graph, built[0]),
+        lambda: seeds_lib.fallback_reduction(graph, built[0]), micro_batches=plan.micro_batches > 1,
         static_count=seeds_lib.static_counts(
             graph, find, [shards.sizes[k] for k in shards.active]))
     if analysis.rule == 'rebuild':
@@ -787,31 +796,6 @@ def _tower_copies(builder: _TowerBuilder, statistics: Any,
       builder.pinned, statistics, lambda k: sharing.replicas(k, created()))
 
 
-class _Unsynced:
-  """Per-tower batch statistics: nothing to synchronise."""
-
-  def syncing(self) -> Any:
-    return contextlib.nullcontext()
-
-  def check_complete(self) -> None:
-    pass
-
-  def copy_reason(self) -> None:
-    return None
-
-  def shared_ops(self) -> set:
-    return set()
-
-  def copied(self, primary: int, tower: int, counterpart: Callable) -> None:
-    pass
-
-  def joined_by(self, primary: int, tower: int) -> dict:
-    return {}
-
-  def copied_pass(self, primary: int, tower: int, counterpart: Callable, ops: set) -> None:
-    pass
-
-
 def _batch_norm_statistics(plan: plan_lib.DevicePlan, builder: _TowerBuilder,
                            across: cross_worker.CrossWorker | None = None) -> Any:
   """The sync points of batch statistics for a TRAIN graph (sync_batch_norm).
@@ -821,7 +805,7 @@ def _batch_norm_statistics(plan: plan_lib.DevicePlan, builder: _TowerBuilder,
   """
   shards = builder.shards
   if not plan.sync_batch_norm or (len(shards.active) < 2 and across is None):
-    return _Unsynced()
+    return batch_norm_sync.Unsynced()
   present = {}
   for k, ne in zip(shards.active, shards.nonempty):
     if isinstance(ne, bool):

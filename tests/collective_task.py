@@ -124,8 +124,37 @@ def bn_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+def _minimize(loss, params):
+  optimizer = tf.compat.v1.train.MomentumOptimizer(params['learning_rate'], 0.9)
+  return optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+
+
+def clip_model_fn(features, labels, mode, params):
+  """CLIP's symmetric in-batch softmax with a trained temperature: rows mix (issue 33)."""
+  init = tf.compat.v1.glorot_uniform_initializer
+  x = features['x']
+  q = tf.math.l2_normalize(tf.compat.v1.layers.dense(x[:, :3], 4, kernel_initializer=init(1)), -1)
+  d = tf.math.l2_normalize(tf.compat.v1.layers.dense(x[:, 2:], 4, kernel_initializer=init(2)), -1)
+  log_scale = tf.compat.v1.get_variable('log_scale', [],
+                                        initializer=tf.compat.v1.constant_initializer(1.0))
+  logits = tf.exp(log_scale) * tf.matmul(q, d, transpose_b=True)
+  targets = tf.range(tf.shape(q)[0])
+  xent = tf.nn.sparse_softmax_cross_entropy_with_logits
+  loss = (tf.reduce_mean(xent(targets, logits)) +
+          tf.reduce_mean(xent(targets, tf.transpose(logits)))) / 2
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(loss, params))
+
+
+def top_k_model_fn(features, labels, mode, params):
+  """A mean cross-entropy plus the mean of the batch's 3 largest: rows mix (issue 33)."""
+  xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, _dense(features['x']))
+  hardest = tf.math.top_k(xent, tf.minimum(3, tf.shape(xent)[0])).values
+  loss = tf.reduce_mean(xent) + tf.reduce_mean(hardest)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(loss, params))
+
+
 MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_model_fn,
-          'bn': bn_model_fn}
+          'bn': bn_model_fn, 'clip': clip_model_fn, 'top_k': top_k_model_fn}
 
 
 def input_fn(data, suffix, batch, features_only=False):

@@ -176,12 +176,7 @@ def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
 
   params = {'learning_rate': 0.1}
   model_fn = collective_task.MODELS[model]
-  plain = _plain_from(spec['model_dir'], 'model.ckpt-0', model_fn, params, tmp_path)
-  plain.train(_batches_input_fn(batches), steps=len(batches))
-  expected = testlib.variables(plain)
-  chief = testlib.variables(testlib.make_estimator(model_fn, model_dir=spec['model_dir']))
-  assert chief['global_step'] == len(batches) == 5  # one step per global batch
-  testlib.assert_variables_close(chief, expected)
+  chief, expected = _chief_against_plain(tmp_path, spec, model, batches)
   first = tf.train.load_checkpoint(os.path.join(spec['model_dir'], 'model.ckpt-0'))
   moved = max(np.max(np.abs(first.get_tensor(n) - expected[n])) for n in expected
               if n != 'global_step')
@@ -197,6 +192,34 @@ def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
     assert reported['global_step'] == len(batches)
     for key in ('loss', 'accuracy', 'mean_logit'):
       testlib.assert_close(reported[key], plain_metrics[key], err_msg=key)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize('model', ['clip', 'top_k'])
+def test_cross_example_losses_across_two_workers_of_two_towers(tmp_path, model):
+  """Issue 33: an in-batch softmax with a trained temperature, a batch top-k: the head on the
+  cluster's rows (all-gathered in rank order; the worker's input ends first, so the global
+  batches are 12, 12, 8, 6, 6), every worker's rows and gradients exact."""
+  data = _data(tmp_path / 'data.npz', SIZES)
+  batches = _global_batches(data, SIZES)
+  spec = _spec(tmp_path, model, 2)
+  Cluster(tmp_path, spec).run()
+  chief, _ = _chief_against_plain(tmp_path, spec, model, batches)
+  _assert_workers_equal_the_chief(tmp_path, chief, SIZES)
+
+
+def _chief_against_plain(tmp_path, spec, model, batches):
+  """The chief's variables, checked against plain trained on the global `batches` from the
+  chief's first checkpoint; (chief's, plain's)."""
+  model_fn = collective_task.MODELS[model]
+  plain = _plain_from(spec['model_dir'], 'model.ckpt-0', model_fn, {'learning_rate': 0.1},
+                      tmp_path)
+  plain.train(_batches_input_fn(batches), steps=len(batches))
+  expected = testlib.variables(plain)
+  chief = testlib.variables(testlib.make_estimator(model_fn, model_dir=spec['model_dir']))
+  assert chief['global_step'] == len(batches) == 5  # one step per global batch
+  testlib.assert_variables_close(chief, expected)
+  return chief, expected
 
 
 def _assert_workers_equal_the_chief(tmp_path, chief, sizes):

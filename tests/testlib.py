@@ -130,6 +130,15 @@ def assert_close(actual, expected, err_msg: str = '', tol: float = TOLERANCE) ->
         f'{actual[worst]!r}, expected {expected[worst]!r} (|d| = {diff[worst]:.3g})')
 
 
+def logged_warnings(monkeypatch) -> list:
+  """The library's warnings logged from now on in this test (each test sees its own)."""
+  from estimator_towers import logs  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(logs, '_warned', set())
+  found = []
+  monkeypatch.setattr(logs.logging, 'warning', lambda fmt, *a: found.append(fmt % a))
+  return found
+
+
 def assert_variables_close(actual: dict, expected: dict, tol: float = TOLERANCE):
   """Same names, and every value within `assert_close`'s rule (`tol=0`: exact)."""
   assert sorted(actual) == sorted(expected), (sorted(actual), sorted(expected))

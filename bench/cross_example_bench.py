@@ -1,0 +1,148 @@
+"""Cost of an exact in-batch softmax on towers (docs/cross_example.md).
+
+A two-tower retrieval model (MLP encoders, embeddings of width D, global
+batch B) trained with momentum SGD by Estimator, on N virtual CPU devices:
+
+- `in_batch`: softmax over the batch's documents (`q @ d^T / t`, labels
+  `tf.range(B)`): its head runs on the whole batch (`whole_batch_head`);
+- `per_example`: the same towers with a per-example loss (a logistic loss of
+  each pair's own score), the loss algebra's scalars-only path.
+
+Prints, per N: steps/sec of each (the median of --repeats alternating runs
+of --steps timed steps after --warmup), their ratio towered / plain, the
+ratio of those ratios (the issue asks >= 0.95), the bytes that cross devices
+in one step (`estimator_towers.traffic`, the second step's `_Send`/`_Recv`
+pairs) and what in_batch adds to per_example's, against the gathered
+tensors' size (2 (N-1)/N * B * D * 4 bytes forward, as much back), and the
+head's largest tensor.
+
+  python bench/cross_example_bench.py                    # B = 1024, D = 128, N = 2, 4
+  python bench/cross_example_bench.py --quick            # B = 256, fewer steps
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+import numpy as np
+import tensorflow as tf
+
+import benchlib
+import estimator_towers as et
+from estimator_towers import traffic
+
+flags.DEFINE_integer('batch', 1024, 'global batch B')
+flags.DEFINE_integer('width', 128, 'embedding width D')
+flags.DEFINE_list('devices', ['2', '4'], 'tower counts N')
+flags.DEFINE_integer('steps', 30, 'timed steps per run')
+flags.DEFINE_integer('warmup', 5, 'steps before timing')
+flags.DEFINE_integer('repeats', 3, 'alternating runs per configuration')
+flags.DEFINE_bool('quick', False, 'B = 256, 10 steps, 1 repeat')
+FLAGS = flags.FLAGS
+FEATURES = 64
+
+
+def _encoder(x, name):
+  with tf.compat.v1.variable_scope(name):
+    h = tf.compat.v1.layers.dense(x, 256, tf.nn.relu, name='hidden',
+                                  kernel_initializer=tf.compat.v1.glorot_uniform_initializer(1))
+    return tf.math.l2_normalize(tf.compat.v1.layers.dense(
+        h, FLAGS.width, name='out',
+        kernel_initializer=tf.compat.v1.glorot_uniform_initializer(2)), -1)
+
+
+def model_fn(features, labels, mode, params):
+  q = _encoder(features['query'], 'query')
+  d = _encoder(features['doc'], 'doc')
+  if params['loss'] == 'in_batch':
+    logits = tf.matmul(q, d, transpose_b=True) / 0.05
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        tf.range(tf.shape(q)[0]), logits))
+  else:
+    scores = tf.reduce_sum(q * d, -1) / 0.05
+    loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(tf.ones_like(scores), scores))
+  train_op = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9).minimize(
+      loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def input_fn():
+  rng = np.random.RandomState(0)
+  n = FLAGS.batch * 4
+  data = {'query': rng.randn(n, FEATURES).astype(np.float32),
+          'doc': rng.randn(n, FEATURES).astype(np.float32)}
+  return tf.data.Dataset.from_tensor_slices(data).repeat().batch(FLAGS.batch)
+
+
+def _estimator(loss, num_devices):
+  fn = model_fn if num_devices == 1 else et.replicate_model_fn(
+      model_fn, devices=[f'/cpu:{i}' for i in range(num_devices)])
+  config = tf.estimator.RunConfig(
+      session_config=tf.compat.v1.ConfigProto(device_count={'CPU': max(num_devices, 1)}),
+      save_checkpoints_steps=None, save_checkpoints_secs=None, save_summary_steps=None,
+      log_step_count_steps=100000)
+  return tf.estimator.Estimator(fn, model_dir=tempfile.mkdtemp(prefix='xb_'), config=config,
+                                params={'loss': loss})
+
+
+class _Timer(tf.compat.v1.train.SessionRunHook):
+  def __init__(self, skip):
+    self.skip, self.runs, self.start = skip, 0, None
+
+  def before_run(self, run_context):
+    self.runs += 1
+    if self.runs == self.skip + 1:
+      self.start = time.perf_counter()
+
+  def end(self, session):
+    self.seconds = time.perf_counter() - self.start
+
+
+def steps_per_sec(loss, num_devices):
+  timer = _Timer(FLAGS.warmup)
+  _estimator(loss, num_devices).train(input_fn, steps=FLAGS.warmup + FLAGS.steps,
+                                      hooks=[timer])
+  return FLAGS.steps / timer.seconds
+
+
+def step_bytes(loss, num_devices):
+  hook = traffic.TransferHook()
+  _estimator(loss, num_devices).train(input_fn, steps=2, hooks=[hook])
+  return traffic.total_bytes(hook.transfers)
+
+
+def main(argv):
+  del argv
+  if FLAGS.quick:
+    FLAGS.batch, FLAGS.steps, FLAGS.repeats = 256, 10, 1
+  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+  print(f'cross_example_bench {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, '
+        f'{benchlib.machine()}, B = {FLAGS.batch}, D = {FLAGS.width}, '
+        f'{FLAGS.steps} timed steps x {FLAGS.repeats} alternating runs')
+  for n in [int(d) for d in FLAGS.devices]:
+    rates = {key: [] for key in ('in_batch:1', 'in_batch:n', 'per_example:1', 'per_example:n')}
+    for _ in range(FLAGS.repeats):
+      for loss in ('in_batch', 'per_example'):
+        rates[f'{loss}:1'].append(steps_per_sec(loss, 1))
+        rates[f'{loss}:n'].append(steps_per_sec(loss, n))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    in_batch, per_example = med['in_batch:n'] / med['in_batch:1'], (
+        med['per_example:n'] / med['per_example:1'])
+    extra = step_bytes('in_batch', n) - step_bytes('per_example', n)
+    gathered = 2 * 2 * (n - 1) * (FLAGS.batch // n) * FLAGS.width * 4
+    print(f'N = {n}: steps/sec in_batch plain {med["in_batch:1"]:.2f} towered '
+          f'{med["in_batch:n"]:.2f} ({in_batch:.3f} x), per_example plain '
+          f'{med["per_example:1"]:.2f} towered {med["per_example:n"]:.2f} ({per_example:.3f} x); '
+          f'in_batch / per_example = {in_batch / per_example:.3f}')
+    print(f'  bytes per step: in_batch adds {extra} to per_example\'s; the gathered rows '
+          f'and their gradients (q and d of the N-1 other towers, both ways) are {gathered}; '
+          f'largest head tensor {FLAGS.batch} x {FLAGS.batch} on /cpu:0')
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,289 @@
+"""Issue 33: models whose rows depend on other examples of the batch.
+
+Exact towers: a loss that depends on ops mixing the batch's rows (an in-batch
+softmax's matrix product, CLIP's symmetric loss with a trained temperature,
+SimCLR's stacked views, a batch top-k, an opaque function, mixup's reverse,
+attention over the batch) trains on towers as the plain model_fn on the whole
+batch: its head runs on the whole batch's rows (`whole_batch_head`).
+
+Never silently wrong: where the library does not compute such an op on the
+whole batch (EVAL, a gradient request of several tensors), one warning at
+graph construction names it and says why, not the loss algebra's;
+`loss_reduction='exact'` makes it an error, and micro-batches refuse it. A
+per-example model gets no warning.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import cross_example_models as patterns
+import testlib
+import estimator_towers as et
+from estimator_towers import towers
+
+ModeKeys = tf.estimator.ModeKeys
+BATCH = 10
+
+
+@pytest.fixture
+def warnings(monkeypatch):
+  return testlib.logged_warnings(monkeypatch)
+
+
+def _model_fn(pattern, features, labels, mode):
+  loss, _ = pattern(features['x'], labels)
+  if mode == ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss)
+  optimizer = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
+
+
+def _build(name, mode=ModeKeys.TRAIN, num_devices=3, static=False, **plan):
+  """The towered graph of pattern `name` (built, not run); the batch size unknown unless static."""
+  model_fn = functools.partial(_model_fn, patterns.PATTERNS[name][0] if name in patterns.PATTERNS
+                               else getattr(patterns, name))
+  towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices), **plan)
+  x = np.random.RandomState(0).randn(BATCH, patterns.F).astype(np.float32)
+  y = np.arange(BATCH, dtype=np.int32) % 3
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    if static:
+      return towered({'x': tf.constant(x)}, tf.constant(y), mode, None, None)
+    return towered({'x': tf.compat.v1.placeholder_with_default(x, [None, patterns.F])},
+                   tf.compat.v1.placeholder_with_default(y, [None]), mode, None, None)
+
+
+def _ours(found):
+  return [w for w in found if 'other examples of the batch' in w or 'loss algebra' in w]
+
+
+def _two_tensors_model_fn(pattern, features, labels, mode):
+  """A gradient request of two tensors: no whole-batch head (it takes one loss)."""
+  loss, _ = pattern(features['x'], labels)
+  tvars = tf.compat.v1.trainable_variables()
+  grads = tf.gradients([loss, 0.5 * loss], tvars)
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).apply_gradients(
+      zip(grads, tvars), tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _build_two_tensors(name, **plan):
+  model_fn = functools.partial(_two_tensors_model_fn, patterns.PATTERNS[name][0])
+  towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(3), **plan)
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    towered({'x': tf.compat.v1.placeholder(tf.float32, [None, patterns.F])},
+            tf.compat.v1.placeholder(tf.int32, [None]), ModeKeys.TRAIN, None, None)
+
+
+@pytest.mark.parametrize('name,op', [
+    ('in_batch_softmax', "MatMul op 'MatMul'"),
+    ('top_k', "TopKV2 op 'TopKV2' (a top-k across the batch axis)"),
+    ('mixup', "ReverseV2 op 'ReverseV2' (a reverse across the batch axis)"),
+    ('attention', "MatMul op 'MatMul'"),
+    ('opaque', "PartitionedCall op 'PartitionedCall' (a function call the library cannot see "
+               "inside, fed by the batch's rows), which may make a row depend on other "
+               "examples of the batch"),
+])
+def test_without_a_head_a_mixing_op_warns_once_naming_it(name, op, warnings):
+  _build_two_tensors(name)
+  found = _ours(warnings)
+  assert len(found) == 1, found
+  assert op in found[0], found[0]
+  assert 'a row depend on other examples of the batch' in found[0]
+  assert ("the whole batch's head cannot be built here: the gradient request is of several "
+          "tensors") in found[0], found[0]
+  assert 'loss algebra' not in found[0] and 'arithmetic on statistics' not in found[0]
+  assert "Pass loss_reduction='exact' to make this an error" in found[0]
+
+
+def test_the_warning_says_why_and_counts_the_other_ops(warnings):
+  _build_two_tensors('simclr')
+  found = _ours(warnings)
+  assert len(found) == 1, found
+  assert ("a matrix product of two operands that depend on the batch) (and 3 more such ops"
+          in found[0]), found[0]
+
+
+def test_train_with_a_whole_batch_head_does_not_warn(warnings):
+  for name in ('in_batch_softmax', 'top_k', 'opaque', 'simclr'):
+    _build(name)
+    _build(name, loss_reduction='exact')   # exact: no error either
+  assert not _ours(warnings), _ours(warnings)
+
+
+def test_a_static_batch_size_warns_that_the_head_cannot_be_built(warnings):
+  """tf.shape(q)[0] of a static shard is tower 0's constant: no head, one warning saying so."""
+  _build('in_batch_softmax', static=True)
+  found = _ours(warnings)
+  assert len(found) == 1, found
+  assert ("the whole batch's head cannot be built here: the batch size is static, so shape "
+          "reads of the shard are constants of the graph, and the head reads range:0, made "
+          "from the constant Shape:0 that holds the shard's size (4); leave the batch "
+          "dimension unknown") in found[0], found[0]
+
+
+def test_loss_reduction_exact_makes_it_an_error():
+  with pytest.raises(ValueError, match=r"depends on TopKV2 op 'TopKV2' \(a top-k across the "
+                                       r"batch axis\).*loss_reduction='exact' makes this an error"):
+    _build_two_tensors('top_k', loss_reduction='exact')
+
+
+def test_micro_batches_with_a_mixing_op_is_an_error():
+  with pytest.raises(ValueError, match=r"micro_batches > 1 cannot train this model_fn: the "
+                                       r"loss .* depends on ReverseV2 op 'ReverseV2'.*Use "
+                                       r"micro_batches=1"):
+    _build('mixup', num_devices=1, micro_batches=3)
+
+
+@pytest.mark.parametrize('mode', [ModeKeys.TRAIN, ModeKeys.EVAL])
+def test_per_example_model_does_not_warn(mode, warnings):
+  _build('per_example', mode=mode)
+  _build('per_example', mode=mode, num_devices=1, micro_batches=3)
+  assert not _ours(warnings)
+  assert not [w for w in warnings if 'on the whole batch' in w], warnings   # towers as ever
+
+
+# --- Exact towers: the head on the whole batch --------------------------------
+
+NUM_EXAMPLES = 22   # batches of 10, 10 and 2: shards 4/3/3, then 1/1/0 (one empty)
+
+
+def _data():
+  rng = np.random.RandomState(3)
+  x = rng.randn(NUM_EXAMPLES, patterns.F).astype(np.float32)
+  return x, (np.arange(NUM_EXAMPLES) % 3).astype(np.int32)
+
+
+def _input_fn(labels=True):
+  x, y = _data()
+  if not labels:
+    return lambda: tf.data.Dataset.from_tensor_slices({'x': x}).batch(BATCH)
+  return lambda: tf.data.Dataset.from_tensor_slices(({'x': x}, y)).batch(BATCH)
+
+
+def _features_only(pattern, features, labels, mode):
+  assert labels is None
+  return _model_fn(pattern, features, tf.cast(features['x'][:, 0] > 0, tf.int32), mode)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain(name, labels=True):
+  model_fn = functools.partial(_model_fn if labels else _features_only,
+                               patterns.PATTERNS[name][0])
+  est = testlib.make_estimator(model_fn)
+  est.train(_input_fn(labels), steps=1)
+  after_1 = testlib.variables(est)
+  est.train(_input_fn(labels), steps=2)
+  return after_1, testlib.variables(est)
+
+
+def _towered(name, labels=True, num_devices=3):
+  model_fn = functools.partial(_model_fn if labels else _features_only,
+                               patterns.PATTERNS[name][0])
+  est = testlib.make_estimator(
+      et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices)),
+      num_cpus=num_devices)
+  est.train(_input_fn(labels), steps=1)
+  after_1 = testlib.variables(est)
+  est.train(_input_fn(labels), steps=2)
+  return after_1, testlib.variables(est)
+
+
+EXACT = ('in_batch_softmax', 'clip', 'simclr', 'top_k', 'opaque', 'mixup', 'attention',
+         'two_levels')
+
+
+@pytest.mark.parametrize('name', EXACT)
+def test_towers_equal_plain_on_the_whole_batch(name, warnings):
+  """3 towers: 1 step on shards 4/3/3, then 2 more, the last on 1/1/0 (an empty shard)."""
+  plain_1, plain_3 = _plain(name)
+  towered_1, towered_3 = _towered(name)
+  testlib.assert_variables_close(towered_1, plain_1)
+  testlib.assert_variables_close(towered_3, plain_3)
+  assert not _ours(warnings), _ours(warnings)   # exact: nothing to warn of
+
+
+@pytest.mark.parametrize('name', ['simclr', 'attention'])
+def test_features_only_input_equals_plain(name, warnings):
+  """labels=None (self-supervised, BERT-style input): the same, from the features alone."""
+  plain_1, plain_3 = _plain(name, labels=False)
+  towered_1, towered_3 = _towered(name, labels=False)
+  testlib.assert_variables_close(towered_1, plain_1)
+  testlib.assert_variables_close(towered_3, plain_3)
+  assert not _ours(warnings), _ours(warnings)
+
+
+def _head_ops(name):
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.create_global_step()
+    model_fn = functools.partial(_model_fn, patterns.PATTERNS[name][0] if name in patterns.PATTERNS
+                                 else getattr(patterns, name))
+    towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(3))
+    x, y = _data()
+    towered({'x': tf.compat.v1.placeholder_with_default(x[:BATCH], [None, patterns.F])},
+            tf.compat.v1.placeholder_with_default(y[:BATCH], [None]), ModeKeys.TRAIN, None, None)
+    return [op for op in graph.get_operations() if op.name.startswith('whole_batch_head/')]
+
+
+def test_per_example_losses_gather_nothing():
+  """The loss algebra's scalars-only path is kept: no head, no gathered rows."""
+  assert _head_ops('per_example') == []
+
+
+def test_the_head_runs_on_the_first_tower_device():
+  ops = _head_ops('in_batch_softmax')
+  assert ops and {op.device for op in ops} == {'/device:CPU:0'}, {op.device for op in ops}
+  # Gathered: the two encoders' rows, once each (no other tensor is gathered).
+  concats = [op for op in ops if op.type == 'ConcatV2' and op.inputs[0].dtype == tf.float32]
+  assert len(concats) == 2, [op.name for op in concats]
+
+
+# --- EVAL: loss and metrics of cross-example tensors ----------------------------
+
+def _retrieval_model_fn(features, labels, mode, per_example_loss=False):
+  """Two-tower retrieval with in-batch negatives; EVAL: an in-batch retrieval accuracy.
+
+  With `per_example_loss`, the loss is each pair's own score: only the metrics mix rows.
+  """
+  q, d = patterns.encoders(features['x'])
+  logits = tf.matmul(q, d, transpose_b=True) / 0.1
+  targets = tf.range(tf.shape(q)[0])
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(targets, logits))
+  if per_example_loss:
+    loss = -tf.reduce_mean(tf.reduce_sum(q * d, 1))
+  if mode == ModeKeys.EVAL:
+    return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+        'retrieval_accuracy': tf.compat.v1.metrics.accuracy(
+            targets, tf.argmax(logits, 1, output_type=tf.int32)),
+        'positive_logit': tf.compat.v1.metrics.mean(tf.linalg.diag_part(logits)),
+        'query_norm': tf.compat.v1.metrics.mean(tf.norm(q, axis=1)),
+    })
+  optimizer = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
+
+
+@pytest.mark.parametrize('per_example_loss', [False, True])
+def test_eval_of_cross_example_metrics_equals_plain(per_example_loss, warnings, monkeypatch):
+  """Batches 10, 10, 2 (shards 4/3/3 and 1/1/0): loss and metrics as plain's, same checkpoint."""
+  monkeypatch.setattr(towers, '_logged', set())   # its log line, said once per process
+  model_fn = functools.partial(_retrieval_model_fn, per_example_loss=per_example_loss)
+  plain = testlib.make_estimator(model_fn)
+  plain.train(_input_fn(), steps=2)
+  expected = plain.evaluate(_input_fn(), name='plain')
+  towered = testlib.make_estimator(
+      et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(3)),
+      num_cpus=3, model_dir=plain.model_dir)
+  actual = towered.evaluate(_input_fn(), name='towered')
+  assert sorted(actual) == sorted(expected)
+  for key in expected:
+    testlib.assert_close(actual[key], expected[key], err_msg=key)
+  assert 0 < expected['retrieval_accuracy'] < 1   # in-batch: not trivially 0 or 1
+  said = [w for w in warnings if 'EVAL loss or metrics mix the batch' in w]
+  assert len(said) == 1 and 'evaluates on the whole batch on /device:CPU:0' in said[0], warnings
+  assert not _ours(warnings), _ours(warnings)

@@ -1,0 +1,220 @@
+"""Row dependence (`row_dependence.classify`) on the graphs of one tower.
+
+Every pattern of issue 33, written for one device, is read on a graph whose
+inputs are a shard's placeholders: the op that first mixes the batch's rows
+is named, and the frontier is the per-example tensors it reads. The
+per-example controls (and the models of the other tests) have no mixing op.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import cross_example_models as models
+import testlib
+from estimator_towers import row_dependence as rd
+
+ModeKeys = tf.estimator.ModeKeys
+F = models.F
+PATTERNS = models.PATTERNS
+_dense = models.dense
+_xent = models.logits_and_xent
+simclr = models.simclr
+per_example = models.per_example
+attention = models.attention
+
+
+def _classify(model, static=False, labels=True):
+  graph = tf.Graph()
+  with graph.as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [4 if static else None, F], name='x')
+    y = tf.compat.v1.placeholder(tf.int32, [4 if static else None], name='y') if labels else None
+    loss, frontier = model(x, y if labels else tf.zeros_like(x[:, 0], tf.int32))
+    return rd.classify([loss], [x] + ([y] if labels else [])), loss, frontier
+
+
+@pytest.mark.parametrize('static', [False, True])
+@pytest.mark.parametrize('name', sorted(PATTERNS))
+def test_each_pattern_is_mixing_at_its_op(name, static):
+  model, op_type = PATTERNS[name]
+  found, loss, frontier = _classify(model, static)
+  assert found.mixing, name
+  assert found.mixing[0].op.type in (op_type, 'PartitionedCall'), found.mixing[0].describe()
+  assert found.kind(loss).tag == rd.MIXED
+  assert {t.name for t in frontier} <= {t.name for t in found.frontier}, (
+      [t.name for t in frontier], [t.name for t in found.frontier])
+
+
+def test_simclr_encoder_on_stacked_views_stays_per_example():
+  found, _, _ = _classify(simclr)
+  graph = tf.compat.v1.get_default_graph()
+  kinds = {name: k for name, k in found.kinds.items()}
+  encoder = [k for name, k in kinds.items() if name.startswith('encoder/') and 'Relu' not in name]
+  assert encoder and all(k == rd.Kind(rd.ROWS, 2) for k in encoder), encoder
+  assert all(m.op.type == 'MatMul' for m in found.mixing), [m.describe() for m in found.mixing]
+  assert len(found.mixing) == 4   # the four similarity matrices, nothing before them
+  assert sorted(t.name for t in found.frontier) == ['split_1:0', 'split_1:1']
+  del graph
+
+
+def test_batch_size_values():
+  found, _, _ = _classify(simclr)
+  by_name = found.kinds
+  assert by_name['Shape:0'].tag == rd.SHAPE
+  assert by_name['strided_slice:0'].tag == rd.SIZE
+  assert by_name['range:0'].tag == rd.SIZE
+  assert by_name['one_hot:0'].tag == rd.SIZE
+
+
+def test_per_example_control_has_no_mixing_and_a_statistic_loss():
+  found, loss, _ = _classify(per_example)
+  assert not found.mixing and not found.frontier
+  assert found.kind(loss).tag == rd.STAT
+
+
+def test_features_only_input():
+  found, loss, _ = _classify(attention, labels=False)
+  assert found.mixing and found.mixing[0].op.type == 'MatMul'
+  found, loss, _ = _classify(per_example, labels=False)
+  assert not found.mixing
+
+
+def test_a_statistic_of_the_batch_in_the_rows_is_mixing():
+  def normalised(x, y):
+    _, xent = _xent(x, y)
+    return tf.reduce_sum(xent / tf.reduce_sum(xent)), []
+  found, _, _ = _classify(normalised)
+  assert [m.op.type for m in found.mixing] == ['RealDiv']
+  assert 'statistic of the batch' in found.mixing[0].why
+
+
+def test_a_gram_matrix_over_the_batch_is_a_statistic():
+  """Barlow Twins' x^T y sums over the examples: a statistic, not a mixing op."""
+  def gram(x, y):
+    h = _dense(x, 4, 'h')
+    return tf.reduce_sum(tf.square(tf.matmul(h, h, transpose_a=True))), []
+  found, loss, _ = _classify(gram)
+  assert not found.mixing
+  assert found.kind(loss).tag == rd.STAT
+
+
+def test_unknown_ops_fed_by_the_batch_are_mixing():
+  def py(x, y):
+    doubled = tf.compat.v1.py_func(lambda v: v * 2, [x], tf.float32)
+    return tf.reduce_mean(doubled), []
+  found, _, _ = _classify(py)
+  assert found.mixing[0].op.type == 'PyFunc'
+  assert 'Python function' in found.mixing[0].why
+
+
+# --- The models of the other tests: every op per-example --------------------
+
+def _model_graph_mixing(model_fn, mode, features, labels, params=None):
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.compat.v1.train.create_global_step()
+    feature_tensors = tf.nest.map_structure(
+        lambda a: tf.compat.v1.placeholder(tf.as_dtype(a.dtype), [None] + list(a.shape[1:])),
+        features)
+    label_tensors = None if labels is None else tf.compat.v1.placeholder(
+        tf.as_dtype(labels.dtype), [None] + list(labels.shape[1:]))
+    spec = model_fn(feature_tensors, label_tensors, mode, params)
+    inputs = tf.nest.flatten((feature_tensors, label_tensors))
+    found = rd.classify([spec.loss], inputs)
+    return [m.describe() for m in found.mixing]
+
+
+@pytest.mark.parametrize('mode', [ModeKeys.TRAIN, ModeKeys.EVAL])
+@pytest.mark.parametrize('name', sorted(testlib.MODELS))
+def test_reference_models_have_no_mixing_op(name, mode):
+  x, y = testlib.data(7)
+  assert _model_graph_mixing(testlib.MODELS[name], mode, x, y) == []
+
+
+def test_loss_algebra_models_have_no_mixing_op():
+  import test_loss_algebra as tla  # pylint: disable=g-import-not-at-top
+  features, targets = tla._data()  # pylint: disable=protected-access
+  losses = dict(tla.LOSSES, undeclared=(tla._undeclared, tla._adam))  # pylint: disable=protected-access
+  for name in sorted(losses):   # the undeclared count is a dot product over the batch: a sum
+    model_fn = lambda f, l, m, p, name=name: tla._model_fn(losses[name][0], f, l, m)  # pylint: disable=protected-access
+    assert _model_graph_mixing(model_fn, ModeKeys.TRAIN, features, targets) == [], name
+
+
+def test_a_cond_reads_its_branches():
+  """A tf.cond chosen by a hyper-parameter is per-example where its branches are; one
+  chosen by a statistic of the batch mixes."""
+  def fixed(x, y):
+    h = _dense(x, 3, 'h')
+    h = tf.cond(tf.constant(True), lambda: h * 2.0, lambda: tf.nn.relu(h))
+    return tf.reduce_mean(h), []
+
+  def by_batch(x, y):
+    h = _dense(x, 3, 'h')
+    h = tf.cond(tf.reduce_sum(x) > 0, lambda: h * 2.0, lambda: tf.nn.relu(h))
+    return tf.reduce_mean(h), []
+
+  def mixing_branch(x, y):
+    h = _dense(x, 3, 'h')
+    h = tf.cond(tf.constant(True), lambda: tf.reverse(h, [0]), lambda: h)
+    return tf.reduce_mean(h), []
+
+  found, _, _ = _classify(fixed)
+  assert not found.mixing, [m.describe() for m in found.mixing]
+  found, _, _ = _classify(by_batch)
+  assert [m.why for m in found.mixing] == [
+      'a tf.cond whose branch is chosen by a value of the batch']
+  found, _, _ = _classify(mixing_branch)
+  assert found.mixing[0].why.startswith(
+      "a tf.cond whose branch has ReverseV2 op 'ReverseV2' (a reverse across the batch axis)")
+
+
+def test_layer_norm_batch_norm_and_auc_are_per_example():
+  """Keras layer norm (a fused batch norm over [1, n, d, 1]), Keras batch norm (its moments)
+  and tf.compat.v1.metrics.auc (the batch on axis 1 of its threshold table): no mixing."""
+  def model(x, y):
+    h = tf.keras.layers.LayerNormalization()(_dense(x, 4, 'h'))
+    h = tf.keras.layers.BatchNormalization()(h, training=True)
+    logits = _dense(h, 3, 'logits')
+    auc = tf.compat.v1.metrics.auc(tf.equal(y, 0), tf.nn.softmax(logits)[:, 0])
+    updates = [op.inputs[1] for op in tf.compat.v1.get_default_graph().get_operations()
+               if op.type.startswith('Assign')]
+    return tf.add_n([tf.reduce_mean(logits), auc[1]] + [tf.reduce_sum(u) for u in updates]), []
+  found, _, _ = _classify(model)
+  assert not found.mixing, [m.describe() for m in found.mixing]
+
+
+def test_sparse_inputs_and_embedding_lookups():
+  """A SparseTensor feature (indices, values, dense_shape) looked up with
+  embedding_lookup_sparse (tf.unique's distinct ids, summed back per example) is
+  per-example; a value of the distinct ids themselves in the loss is not."""
+  def build(distinct_in_loss):
+    graph = tf.Graph()
+    with graph.as_default():
+      ids = tf.compat.v1.sparse_placeholder(tf.int64, [None, 4], name='ids')
+      y = tf.compat.v1.placeholder(tf.int32, [None], name='y')
+      table = tf.compat.v1.get_variable('table', [10, 3])
+      embedded = tf.nn.embedding_lookup_sparse(table, ids, None, combiner='mean')
+      loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, embedded))
+      if distinct_in_loss:
+        loss += tf.reduce_sum(tf.nn.embedding_lookup(table, tf.unique(ids.values)[0]))
+      inputs = tf.nest.flatten((ids, y), expand_composites=True)
+      return rd.classify([loss], inputs)
+  assert not build(False).mixing, [m.describe() for m in build(False).mixing]
+  assert build(True).mixing
+
+
+def test_ragged_and_string_inputs():
+  """A RaggedTensor's per-example sum (segment ids from its row splits) and a string length
+  are per-example."""
+  graph = tf.Graph()
+  with graph.as_default():
+    values = tf.compat.v1.placeholder(tf.float32, [None], name='RaggedValues')
+    splits = tf.compat.v1.placeholder(tf.int64, [None], name='RaggedSplits')
+    words = tf.compat.v1.placeholder(tf.string, [None], name='words')
+    ragged = tf.RaggedTensor.from_row_splits(values, splits, validate=False)
+    loss = tf.reduce_sum(tf.reduce_sum(ragged, axis=1) * tf.cast(tf.strings.length(words),
+                                                                  tf.float32))
+    found = rd.classify([loss], [values, splits, words])
+  assert not found.mixing, [m.describe() for m in found.mixing]
