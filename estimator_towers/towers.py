@@ -732,8 +732,8 @@ def _whole_batch(builder: _TowerBuilder, features, labels, staged, why: str,
 
 def _flat_shard(shards: _Shards, k: int) -> list:
   """Shard k's tensors, flattened; absent labels (features-only input) have none."""
-  flat = tf.nest.flatten((shards.features[k], shards.labels[k]), expand_composites=True)
-  return [t for t in flat if t is not None]
+  return [t for t in tf.nest.flatten((shards.features[k], shards.labels[k]),
+                                     expand_composites=True) if t is not None]
 
 
 def _reported_loss(built: Sequence, losses: Sequence, shards: _Shards,
