@@ -543,8 +543,7 @@ def _build_eval_predict(builder: _TowerBuilder, plan: plan_lib.DevicePlan, whole
                         ) -> tf.estimator.EstimatorSpec:
   """EVAL / PREDICT: every tower's full model_fn; losses weighted, predictions joined.
 
-  An EVAL loss or metric computed from ops that mix the batch's rows
-  (`row_dependence`) is evaluated on the whole batch instead.
+  An EVAL loss or metric that mixes the batch's rows: on the whole batch instead.
   """
   shards, graph = builder.shards, builder.graph
   # A shard empty at run time feeds its tower nothing (see empty_shards).
