@@ -1127,8 +1127,7 @@ def _report(targets: list, found: RowDependence, loss_reduction: str,
         f'rows at once, so that op would see a micro-batch\'s rows only. Use '
         f'{spelling.setting("micro_batches", 1)} (see docs/cross_example.md).')
   where = (f'the whole batch\'s head cannot be built here: {note}' if note else
-           'this is where the library computes each tower\'s loss on its own shard (EVAL '
-           'losses and metrics, a collective across workers)')
+           'the library does not compute this loss on the whole batch here')
   message = (
       f'estimator_towers: {mixes}. Towers compute it on each shard\'s rows only, so the '
       f'result differs from the single-device model_fn\'s on the whole batch (an '
