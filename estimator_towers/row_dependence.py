@@ -349,6 +349,12 @@ class _Reader:
       return _FLAT   # which example each entry of a RaggedTensor belongs to
     if any(k.tag == SPLITS for k in present):
       return self._splits(op, kinds)
+    if t.startswith('Collective') or t in ('ScatterNd', 'TensorScatterUpdate',
+                                           'TensorScatterAdd'):
+      # across workers: a total or a table of statistics (cross_worker, sync batch norm)
+      if present and all(k.tag in (STAT, SIZE, SHAPE) for k in present):
+        return _stat_of(present) if any(k.tag == STAT for k in present) else _SIZE
+      return f'an op across workers or a scatter of the batch\'s rows ({t})'
     if t in _SEGMENT_SUMS:
       data, ids = kinds[0], kinds[1]
       if data is not None and data.tag in (ROWS, FLAT) and ids is not None and (
@@ -852,6 +858,9 @@ class _Reader:
     return 'an unstack of the batch axis'
 
   def _split(self, op, kind, axis_tensor, num_split, sizes_kind=None):
+    if kind is not None and kind.tag in (STAT, SIZE) and (
+        sizes_kind is None or sizes_kind.tag in (STAT, SIZE, SHAPE)):
+      return [kind] * len(op.outputs)
     if sizes_kind is not None:
       return 'a split whose sizes depend on the batch'
     axes = self._axes(op, axis_tensor, op.outputs[0].shape.rank)
@@ -1118,8 +1127,7 @@ def _report(targets: list, found: RowDependence, loss_reduction: str,
         f'rows at once, so that op would see a micro-batch\'s rows only. Use '
         f'{spelling.setting("micro_batches", 1)} (see docs/cross_example.md).')
   where = (f'the whole batch\'s head cannot be built here: {note}' if note else
-           'this is where the library computes each tower\'s loss on its own shard (EVAL '
-           'losses and metrics, a collective across workers)')
+           'the library does not compute this loss on the whole batch here')
   message = (
       f'estimator_towers: {mixes}. Towers compute it on each shard\'s rows only, so the '
       f'result differs from the single-device model_fn\'s on the whole batch (an '

@@ -448,6 +448,16 @@ def _train_graph(model_fn, monkeypatch, cluster, strategy='collective', **plan_k
 CHIEF_AND_WORKER = {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']}
 
 
+@pytest.mark.parametrize('sync', [True, False])
+def test_batch_norm_across_workers_mixes_no_rows(monkeypatch, sync):
+  """The all-reduces and gathers of statistics across workers are statistics
+  (row_dependence): no whole-batch head is built for a per-example model."""
+  def model_fn(features, labels, mode):
+    return collective_task.bn_model_fn(features, labels, mode, {'learning_rate': 0.1})
+  graph = _train_graph(model_fn, monkeypatch, CHIEF_AND_WORKER, sync_batch_norm=sync)
+  assert not [op for op in graph.get_operations() if 'whole_batch_head' in op.name]
+
+
 def test_chief_and_workers_without_ps_need_the_collective_strategy(monkeypatch):
   with pytest.raises(ValueError, match=r"1 worker task\(s\) and no 'ps' job.*"
                                        r"Use variable_strategy='collective'"):
