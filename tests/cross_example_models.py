@@ -117,3 +117,12 @@ PATTERNS = {  # name: (model, type of the first mixing op)
     'attention': (attention, 'MatMul'),
     'two_levels': (two_levels, 'MatMul'),
 }
+
+
+def in_batch_regularised(x, y):
+  """An in-batch softmax plus a penalty on the whole B x B matrix: a head not made of rows."""
+  q, d = encoders(x)
+  logits = tf.matmul(q, d, transpose_b=True) / 0.1
+  labels = tf.range(tf.shape(q)[0])
+  xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+  return tf.reduce_mean(xent) + 0.01 * tf.reduce_mean(tf.square(logits)), [q, d]
