@@ -119,11 +119,14 @@ def _seeds(split: '_Split', whole: tf.Tensor, grad_y: Any, per_shard: list
     seeds.append((list(shard), grads))
   first_worker = split.across is None or split.across.rank == 0
   for t, mine, theirs in zip(outside, local[len(everything):], tail[len(rows):]):
-    parts = [g for g in (mine, theirs if first_worker else None) if g is not None]
-    if parts:
-      with tf.device(split.device):
-        seeds[0][0].append(t)
-        seeds[0][1].append(tf.add_n([tf.convert_to_tensor(g) for g in parts]))
+    parts = [tf.convert_to_tensor(g) for g in (mine, theirs) if g is not None]
+    if not parts:
+      continue
+    with tf.device(split.device):
+      if theirs is not None and not first_worker:   # zeros: every worker's seeds alike
+        parts[-1] = tf.zeros_like(parts[-1])
+      seeds[0][0].append(t)
+      seeds[0][1].append(tf.add_n(parts))
   return (whole, seeds, [],
           f'row-wise: each tower its own rows against the gathered columns, the mean over '
           f'the rows on {split.device or "the first tower"}')

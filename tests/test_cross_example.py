@@ -197,8 +197,8 @@ def _towered(name, labels=True, num_devices=3):
   return after_1, testlib.variables(est)
 
 
-EXACT = ('in_batch_softmax', 'clip', 'simclr', 'top_k', 'opaque', 'mixup', 'attention',
-         'two_levels')
+EXACT = ('in_batch_softmax', 'clip', 'clip_weighted', 'simclr', 'top_k', 'opaque', 'mixup',
+         'attention', 'two_levels')
 
 
 @pytest.mark.parametrize('name', EXACT)
