@@ -255,6 +255,34 @@ def test_a_head_not_made_of_rows_runs_on_the_first_tower_device(warnings, monkey
   assert not _ours(warnings), _ours(warnings)
 
 
+def _built_towers_model_fn(pattern, features, labels, mode):
+  """Asks for its tower, so that every tower is built by running it (not copied)."""
+  et.current_tower()
+  return _model_fn(pattern, features, labels, mode)
+
+
+@pytest.mark.parametrize('name', ['clip', 'clip_weighted'])
+def test_a_row_wise_head_on_built_towers_equals_plain(name, warnings):
+  """Towers built one by one (not copied): the same seeds, the same update as plain."""
+  plain_1, plain_3 = _plain(name)
+  hook = _GraphHook()
+  est = testlib.make_estimator(
+      et.replicate_model_fn(functools.partial(_built_towers_model_fn, _pattern(name)),
+                            devices=testlib.cpu_devices(3)), num_cpus=3)
+  est.train(_input_fn(), steps=1, hooks=[hook])
+  assert any(op.name.startswith('tower_2/') for op in hook.graph.get_operations())  # built
+  assert any(op.name.startswith('row_wise_head/tower_2/') for op in hook.graph.get_operations())
+  testlib.assert_variables_close(testlib.variables(est), plain_1)
+  est.train(_input_fn(), steps=2)
+  testlib.assert_variables_close(testlib.variables(est), plain_3)
+  assert not _ours(warnings), _ours(warnings)
+
+
+class _GraphHook(tf.compat.v1.train.SessionRunHook):
+  def begin(self):
+    self.graph = tf.compat.v1.get_default_graph()
+
+
 def _row_wise_tensors(name):
   """(op, device, run-time shape) of every tensor the head made, on a batch of 10 (4/3/3)."""
   with tf.Graph().as_default() as graph:
