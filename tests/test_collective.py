@@ -456,7 +456,8 @@ def test_batch_norm_across_workers_mixes_no_rows(monkeypatch, sync):
   def model_fn(features, labels, mode):
     return collective_task.bn_model_fn(features, labels, mode, {'learning_rate': 0.1})
   graph = _train_graph(model_fn, monkeypatch, CHIEF_AND_WORKER, sync_batch_norm=sync)
-  assert not [op for op in graph.get_operations() if 'whole_batch_head' in op.name]
+  assert not [op for op in graph.get_operations()
+              if 'whole_batch_head' in op.name or 'row_wise_head' in op.name]
 
 
 def test_chief_and_workers_without_ps_need_the_collective_strategy(monkeypatch):
