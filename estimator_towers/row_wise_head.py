@@ -40,7 +40,7 @@ worker only), so each is counted once.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -65,9 +65,9 @@ class NotRowWise(Exception):
   """The head is not made of rows (the message says where)."""
 
 
-def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, head: list, frontier: list,
-          shapes: list, per_shard: list, sizes: Sequence, nonempty: Sequence, batch: Any,
-          across: Any) -> tuple[tf.Tensor, list, list, str] | str:
+def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
+          frontier: list, shapes: list, per_shard: list, sizes: Sequence, nonempty: Sequence,
+          batch: Any, across: Any) -> tuple[tf.Tensor, list, list, str] | str:
   """The head split into the towers' local rows and the tail (see the module docstring).
 
   Args: as `whole_batch_head.build`'s `split`.
@@ -76,8 +76,7 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, head: list, fro
     (whole-batch loss, per shard (ys, initial gradients), [] (no pass of the
     loss itself is needed), where it runs), or a sentence saying why not.
   """
-  del head
-  split = _Split(found, frontier, shapes, per_shard, sizes, nonempty, batch, across,
+  split = _Split(found, find, frontier, shapes, per_shard, sizes, nonempty, batch, across,
                  loss.op.device)
   try:
     whole = split.whole(loss)
@@ -92,7 +91,7 @@ def _seeds(split: '_Split', whole: tf.Tensor, grad_y: Any, per_shard: list
            ) -> tuple[tf.Tensor, list, list, str] | str:
   """Two backward passes: the tail's to the per-row values, the local parts' from them."""
   rows = [r for parts in split.tail for r in parts]
-  outside = list(split.outside.values())
+  outside = [t for _, t in split.outside.values()]
   everything = [t for shard in per_shard for t in shard]
   with tf.device(split.device), tf.name_scope('row_wise_head/tail_gradients'):
     tail = tf.compat.v1.gradients(whole, rows + outside + everything,
@@ -118,15 +117,16 @@ def _seeds(split: '_Split', whole: tf.Tensor, grad_y: Any, per_shard: list
       grads.append(tf.convert_to_tensor(g))
     seeds.append((list(shard), grads))
   first_worker = split.across is None or split.across.rank == 0
-  for t, mine, theirs in zip(outside, local[len(everything):], tail[len(rows):]):
+  for (k, t), mine, theirs in zip(split.outside.values(), local[len(everything):],
+                                  tail[len(rows):]):
     parts = [tf.convert_to_tensor(g) for g in (mine, theirs) if g is not None]
     if not parts:
       continue
-    with tf.device(split.device):
+    with tf.device(t.op.device):
       if theirs is not None and not first_worker:   # zeros: every worker's seeds alike
         parts[-1] = tf.zeros_like(parts[-1])
-      seeds[0][0].append(t)
-      seeds[0][1].append(tf.add_n(parts))
+      seeds[k][0].append(t)
+      seeds[k][1].append(tf.add_n(parts))
   return (whole, seeds, [],
           f'row-wise: each tower its own rows against the gathered columns, the mean over '
           f'the rows on {split.device or "the first tower"}')
@@ -135,20 +135,24 @@ def _seeds(split: '_Split', whole: tf.Tensor, grad_y: Any, per_shard: list
 class _Split:
   """Builds a head tensor's whole value or a tower's local rows of it (or of its transpose)."""
 
-  def __init__(self, found, frontier, shapes, per_shard, sizes, nonempty, batch, across,
+  def __init__(self, found, find, frontier, shapes, per_shard, sizes, nonempty, batch, across,
                device):
     self.found, self.sizes, self.nonempty, self.batch = found, sizes, nonempty, batch
+    self.find = find
     self.across, self.device, self.per_shard = across, device, per_shard
     self.frontier = {t.name: j for j, t in enumerate(frontier)}
     self.shapes = {t.name for t in shapes}
     self.tail: list = []         # per tail input: every tower's local rows of it
-    self.outside: dict = {}      # values of no shard the head reads (float)
+    self.outside: dict = {}      # name -> (shard, value of no shard the head reads)
     self._whole: dict = {}       # name -> (value, origins: 'tail' / 'columns')
     self._rows: list = [{} for _ in per_shard]
     self._local = 0              # > 0: building a tower's local rows
+    self._tower = 0              # whose local rows are being built
     self._offset = None
 
   def whole(self, t: tf.Tensor) -> tf.Tensor:
+    if self.found.kind(t) is None:
+      return self._outside(t)
     if t.name not in self._whole:
       with tf.device(self.device), tf.name_scope('row_wise_head/whole/'):
         self._whole_of(t)
@@ -159,13 +163,25 @@ class _Split:
       raise NotRowWise(f'the tail reads {t.name}, a value of the gathered columns')
     return value
 
+  def _outside(self, t: tf.Tensor) -> tf.Tensor:
+    """A value of no shard (a trained temperature): the tower's own counterpart in its rows.
+
+    Seeded in that tower's backward pass (the tail's: in the first tower's),
+    so that every tower's seeds have the same tensors (a copied tower's pass
+    stays a copy). Constants are not seeded.
+    """
+    if not t.dtype.is_floating or tf.get_static_value(t) is not None:
+      return t
+    k = self._tower if self._local else 0
+    mine = t if k == 0 else (self.find(k, t) if self.find is not None else None)
+    if mine is None:
+      k, mine = 0, t
+    self.outside.setdefault(mine.name, (k, mine))
+    return mine
+
   def _whole_of(self, t: tf.Tensor) -> None:
     kind = self.found.kind(t)
-    if kind is None:
-      if t.dtype.is_floating:
-        self.outside[t.name] = t
-      self._whole[t.name] = (t, set())
-    elif t.name in self.frontier:
+    if t.name in self.frontier:
       self._whole[t.name] = (self._columns(t, kind), {'columns'})
     elif t.name in self.shapes:
       self._whole[t.name] = (wbh.whole_shape(t, self.found.kind(t.op.inputs[0]), self.batch),
@@ -183,7 +199,7 @@ class _Split:
     inputs = [self.whole(i) for i in t.op.inputs]
     origins = set()
     for i in t.op.inputs:
-      origins |= self._whole[i.name][1]
+      origins |= self._whole[i.name][1] if i.name in self._whole else set()
     copy = wbh.copy_op(t.op, inputs)
     for a, b in zip(t.op.outputs, copy.outputs):
       self._whole[a.name] = (b, origins)
@@ -213,11 +229,13 @@ class _Split:
     if key not in self._rows[k]:
       device = self.per_shard[k][0].op.device if self.per_shard[k] else self.device
       self._local += 1
+      tower, self._tower = self._tower, k
       try:
         with tf.device(device), tf.name_scope(f'row_wise_head/tower_{k}/'):
           self._rows[k][key] = (self._transposed(k, t) if transposed else self._rows_of(k, t))
       finally:
         self._local -= 1
+        self._tower = tower
     return self._rows[k][key]
 
   def _rows_of(self, k: int, t: tf.Tensor) -> tf.Tensor:

@@ -68,7 +68,7 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     across: a `cross_worker.CrossWorker` when the batch spans workers: each
       frontier tensor is then all-gathered from the workers in rank order, and
       every worker runs the same head on the cluster's rows.
-    split: `split(found, loss, grad_y, head, frontier, shapes, per_shard,
+    split: `split(found, loss, grad_y, find, frontier, shapes, per_shard,
       sizes, nonempty, batch, across)`, the head made of rows computed per
       tower (`row_wise_head`), tried first: what it returns, or a sentence
       saying why not (then the head runs once, here).
@@ -94,7 +94,7 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     return static
   if split is not None:
     try:
-      built = split(found, loss, grad_y, head, frontier, shapes, per_shard, sizes, nonempty,
+      built = split(found, loss, grad_y, find, frontier, shapes, per_shard, sizes, nonempty,
                     batch, across)
     except (ValueError, TypeError) as error:   # not row-wise after all: the single head
       built = str(error)
