@@ -87,7 +87,7 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
   return _seeds(split, whole, grad_y, per_shard)
 
 
-def _seeds(split: '_Split', whole: tf.Tensor, grad_y: Any, per_shard: list
+def _seeds(split: _Split, whole: tf.Tensor, grad_y: Any, per_shard: list
            ) -> tuple[tf.Tensor, list, list, str] | str:
   """Two backward passes: the tail's to the per-row values, the local parts' from them."""
   rows = [r for parts in split.tail for r in parts]
@@ -95,16 +95,17 @@ def _seeds(split: '_Split', whole: tf.Tensor, grad_y: Any, per_shard: list
   everything = [t for shard in per_shard for t in shard]
   with tf.device(split.device), tf.name_scope('row_wise_head/tail_gradients'):
     tail = tf.compat.v1.gradients(whole, rows + outside + everything,
-                        grad_ys=None if grad_y is None else [grad_y],
-                        stop_gradients=rows + outside + everything,
-                        colocate_gradients_with_ops=True)
+                                  grad_ys=None if grad_y is None else [grad_y],
+                                  stop_gradients=rows + outside + everything,
+                                  colocate_gradients_with_ops=True)
   if any(g is not None for g in tail[len(rows) + len(outside):]):
     return 'the tail after the per-row values reads the frontier itself'
   seeded = [(r, g) for r, g in zip(rows, tail) if g is not None]
   with tf.device(split.device), tf.name_scope('row_wise_head/local_gradients'):
     local = tf.compat.v1.gradients([r for r, _ in seeded], everything + outside,
-                         grad_ys=[g for _, g in seeded], stop_gradients=everything + outside,
-                         colocate_gradients_with_ops=True)
+                                   grad_ys=[g for _, g in seeded],
+                                   stop_gradients=everything + outside,
+                                   colocate_gradients_with_ops=True)
   seeds, position = [], 0
   for shard in per_shard:
     grads = []
@@ -127,9 +128,9 @@ def _seeds(split: '_Split', whole: tf.Tensor, grad_y: Any, per_shard: list
         parts[-1] = tf.zeros_like(parts[-1])
       seeds[k][0].append(t)
       seeds[k][1].append(tf.add_n(parts))
-  return (whole, seeds, [],
-          f'row-wise: each tower its own rows against the gathered columns, the mean over '
-          f'the rows on {split.device or "the first tower"}')
+  where = (f'row-wise: each tower its own rows against the gathered columns, the mean over '
+           f'the rows on {split.device or "the first tower"}')
+  return whole, seeds, [], where
 
 
 class _Split:
