@@ -194,7 +194,9 @@ class _Split:
 
   def _copy_whole(self, t: tf.Tensor, kind: rd.Kind) -> None:
     rank = t.shape.rank
-    if rank is None or (rank > 1 and kind.tag not in (rd.COLS, rd.STAT)) or (
+    if t.op.type in ('Shape', 'Size', 'Rank'):   # of a whole value: small
+      pass
+    elif rank is None or (rank > 1 and kind.tag not in (rd.COLS, rd.STAT)) or (
         rank == 1 and kind.tag == rd.MIXED) or kind.tag in (rd.ROWS, rd.FLAT):
       raise NotRowWise(f'{t.name} ({t.op.type}) is not a row of the head')
     inputs = [self.whole(i) for i in t.op.inputs]
@@ -261,6 +263,11 @@ class _Split:
     if op.type == 'OneHot' and op.get_attr('axis') == -1:
       return self._copy(k, op, [self.rows(k, op.inputs[0])]
                         + [self.whole(i) for i in op.inputs[1:]], t)
+    if op.type == 'Reshape' and _keeps_rows(op):
+      return self.rows(k, op.inputs[0])
+    if op.type == 'Fill' and op.inputs[0].op.type == 'Shape':   # ones_like of local rows
+      return tf.fill(tf.shape(self.rows(k, op.inputs[0].op.inputs[0]),
+                              out_type=op.inputs[0].dtype), self.whole(op.inputs[1]))
     if op.type == 'Range' and self._batch_range(op):
       offset = self._offset_of(k)
       return tf.range(tf.cast(self.sizes[k], t.dtype), dtype=t.dtype) + tf.cast(offset, t.dtype)
@@ -347,6 +354,40 @@ class _Split:
     if all(isinstance(s, int) for s in earlier) and isinstance(self._offset, int):
       return self._offset + sum(earlier)
     return tf.add_n([tf.cast(s, tf.int32) for s in earlier + [self._offset]])
+
+
+def _keeps_rows(op: tf.Operation) -> bool:
+  """A Reshape that is the identity: a vector to a vector, or a matrix x to [-1, x's columns].
+
+  (`tf.compat.v1.losses.softmax_cross_entropy` reshapes its logits and labels so.)
+  """
+  x, shape = op.inputs
+  if x.shape.rank == 1 and op.outputs[0].shape.rank == 1:
+    return True
+  if x.shape.rank != 2 or shape.op.type != 'ConcatV2' or len(shape.op.inputs) != 3:
+    return False
+  first, columns, axis = shape.op.inputs
+  if _listed(tf.get_static_value(first)) != [-1] or _listed(tf.get_static_value(axis)) != [0]:
+    return False
+  if columns.op.type != 'Slice' or columns.op.inputs[0].op.type != 'Shape':
+    return False
+  begin, size = columns.op.inputs[1:]
+  return (columns.op.inputs[0].op.inputs[0].name == x.name and _last_axis(begin, x)
+          and _listed(tf.get_static_value(size)) == [1])
+
+
+def _last_axis(begin: tf.Tensor, x: tf.Tensor) -> bool:
+  """Is `begin` [1], or [rank(x) - 1] for a matrix x?"""
+  if _listed(tf.get_static_value(begin)) == [1]:
+    return True
+  if begin.op.type != 'Pack' or len(begin.op.inputs) != 1:
+    return False
+  sub = begin.op.inputs[0].op
+  if sub.type != 'Sub' or _listed(tf.get_static_value(sub.inputs[1])) != [1]:
+    return False
+  rank = sub.inputs[0]   # tf.rank(x): a constant where x's rank is known
+  return (_listed(tf.get_static_value(rank)) == [2] if rank.op.type == 'Const' else
+          rank.op.type == 'Rank' and rank.op.inputs[0].name == x.name)
 
 
 def _per_row(t: tf.Tensor) -> bool:

@@ -302,16 +302,17 @@ def _row_wise_tensors(name):
   return [(t.op.name, t.op.device, v.shape) for t, v in zip(made, values)]
 
 
-@pytest.mark.parametrize('name', ['in_batch_softmax', 'clip'])
-def test_a_head_made_of_rows_holds_no_batch_by_batch_tensor(name):
-  """Each tower computes its own rows against the gathered columns: n_k x B, never B x B."""
+@pytest.mark.parametrize('name,views', [('in_batch_softmax', 1), ('clip', 1), ('simclr', 2)])
+def test_a_head_made_of_rows_holds_no_batch_by_batch_tensor(name, views):
+  """Each tower computes its own rows against the gathered columns: n_k x B (SimCLR: n_k x 2B,
+  both views' columns), never B x B."""
   found = _row_wise_tensors(name)
   assert found and all(op.startswith('row_wise_head/') for op, _, _ in found), found
   largest = max(int(np.prod(shape)) for _, _, shape in found)
-  assert largest == 4 * BATCH, sorted(found, key=lambda f: -int(np.prod(f[2])))[:3]
+  assert largest == 4 * views * BATCH, sorted(found, key=lambda f: -int(np.prod(f[2])))[:3]
   for k, rows in enumerate((4, 3, 3)):   # the tower's logits, on its own device
     mine = {op.split('/')[1] for op, device, shape in found
-            if shape == (rows, BATCH) and device == f'/device:CPU:{k}'}
+            if shape == (rows, views * BATCH) and device == f'/device:CPU:{k}'}
     assert f'tower_{k}' in mine, (k, mine)
 
 
