@@ -11,7 +11,9 @@ so that no device holds a B x B tensor:
   matrix product `a @ b^T` with `a` local rows is `a_k @ B^T` against the
   gathered columns `B` (n_k x B); elementwise ops, a softmax or
   cross-entropy per row, reductions and concatenations along other axes
-  than the rows', a one-hot of local rows keep local rows; a
+  than the rows', a one-hot of local rows, a reshape that keeps every row
+  (a vector to a vector, [n, C] to [-1, C]), a `tf.ones_like` of local rows
+  keep local rows; a
   `tf.range(batch)` of the whole batch's size (the labels of an in-batch
   softmax) is the local range offset_k + range(n_k). The transpose of a
   product `a @ b^T` has the rows of `b @ a^T`, so CLIP's column term is
