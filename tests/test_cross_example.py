@@ -4,7 +4,8 @@ Exact towers: a loss that depends on ops mixing the batch's rows (an in-batch
 softmax's matrix product, CLIP's symmetric loss with a trained temperature,
 SimCLR's stacked views, a batch top-k, an opaque function, mixup's reverse,
 attention over the batch) trains on towers as the plain model_fn on the whole
-batch: its head runs on the whole batch's rows (`whole_batch_head`).
+batch: its head runs on the whole batch's rows (`whole_batch_head`), row-wise
+per tower where it is made of rows (`row_wise_head`).
 
 Never silently wrong: where the library does not compute such an op on the
 whole batch (EVAL, a gradient request of several tensors), one warning at
