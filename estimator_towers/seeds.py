@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers import cached_gradients
 from estimator_towers import counterparts
 from estimator_towers import interception
 from estimator_towers import logs
@@ -69,8 +70,8 @@ class Seeds:
 def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor],
                 variables: Sequence, ys: Sequence[list], grad_ys: Sequence[list],
                 nonempty: Sequence, sizes: Sequence, batch: Any,
-                ungated: Callable | None, across: Any = None, per_shard: bool = False
-                ) -> Seeds:
+                ungated: Callable | None, across: Any = None, per_shard: bool = False,
+                gates: Callable | None = None) -> Seeds:
   """The seeds of one gradient request, per shard (shard 0 the primary).
 
   Args:
@@ -87,11 +88,13 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
       totals are the cluster's; `batch` is the cluster's), else None.
     per_shard: a rebuilt loss's seeds per shard even for towers alone (each
       tower's backward pass its own: `tower_copies`).
+    gates: with micro-batches, `gates(i)`: the Identity ops shard i's inputs
+      pass through.
   """
   loss = ys[0][0] if len(ys[0]) == 1 else None
   find = counterparts.in_losses([y[0] for y in ys]) if loss is not None else None
   head = _whole_batch_head(loss, ys[0], inputs, grad_ys, find, nonempty, sizes, batch,
-                           ungated is None, across)
+                           (ungated, gates) if ungated is not None else None, across)
   if isinstance(head, Seeds):
     return head
   analysis = loss_algebra.analyse(loss, inputs, variables, loss_reduction,
@@ -114,32 +117,36 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
 
 def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
                       grad_ys: Sequence[list], find: Callable | None, nonempty: Sequence,
-                      sizes: Sequence, batch: Any, towers_only: bool, across: Any = None
+                      sizes: Sequence, batch: Any, micro: tuple | None, across: Any = None
                       ) -> Seeds | str | None:
   """A loss that mixes the batch's rows, its head on the whole batch (`whole_batch_head`).
 
   Each shard's backward pass starts from its frontier tensors' rows of the
   head's gradient; the head's own variables get theirs from the head's
-  backward pass stopped at the frontier (`stops`). None where no op mixes
-  rows; a sentence saying why the head cannot be built (for
-  `row_dependence`'s warning) where one does.
+  backward pass stopped at the frontier (`stops`). With micro-batches
+  (`micro`: their `ungated` and `gates`), the head reads a first pass's rows
+  (`cached_gradients`). None where no op mixes rows; a sentence saying why
+  the head cannot be built (for `row_dependence`'s warning) where one does.
   """
-  if not towers_only:
-    return None   # micro-batches refuse it (row_dependence)
   found = row_dependence.classify(ys, inputs, loss_algebra.is_declared)
   if not found.mixing:
     return None
   if not isinstance(loss, tf.Tensor):
     return 'the gradient request is of several tensors, and the head takes one loss'
-  built = whole_batch_head.build(found, loss, grad_ys[0][0], find, sizes, nonempty, batch,
-                                 across)
+  if micro is None:
+    built = whole_batch_head.build(found, loss, grad_ys[0][0], find, sizes, nonempty, batch,
+                                   across)
+  else:
+    built = cached_gradients.build(found, loss, grad_ys[0][0], find, inputs, *micro, sizes,
+                                   nonempty, batch, across)
   if isinstance(built, str):
     return built
   whole, shards, stops = built
   logs.info_once_per_graph(
       f'estimator_towers: the loss {loss.name} depends on {found.mixing[0].describe()}, '
       f'which mixes the batch\'s rows: its head ({len(found.frontier)} gathered tensor(s) '
-      f'to the loss) runs on the whole batch on {loss.op.device or "the first tower"}.')
+      f'to the loss) runs on the whole batch on {loss.op.device or "the first tower"}'
+      f'{", on the rows of a first pass over the micro-batches" if micro else ""}.')
   return Seeds(shards, whole, stops)
 
 

@@ -28,10 +28,14 @@ consumer of that row in the whole batch's head.
 Across workers the frontier rows are all-gathered from the workers in rank
 order and every worker runs the same head (`_across_workers`).
 
-What it does not do (the warning of `row_dependence` stays): micro-batches
-(an error), a frontier tensor some tower has no counterpart of, a gradient
-request of several tensors, and a static batch size whose shape reads are
-constants of the graph the head reads.
+With micro-batches the head reads each micro-batch's frontier rows from a
+first pass that keeps no activations (`cached_gradients`, the `cached`
+argument of `build`), and the seeds go to the micro-batches' own tensors.
+
+What it does not do (the warning of `row_dependence` stays): a frontier
+tensor some tower has no counterpart of, a gradient request of several
+tensors, and a static batch size whose shape reads are constants of the graph
+the head reads.
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ _HEAD_KINDS = (rd.MIXED, rd.STAT, rd.SIZE, rd.SHAPE, rd.COLS, rd.UNIQUE)
 
 
 def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
-          sizes: Sequence, nonempty: Sequence, batch: Any, across: Any = None
-          ) -> tuple[tf.Tensor, list, list] | str:
+          sizes: Sequence, nonempty: Sequence, batch: Any, across: Any = None,
+          cached: Callable | None = None) -> tuple[tf.Tensor, list, list] | str:
   """The whole batch's head of tower 0's `loss`, or why it cannot be built.
 
   Args:
@@ -63,6 +67,9 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     across: a `cross_worker.CrossWorker` when the batch spans workers: each
       frontier tensor is then all-gathered from the workers in rank order, and
       every worker runs the same head on the cluster's rows.
+    cached: `cached(i, t)`, the value the head reads for shard i's rows of
+      tower 0's per-example `t`, where it is not the towers' own (micro-batches:
+      `cached_gradients`' first pass); None: the towers' own.
 
   Returns:
     (whole-batch loss, per shard (frontier tensors, their initial
@@ -79,12 +86,14 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     if missing:
       return f'shard {i} built no counterpart of {missing[0]}'
     per_shard.append(mine)
+  values = per_shard if cached is None else [[cached(i, t) for t in frontier]
+                                             for i in range(len(sizes))]
   static = _static_size(head, found, frontier)
   if static is not None:
     return static
   try:
-    return _build(found, loss, grad_y, head, frontier, shapes, per_shard, sizes, nonempty,
-                  batch, across)
+    return _build(found, loss, grad_y, head, frontier, shapes, (per_shard, values), sizes,
+                  nonempty, batch, across, cached or (lambda i, t: t))
   except (ValueError, TypeError) as error:
     return f'building it on the whole batch failed ({error})'
 
@@ -138,36 +147,38 @@ def _constant_with(t: tf.Tensor, values: set, limit: int = 200) -> tf.Tensor | N
   return None
 
 
-def _build(found, loss, grad_y, head, frontier, shapes, per_shard, sizes, nonempty, batch,
-           across):
+def _build(found, loss, grad_y, head, frontier, shapes, shards, sizes, nonempty, batch,
+           across, value):
   """The head's copy on the gathered rows, and the seeds (see `build`)."""
+  per_shard, values = shards
   device = loss.op.device
   with tf.device(device), tf.name_scope('whole_batch_head'):
     mapped = {}
     for j, t in enumerate(frontier):
       kind = found.kind(t)
-      mapped[t.name] = _gathered([s[j] for s in per_shard], kind, sizes, nonempty)
+      mapped[t.name] = _gathered([s[j] for s in values], kind, sizes, nonempty)
       if across is not None:
         mapped[t.name] = _across_workers(mapped[t.name], kind, across)
     for t in shapes:
-      mapped[t.name] = _whole_shape(t, found.kind(t.op.inputs[0]), batch)
+      mapped[t.name] = _whole_shape(value(0, t.op.inputs[0]), t, found.kind(t.op.inputs[0]),
+                                    batch)
     for op in head:
       copy = _copy(op, [mapped.get(t.name, t) for t in op.inputs])
       for a, b in zip(op.outputs, copy.outputs):
         mapped[a.name] = b
     whole = mapped[loss.name]
-    everything = [t for shard in per_shard for t in shard]
+    everything = [t for shard in values for t in shard]
     grads = tf.gradients(whole, everything, grad_ys=None if grad_y is None else [grad_y],
                          stop_gradients=everything)
   seeds, position = [], 0
-  for shard in per_shard:
+  for shard, shard_values in zip(per_shard, values):
     shard_grads = []
-    for t in shard:
+    for v in shard_values:
       g = grads[position]
       position += 1
       if g is None:
         with tf.device(device):
-          g = tf.zeros_like(t)
+          g = tf.zeros_like(v)
       shard_grads.append(tf.convert_to_tensor(g))
     seeds.append((list(shard), shard_grads))
   return whole, seeds, everything
@@ -270,9 +281,8 @@ def _across_workers(mine: tf.Tensor, kind: rd.Kind, across: Any) -> tf.Tensor:
   return out
 
 
-def _whole_shape(t: tf.Tensor, kind: rd.Kind, batch: Any) -> tf.Tensor:
-  """The whole batch's value of Shape(x) or Size(x), for per-example rows x."""
-  x = t.op.inputs[0]
+def _whole_shape(x: tf.Tensor, t: tf.Tensor, kind: rd.Kind, batch: Any) -> tf.Tensor:
+  """The whole batch's value of Shape(x) or Size(x), for per-example rows x (`t`'s input)."""
   rows = tf.cast(batch, t.dtype) * kind.blocks
   rest = tf.shape(x, out_type=t.dtype)[1:]
   if t.op.type == 'Size':
