@@ -101,6 +101,8 @@ class _FirstPass:
     self._copies: dict[int, dict] = {}    # shard -> tower 0's tensor name -> its copy
     self._values: dict[int, dict] = {}    # shard -> tower 0's tensor name -> value
     self._devices: dict[int, str | None] = {}
+    self._scopes: dict[int, str] = {}
+    self._root = ''
     self._made: dict[str | None, list] = {}   # device -> its last shard's values
     self._order: dict[str, int] | None = None
 
@@ -109,8 +111,7 @@ class _FirstPass:
       self._start(i)
     values = self._values[i]
     if t.name not in values:
-      with tf.device(self._devices[i]), tf.name_scope('cached_gradients'), \
-          tf.name_scope(f'shard_{i}'):
+      with tf.device(self._devices[i]), tf.name_scope(self._scopes[i]):
         values[t.name] = tf.stop_gradient(self._copy(t, self._copies[i]))
       self._made[self._devices[i]].append(values[t.name])
     return values[t.name]
@@ -124,7 +125,11 @@ class _FirstPass:
     gates = list(self._gates(i))
     device = gates[0].device if gates else None
     previous = self._made.get(device, [])
-    with tf.device(device), tf.name_scope('cached_gradients'), tf.name_scope(f'shard_{i}'), \
+    if not self._scopes:
+      with tf.name_scope('cached_gradients') as root:
+        self._root = root
+    self._scopes[i] = f'{self._root}shard_{i}/'   # one scope per shard, entered again
+    with tf.device(device), tf.name_scope(self._scopes[i]), \
         tf.control_dependencies([v.op for v in previous]):
       ordered = [tf.identity(u) for u in ungated]
     self._devices[i] = device

@@ -273,6 +273,7 @@ def test_micro_batches_run_after_the_cached_gradient():
                                                                            op.control_inputs)
   firsts = {op.name: op for op in ops if op.name.startswith('cached_gradients/')
             and op.type == 'Identity' and not op.inputs[0].name.startswith('cached_gradients')}
+  assert len(firsts) == 8, sorted(firsts)   # each micro-batch's x and y, before its first pass
   chained = {name for name, op in firsts.items() if op.control_inputs}
   assert chained == {n for n in firsts if n.startswith(('cached_gradients/shard_1/',
                                                         'cached_gradients/shard_3/'))}, firsts
