@@ -27,6 +27,10 @@
   refused at graph construction.
   The gradient through the loss's shard-independent terms (a regulariser)
   is the backward pass of the whole loss stopped at the totals.
+- a loss that mixes the batch's rows (`row_dependence`): its head on the
+  whole batch (`whole_batch_head`); each shard's frontier tensors are seeded
+  with their rows of the head's gradient. With micro-batches the head reads
+  the rows of a first pass over the micro-batches (`cached_gradients`).
 """
 
 from __future__ import annotations
