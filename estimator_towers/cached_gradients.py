@@ -62,7 +62,9 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     inputs: tower 0's shard tensors, flattened (after its gates).
     ungated: `ungated(i)`, shard i's flattened inputs before its gates
       (aligned with `inputs`).
-    gates: `gates(i)`, the Identity ops shard i's inputs pass through.
+    gates: `gates(i)`, the Identity ops shard i's inputs pass through, to
+      wait for the cached gradient (none: a later gradient request, whose
+      micro-batches the first request's order already holds).
 
   Returns:
     As `whole_batch_head.build`: (whole-batch loss, per shard (its frontier
@@ -72,7 +74,8 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
   Raises:
     ValueError: for a stateful op between the inputs and the frontier.
   """
-  first = _FirstPass(loss, list(inputs), ungated, gates)
+  first = _FirstPass(loss, list(inputs), ungated,
+                     lambda i, t: (t if i == 0 else find(i, t)).device)
   built = whole_batch_head.build(found, loss, grad_y, find, sizes, nonempty, batch, across,
                                  cached=first.value)
   if isinstance(built, str):
@@ -93,22 +96,22 @@ class _FirstPass:
   before any of shard i + 1.
   """
 
-  def __init__(self, loss: tf.Tensor, inputs: list, ungated: Callable, gates: Callable):
+  def __init__(self, loss: tf.Tensor, inputs: list, ungated: Callable, device_of: Callable):
     self._loss = loss
     self._inputs = inputs
     self._ungated = ungated
-    self._gates = gates
+    self._device_of = device_of   # (i, t): the device of shard i's own counterpart of t
     self._copies: dict[int, dict] = {}    # shard -> tower 0's tensor name -> its copy
     self._values: dict[int, dict] = {}    # shard -> tower 0's tensor name -> value
-    self._devices: dict[int, str | None] = {}
+    self._devices: dict[int, str] = {}
     self._scopes: dict[int, str] = {}
     self._root = ''
-    self._made: dict[str | None, list] = {}   # device -> its last shard's values
+    self._made: dict[str, list] = {}   # device -> its last shard's values
     self._order: dict[str, int] | None = None
 
   def value(self, i: int, t: tf.Tensor) -> tf.Tensor:
     if i not in self._copies:
-      self._start(i)
+      self._start(i, self._device_of(i, t))
     values = self._values[i]
     if t.name not in values:
       with tf.device(self._devices[i]), tf.name_scope(self._scopes[i]):
@@ -116,14 +119,12 @@ class _FirstPass:
       self._made[self._devices[i]].append(values[t.name])
     return values[t.name]
 
-  def _start(self, i: int) -> None:
+  def _start(self, i: int, device: str) -> None:
     """Shard i's inputs, after the previous shard's frontier rows on its device."""
     ungated = list(self._ungated(i))
     if len(ungated) != len(self._inputs):
       raise ValueError(f'estimator_towers: shard {i} has {len(ungated)} input tensors, tower 0 '
                        f'{len(self._inputs)}; please report this.')
-    gates = list(self._gates(i))
-    device = gates[0].device if gates else None
     previous = self._made.get(device, [])
     if not self._scopes:
       with tf.name_scope('cached_gradients') as root:

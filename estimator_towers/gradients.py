@@ -206,7 +206,7 @@ class WholeBatchGradients:
         [self._nonempty[k] for k in self.towers], [self._sizes[k] for k in self.towers],
         self._batch,
         ungated=(lambda i: self._ungated(self.towers[i])) if per_shard else None,
-        gates=lambda i: self._gates.get(self.towers[i], []),
+        gates=lambda i: self._gates.get(self.towers[i], []) if len(self.requests) == 1 else [],
         across=self._passes.sync.across, per_shard=self._passes.copied_towers)
     if found.loss is not None:
       self._whole_losses.setdefault(primary.ys[0].ref(), found.loss)

@@ -98,7 +98,8 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
   loss = ys[0][0] if len(ys[0]) == 1 else None
   find = counterparts.in_losses([y[0] for y in ys]) if loss is not None else None
   head = _whole_batch_head(loss, ys[0], inputs, grad_ys, find, nonempty, sizes, batch,
-                           (ungated, gates) if ungated is not None else None, across)
+                           None if ungated is None else (ungated, gates or (lambda i: [])),
+                           across)
   if isinstance(head, Seeds):
     return head
   analysis = loss_algebra.analyse(loss, inputs, variables, loss_reduction,
