@@ -23,9 +23,10 @@ timed ones).
 
 Goals: (c) holds one micro-batch's activations plus what the step needs on
 the whole batch: the cut tensors (the batch's embeddings, 2 x B x dim floats,
-and their cached gradient), so (c) <= 1.10 x ((b) + cut bytes). The head's own
-[B, B] tensors (similarities, softmax, their gradient) are a whole batch's
-in plain at B as well; they are printed too, and a second ratio counts them.
+and their cached gradient), so (c) <= 1.10 x ((b) + cut bytes). The head
+itself runs on the whole batch, as in plain at B: its [B, B] similarities
+(and their gradient, computed in place by the cross-entropy) are a whole
+batch's, so a second ratio counts one [B, B] matrix beyond (b)'s as well.
 Speed: (c)'s step time <= 1.5 x (a)'s (each micro-batch's forward pass runs
 twice).
 
@@ -182,7 +183,7 @@ def _report(runs: dict, base: float) -> None:
   b, k, dim = FLAGS.batch_size, FLAGS.micro_batches, FLAGS.dim
   mb = 2**20
   cut = 2 * (2 * b * dim * 4) / mb   # the embeddings and their cached gradient
-  head = (3 * b * b - 3 * (b // k) ** 2) * 4 / mb   # [B, B] logits, softmax, gradient vs (b)'s
+  head = (b * b - (b // k) ** 2) * 4 / mb   # one [B, B] float matrix, beyond (b)'s [B/k, B/k]
   results = {c: _median(rs) for c, rs in runs.items() if c != 'baseline'}
   print(f'{"configuration":40s} {"peak RSS":>9s} {"above base":>11s} {"before steps":>13s} '
         f'{"allocator peak":>15s} {"s/step":>8s}   (MB; medians)')
@@ -195,7 +196,7 @@ def _report(runs: dict, base: float) -> None:
   above = {c: r['peak_rss_mb'] - base for c, r in results.items()}
   tensors = {c: r['allocator_peak_mb'] for c, r in results.items()}
   print(f'cut tensors (2 x B x {dim} embeddings and their gradient): {cut:.0f} MB; '
-        f'the head\'s [B, B] tensors beyond (b)\'s (3 of them): {head:.0f} MB')
+        f'one [B, B] matrix of the head beyond (b)\'s [B/k, B/k]: {head:.0f} MB')
   print(f'(c) / ((b) + cut): RSS above baseline {above["c"] / (above["b"] + cut):.2f} '
         f'(goal <= 1.10), allocator peak {tensors["c"] / (tensors["b"] + cut):.2f}; '
         f'(c) / ((b) + cut + head): RSS {above["c"] / (above["b"] + cut + head):.2f}, '
