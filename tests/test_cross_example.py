@@ -6,6 +6,11 @@ SimCLR's stacked views, a batch top-k, an opaque function, mixup's reverse,
 attention over the batch) trains on towers as the plain model_fn on the whole
 batch: its head runs on the whole batch's rows (`whole_batch_head`).
 
+Micro-batches: the head reads the rows of a first pass over the
+micro-batches and its gradient seeds each micro-batch's backward pass
+(`cached_gradients`), exact as well; a random op before the frontier is
+refused.
+
 Never silently wrong: where the library does not compute such an op on the
 whole batch (EVAL, a gradient request of several tensors), one warning at
 graph construction names it and says why, not the loss algebra's;
@@ -245,6 +250,31 @@ def test_micro_batches_features_only_input_equal_plain(warnings):
   testlib.assert_variables_close(towered_1, plain_1)
   testlib.assert_variables_close(towered_3, plain_3)
   assert not _ours(warnings), _ours(warnings)
+
+
+def _tensor_and_dict_model_fn(features, labels, mode):
+  """Features a Tensor, labels a dict."""
+  return _model_fn(patterns.clip, {'x': features}, labels['y'], mode)
+
+
+@pytest.mark.parametrize('layout', sorted(LAYOUTS))
+def test_micro_batches_features_a_tensor_labels_a_dict_equal_plain(layout):
+  x, y = _data()
+  input_fn = lambda: tf.data.Dataset.from_tensor_slices((x, {'y': y})).batch(BATCH)
+  results = []
+  for fn, num_devices, micro_batches in [(_tensor_and_dict_model_fn, 1, 1),
+                                         (_tensor_and_dict_model_fn, *LAYOUTS[layout])]:
+    if micro_batches > 1:
+      fn = et.replicate_model_fn(fn, devices=testlib.cpu_devices(num_devices),
+                                 micro_batches=micro_batches)
+    est = testlib.make_estimator(fn, num_cpus=num_devices)
+    est.train(input_fn, steps=1)
+    after_1 = testlib.variables(est)
+    est.train(input_fn, steps=2)
+    results.append((after_1, testlib.variables(est)))
+  (plain_1, plain_3), (towered_1, towered_3) = results
+  testlib.assert_variables_close(towered_1, plain_1)
+  testlib.assert_variables_close(towered_3, plain_3)
 
 
 def test_micro_batches_refuse_a_random_op_before_the_cut():
