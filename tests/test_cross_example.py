@@ -190,12 +190,12 @@ def _plain(name, labels=True):
   return after_1, testlib.variables(est)
 
 
-def _towered(name, labels=True, num_devices=3, micro_batches=1):
+def _towered(name, labels=True, num_devices=3, micro_batches=1, **plan):
   model_fn = functools.partial(_model_fn if labels else _features_only,
                                patterns.PATTERNS[name][0])
   est = testlib.make_estimator(
       et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices),
-                            micro_batches=micro_batches),
+                            micro_batches=micro_batches, **plan),
       num_cpus=num_devices)
   est.train(_input_fn(labels), steps=1)
   after_1 = testlib.variables(est)
@@ -242,6 +242,17 @@ def test_micro_batches_equal_plain_on_the_whole_batch(name, layout, warnings):
   testlib.assert_variables_close(towered_1, plain_1)
   testlib.assert_variables_close(towered_3, plain_3)
   assert not _ours(warnings), _ours(warnings)
+
+
+@pytest.mark.parametrize('strategy', ['replicated', 'gpu'])
+def test_micro_batches_with_variables_on_the_devices_equal_plain(strategy):
+  """CLIP on 2 x 2: the first pass and the head read device 0's values; each device's passes
+  its own copies ('replicated'), or variables spread over the devices ('gpu')."""
+  plain_1, plain_3 = _plain('clip')
+  towered_1, towered_3 = _towered('clip', num_devices=2, micro_batches=2,
+                                  variable_strategy=strategy)
+  testlib.assert_variables_close(towered_1, plain_1)
+  testlib.assert_variables_close(towered_3, plain_3)
 
 
 def test_micro_batches_features_only_input_equal_plain(warnings):
