@@ -26,8 +26,10 @@ Setup"):
    its frontier tensors with its rows of the cached gradient; the parts of a
    variable's gradient add into one buffer per variable, as for any loss.
 
-A device then holds one micro-batch's activations plus the frontier rows,
-and computes each micro-batch's forward pass twice. Both passes give the same
+A device then holds one micro-batch's activations plus the frontier rows
+(and the first device the head's tensors, a whole batch's as on one device:
+`B x B` for an in-batch softmax), and computes each micro-batch's forward
+pass to the frontier twice. Both passes give the same
 values only if the ops before the frontier are functions of their inputs: a
 stateful op among them (a random op such as dropout's, a variable update) is
 refused at graph construction; reads of variables are kept (both passes read
