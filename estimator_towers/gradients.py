@@ -114,6 +114,8 @@ class WholeBatchGradients:
     nonempty: per tower index, whether its shard is not empty (bool or Tensor).
     ungated: with micro-batches, `ungated(k)` is shard k's flattened inputs
       before its micro-batch gates (aligned with `inputs`).
+    gates: with micro-batches, per shard, the Identity ops its inputs pass
+      through (a loss that mixes rows orders them after its head's gradient).
   """
 
   def __init__(self, graph: tf.Graph, towers: Sequence[int], sizes: Sequence, batch: Any,
@@ -123,7 +125,7 @@ class WholeBatchGradients:
                variable_count: Callable[[], int],
                creation_spans: Sequence[tuple[int, int]] = (),
                inputs: Sequence[tf.Tensor] = (), nonempty: Any = None,
-               ungated: Callable[[int], list] | None = None):
+               ungated: Callable[[int], list] | None = None, gates: dict | None = None):
     self._graph = graph
     self.towers = list(towers)
     self._sizes = sizes
@@ -136,6 +138,7 @@ class WholeBatchGradients:
     self._inputs = list(inputs)
     self._nonempty = nonempty if nonempty is not None else {k: True for k in towers}
     self._ungated = ungated
+    self._gates = gates or {}
     self.requests: list[Request] = []   # the primary's whole-batch requests
     self.variables_at: list[int] = []   # variables created before each request
     self.answers: list[list] = []       # the whole-batch gradients, per request
@@ -203,6 +206,7 @@ class WholeBatchGradients:
         [self._nonempty[k] for k in self.towers], [self._sizes[k] for k in self.towers],
         self._batch,
         ungated=(lambda i: self._ungated(self.towers[i])) if per_shard else None,
+        gates=lambda i: self._gates.get(self.towers[i], []) if len(self.requests) == 1 else [],
         across=self._passes.sync.across, per_shard=self._passes.copied_towers)
     if found.loss is not None:
       self._whole_losses.setdefault(primary.ys[0].ref(), found.loss)

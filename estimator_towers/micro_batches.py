@@ -110,19 +110,33 @@ def split_device_shard(shard: Any, sizes: Sequence, fill_empty: bool,
   return sharding.split(shard, [first] + list(sizes[1:]), fill_empty=True)
 
 
+# Names of a composite tensor's gated components, as `row_dependence` reads inputs.
+_COMPONENTS = {tf.SparseTensor: ('indices', 'values', 'dense_shape')}
+
+
 def gate(structure: Any, device: str) -> tuple[Any, list[tf.Operation]]:
-  """`structure` through Identity ops on `device`, and those ops (to be ordered)."""
+  """`structure` through Identity ops on `device`, and those ops (to be ordered).
+
+  A SparseTensor's components are named indices, values and dense_shape, a
+  RaggedTensor's Ragged..., so that the gated inputs read as the ungated ones.
+  """
   if structure is None:
     return None, []
   ops = []
 
-  def through(t):
-    with tf.device(device):
-      out = tf.identity(t)
-    ops.append(out.op)
-    return out
+  def through(leaf):
+    parts = tf.nest.flatten(leaf, expand_composites=True)
+    ragged = isinstance(leaf, tf.RaggedTensor)
+    names = _COMPONENTS.get(type(leaf)) or [
+        f'Ragged{j}' if ragged else 'Identity' for j in range(len(parts))]
+    gated = []
+    for part, name in zip(parts, names):
+      with tf.device(device):
+        gated.append(tf.identity(part, name=name))
+      ops.append(gated[-1].op)
+    return tf.nest.pack_sequence_as(leaf, gated, expand_composites=True)
 
-  return tf.nest.map_structure(through, structure, expand_composites=True), ops
+  return tf.nest.map_structure(through, structure), ops
 
 
 def _ops(values: Any) -> list[tf.Operation]:

@@ -51,8 +51,8 @@ frontier: the last per-example tensors (rows or flat) that mixing ops read.
 Never silently wrong: `check` reads tower 0's loss when the towers' loss
 rule is chosen (`loss_algebra.analyse`, in TRAIN and EVAL). A mixing op that
 the library does not compute on the whole batch gets one warning at graph
-construction naming the op and why (an error with `loss_reduction='exact'`),
-and with micro-batches it is an error; a model whose rows are all
+construction naming the op and why (an error with `loss_reduction='exact'`,
+and with micro-batches, whose head reads a first pass: `cached_gradients`); a model whose rows are all
 per-example gets nothing.
 """
 
@@ -1124,8 +1124,9 @@ def _report(targets: list, found: RowDependence, loss_reduction: str,
     raise ValueError(
         f'{spelling.name("micro_batches")} > 1 cannot train this model_fn: {mixes}, and '
         f'micro-batches, which run one after another, never hold the whole batch\'s '
-        f'rows at once, so that op would see a micro-batch\'s rows only. Use '
-        f'{spelling.setting("micro_batches", 1)} (see docs/cross_example.md).')
+        f'rows at once, so such a loss trains only through its head on the whole batch, '
+        f'which cannot be built here: {note or "the loss is not computed on the whole batch"}'
+        f'. Use {spelling.setting("micro_batches", 1)} (see docs/cross_example.md).')
   where = (f'the whole batch\'s head cannot be built here: {note}' if note else
            'the library does not compute this loss on the whole batch here')
   message = (

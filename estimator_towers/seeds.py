@@ -27,6 +27,10 @@
   refused at graph construction.
   The gradient through the loss's shard-independent terms (a regulariser)
   is the backward pass of the whole loss stopped at the totals.
+- a loss that mixes the batch's rows (`row_dependence`): its head on the
+  whole batch (`whole_batch_head`); each shard's frontier tensors are seeded
+  with their rows of the head's gradient. With micro-batches the head reads
+  the rows of a first pass over the micro-batches (`cached_gradients`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers import cached_gradients
 from estimator_towers import counterparts
 from estimator_towers import interception
 from estimator_towers import logs
@@ -70,8 +75,8 @@ class Seeds:
 def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor],
                 variables: Sequence, ys: Sequence[list], grad_ys: Sequence[list],
                 nonempty: Sequence, sizes: Sequence, batch: Any,
-                ungated: Callable | None, across: Any = None, per_shard: bool = False
-                ) -> Seeds:
+                ungated: Callable | None, across: Any = None, per_shard: bool = False,
+                gates: Callable | None = None) -> Seeds:
   """The seeds of one gradient request, per shard (shard 0 the primary).
 
   Args:
@@ -88,11 +93,14 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
       totals are the cluster's; `batch` is the cluster's), else None.
     per_shard: a rebuilt loss's seeds per shard even for towers alone (each
       tower's backward pass its own: `tower_copies`).
+    gates: with micro-batches, `gates(i)`: the Identity ops shard i's inputs
+      pass through.
   """
   loss = ys[0][0] if len(ys[0]) == 1 else None
   find = counterparts.in_losses([y[0] for y in ys]) if loss is not None else None
   head = _whole_batch_head(loss, ys[0], inputs, grad_ys, find, nonempty, sizes, batch,
-                           ungated is None, across)
+                           None if ungated is None else (ungated, gates or (lambda i: [])),
+                           across)
   if isinstance(head, Seeds):
     return head
   analysis = loss_algebra.analyse(loss, inputs, variables, loss_reduction,
@@ -115,32 +123,36 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
 
 def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
                       grad_ys: Sequence[list], find: Callable | None, nonempty: Sequence,
-                      sizes: Sequence, batch: Any, towers_only: bool, across: Any = None
+                      sizes: Sequence, batch: Any, micro: tuple | None, across: Any = None
                       ) -> Seeds | str | None:
   """A loss that mixes the batch's rows, its head on the whole batch (`whole_batch_head`).
 
   Each shard's backward pass starts from its frontier tensors' rows of the
   head's gradient; the head's own variables get theirs from the head's
-  backward pass stopped at the frontier (`stops`). None where no op mixes
-  rows; a sentence saying why the head cannot be built (for
-  `row_dependence`'s warning) where one does.
+  backward pass stopped at the frontier (`stops`). With micro-batches
+  (`micro`: their `ungated` and `gates`), the head reads a first pass's rows
+  (`cached_gradients`). None where no op mixes rows; a sentence saying why
+  the head cannot be built (for `row_dependence`'s warning) where one does.
   """
-  if not towers_only:
-    return None   # micro-batches refuse it (row_dependence)
   found = row_dependence.classify(ys, inputs, loss_algebra.is_declared)
   if not found.mixing:
     return None
   if not isinstance(loss, tf.Tensor):
     return 'the gradient request is of several tensors, and the head takes one loss'
-  built = whole_batch_head.build(found, loss, grad_ys[0][0], find, sizes, nonempty, batch,
-                                 across, split=row_wise_head.build)
+  if micro is None:
+    built = whole_batch_head.build(found, loss, grad_ys[0][0], find, sizes, nonempty, batch,
+                                   across, split=row_wise_head.build)
+  else:
+    built = cached_gradients.build(found, loss, grad_ys[0][0], find, inputs, *micro, sizes,
+                                   nonempty, batch, across)
   if isinstance(built, str):
     return built
   whole, shards, stops, where = built
   logs.info_once_per_graph(
       f'estimator_towers: the loss {loss.name} depends on {found.mixing[0].describe()}, '
       f'which mixes the batch\'s rows: its head ({len(found.frontier)} gathered tensor(s) '
-      f'to the loss) runs on the whole batch {where}.')
+      f'to the loss) runs on the whole batch {where}'
+      f'{", on the rows of a first pass over the micro-batches" if micro else ""}.')
   return Seeds(shards, whole, stops)
 
 

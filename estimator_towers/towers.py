@@ -380,8 +380,8 @@ class _Shards:
       at least); the first is the primary.
     nonempty: per built shard, whether it has rows (a Python bool when
       static, else a bool Tensor).
-    gates: per shard after the first of its device, the Identity ops its
-      inputs pass through, to be ordered after the previous micro-batch.
+    gates: per built shard (micro-batches), the Identity ops its inputs pass
+      through, to be ordered after the previous micro-batch (or a head's gradient).
     ungated: per gated shard, its flattened inputs before the gates.
   """
   layout: micro_batches_lib.Layout
@@ -460,11 +460,9 @@ def _split_staged(shards: _Shards, mode: str, tower_devices: Sequence[str]) -> N
 
 
 def _gate(shards: _Shards, tower_devices: Sequence[str]) -> None:
-  """Every built micro-batch after a device's first reads its inputs through gates."""
+  """Every built micro-batch reads its inputs through gates (ordered once built)."""
   with tf.name_scope('micro_batch_gates'):
     for s in shards.active:
-      if shards.layout.previous(s) is None:
-        continue
       device = tower_devices[shards.layout.device_of(s)]
       shards.ungated[s] = _flat_shard(shards, s)
       shards.features[s], feature_ops = micro_batches_lib.gate(shards.features[s], device)
@@ -636,7 +634,7 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
       creation_spans=variable_sharing.creation_spans,
       inputs=_flat_shard(shards, builder.primary),
       nonempty=dict(zip(shards.active, shards.nonempty)),
-      ungated=lambda k: shards.ungated.get(k) or _flat_shard(shards, k))
+      ungated=lambda k: shards.ungated.get(k) or _flat_shard(shards, k), gates=shards.gates)
   kept = {}
   if copies is not None:
     copies.primary_started()

@@ -33,10 +33,14 @@ columns, then a mean), `row_wise_head` splits it instead: each tower
 computes its own rows against the gathered columns, so that no device holds
 a B x B tensor; this module's single head is the fallback.
 
-What it does not do (the warning of `row_dependence` stays): micro-batches
-(an error), a frontier tensor some tower has no counterpart of, a gradient
-request of several tensors, and a static batch size whose shape reads are
-constants of the graph the head reads.
+With micro-batches the head reads each micro-batch's frontier rows from a
+first pass that keeps no activations (`cached_gradients`, the `cached`
+argument of `build`), and the seeds go to the micro-batches' own tensors.
+
+What it does not do (the warning of `row_dependence` stays): a frontier
+tensor some tower has no counterpart of, a gradient request of several
+tensors, and a static batch size whose shape reads are constants of the graph
+the head reads.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ _HEAD_KINDS = (rd.MIXED, rd.STAT, rd.SIZE, rd.SHAPE, rd.COLS, rd.UNIQUE)
 
 def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
           sizes: Sequence, nonempty: Sequence, batch: Any, across: Any = None,
-          split: Callable | None = None) -> tuple[tf.Tensor, list, list, str] | str:
+          split: Callable | None = None, cached: Callable | None = None
+          ) -> tuple[tf.Tensor, list, list, str] | str:
   """The whole batch's head of tower 0's `loss`, or why it cannot be built.
 
   Args:
@@ -72,6 +77,9 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
       sizes, nonempty, batch, across)`, the head made of rows computed per
       tower (`row_wise_head`), tried first: what it returns, or a sentence
       saying why not (then the head runs once, here).
+    cached: `cached(i, t)`, the value the head reads for shard i's rows of
+      tower 0's per-example `t`, where it is not the towers' own (micro-batches:
+      `cached_gradients`' first pass); None: the towers' own.
 
   Returns:
     (whole-batch loss, per shard (frontier tensors, their initial
@@ -89,10 +97,12 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     if missing:
       return f'shard {i} built no counterpart of {missing[0]}'
     per_shard.append(mine)
+  values = per_shard if cached is None else [[cached(i, t) for t in frontier]
+                                             for i in range(len(sizes))]
   static = _static_size(head, found, frontier)
   if static is not None:
     return static
-  if split is not None:
+  if split is not None and cached is None:   # micro-batches: the single head
     try:
       built = split(found, loss, grad_y, find, frontier, shapes, per_shard, sizes, nonempty,
                     batch, across)
@@ -101,8 +111,9 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     if not isinstance(built, str):
       return built
   try:
-    return _build(found, loss, grad_y, head, frontier, shapes, per_shard, sizes, nonempty,
-                  batch, across) + (f'on {loss.op.device or "the first tower"}',)
+    return _build(found, loss, grad_y, head, frontier, shapes, (per_shard, values), sizes,
+                  nonempty, batch, across, cached or (lambda i, t: t)) + (
+                      f'on {loss.op.device or "the first tower"}',)
   except (ValueError, TypeError) as error:
     return f'building it on the whole batch failed ({error})'
 
@@ -156,36 +167,38 @@ def _constant_with(t: tf.Tensor, values: set, limit: int = 200) -> tf.Tensor | N
   return None
 
 
-def _build(found, loss, grad_y, head, frontier, shapes, per_shard, sizes, nonempty, batch,
-           across):
+def _build(found, loss, grad_y, head, frontier, shapes, shards, sizes, nonempty, batch,
+           across, value):
   """The head's copy on the gathered rows, and the seeds (see `build`)."""
+  per_shard, values = shards
   device = loss.op.device
   with tf.device(device), tf.name_scope('whole_batch_head'):
     mapped = {}
     for j, t in enumerate(frontier):
       kind = found.kind(t)
-      mapped[t.name] = gathered([s[j] for s in per_shard], kind, sizes, nonempty)
+      mapped[t.name] = gathered([s[j] for s in values], kind, sizes, nonempty)
       if across is not None:
         mapped[t.name] = across_workers(mapped[t.name], kind, across)
     for t in shapes:
-      mapped[t.name] = whole_shape(t, found.kind(t.op.inputs[0]), batch)
+      mapped[t.name] = whole_shape(t, found.kind(t.op.inputs[0]), batch,
+                                   value(0, t.op.inputs[0]))
     for op in head:
       copy = copy_op(op, [mapped.get(t.name, t) for t in op.inputs])
       for a, b in zip(op.outputs, copy.outputs):
         mapped[a.name] = b
     whole = mapped[loss.name]
-    everything = [t for shard in per_shard for t in shard]
+    everything = [t for shard in values for t in shard]
     grads = tf.gradients(whole, everything, grad_ys=None if grad_y is None else [grad_y],
                          stop_gradients=everything)
   seeds, position = [], 0
-  for shard in per_shard:
+  for shard, shard_values in zip(per_shard, values):
     shard_grads = []
-    for t in shard:
+    for v in shard_values:
       g = grads[position]
       position += 1
       if g is None:
         with tf.device(device):
-          g = tf.zeros_like(t)
+          g = tf.zeros_like(v)
       shard_grads.append(tf.convert_to_tensor(g))
     seeds.append((list(shard), shard_grads))
   return whole, seeds, everything
@@ -293,9 +306,10 @@ def across_workers(mine: tf.Tensor, kind: rd.Kind, across: Any, summed: bool = F
   return out
 
 
-def whole_shape(t: tf.Tensor, kind: rd.Kind, batch: Any) -> tf.Tensor:
-  """The whole batch's value of Shape(x) or Size(x), for per-example rows x."""
-  x = t.op.inputs[0]
+def whole_shape(t: tf.Tensor, kind: rd.Kind, batch: Any, x: tf.Tensor | None = None
+                ) -> tf.Tensor:
+  """The whole batch's value of Shape(x) or Size(x), for per-example rows x (`t`'s input)."""
+  x = t.op.inputs[0] if x is None else x
   rows = tf.cast(batch, t.dtype) * kind.blocks
   rest = tf.shape(x, out_type=t.dtype)[1:]
   if t.op.type == 'Size':

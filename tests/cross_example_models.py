@@ -102,6 +102,11 @@ def two_levels(x, y):
   return loss + 0.1 * tf.reduce_mean(tf.matmul(h, h, transpose_b=True)), [q, d, h]
 
 
+def dropout_before_the_cut(x, y):
+  """An in-batch softmax of encoders that drop inputs: a random op before the frontier."""
+  return in_batch_softmax(tf.nn.dropout(x, rate=0.2, seed=1), y)
+
+
 def per_example(x, y):
   _, xent = logits_and_xent(x, y)
   return tf.reduce_mean(xent), []

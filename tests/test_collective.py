@@ -195,15 +195,18 @@ def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize('model', ['clip', 'clip_weighted', 'top_k'])
-def test_cross_example_losses_across_two_workers_of_two_towers(tmp_path, model):
+@pytest.mark.parametrize('model, micro_batches', [('clip', 1), ('clip_weighted', 1),
+                                                   ('top_k', 1), ('clip', 2)])
+def test_cross_example_losses_across_two_workers_of_two_towers(tmp_path, model, micro_batches):
   """Issue 33: an in-batch softmax with a trained temperature (and a trained weight of its
   two terms), a batch top-k: the head on the cluster's rows (all-gathered in rank order; CLIP's
   row-wise, each worker its own rows against the cluster's columns; the worker's input ends
-  first, so the global batches are 12, 12, 8, 6, 6), every worker's rows and gradients exact."""
+  first, so the global batches are 12, 12, 8, 6, 6), every worker's rows and gradients exact.
+  With micro-batches the head reads a first pass's rows, gathered across the workers once per
+  step."""
   data = _data(tmp_path / 'data.npz', SIZES)
   batches = _global_batches(data, SIZES)
-  spec = _spec(tmp_path, model, 2)
+  spec = _spec(tmp_path, model, 2, micro_batches)
   Cluster(tmp_path, spec).run()
   chief, _ = _chief_against_plain(tmp_path, spec, model, batches)
   _assert_workers_equal_the_chief(tmp_path, chief, SIZES)

@@ -7,6 +7,11 @@ attention over the batch) trains on towers as the plain model_fn on the whole
 batch: its head runs on the whole batch's rows (`whole_batch_head`), row-wise
 per tower where it is made of rows (`row_wise_head`).
 
+Micro-batches: the head reads the rows of a first pass over the
+micro-batches and its gradient seeds each micro-batch's backward pass
+(`cached_gradients`), exact as well; a random op before the frontier is
+refused.
+
 Never silently wrong: where the library does not compute such an op on the
 whole batch (EVAL, a gradient request of several tensors), one warning at
 graph construction names it and says why, not the loss algebra's;
@@ -135,11 +140,14 @@ def test_loss_reduction_exact_makes_it_an_error():
     _build_two_tensors('top_k', loss_reduction='exact')
 
 
-def test_micro_batches_with_a_mixing_op_is_an_error():
+def test_micro_batches_without_a_head_is_an_error_saying_why():
+  """A static batch size: no whole-batch head, so micro-batches cannot train the loss."""
   with pytest.raises(ValueError, match=r"micro_batches > 1 cannot train this model_fn: the "
-                                       r"loss .* depends on ReverseV2 op 'ReverseV2'.*Use "
+                                       r"loss .* depends on MatMul op 'MatMul'.*so such a loss "
+                                       r"trains only through its head on the whole batch, which "
+                                       r"cannot be built here: the batch size is static.*Use "
                                        r"micro_batches=1"):
-    _build('mixup', num_devices=1, micro_batches=3)
+    _build('in_batch_softmax', num_devices=1, static=True, micro_batches=3)
 
 
 @pytest.mark.parametrize('mode', [ModeKeys.TRAIN, ModeKeys.EVAL])
@@ -187,10 +195,11 @@ def _plain(name, labels=True):
   return after_1, testlib.variables(est)
 
 
-def _towered(name, labels=True, num_devices=3):
+def _towered(name, labels=True, num_devices=3, micro_batches=1, **plan):
   model_fn = functools.partial(_model_fn if labels else _features_only, _pattern(name))
   est = testlib.make_estimator(
-      et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices)),
+      et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices),
+                            micro_batches=micro_batches, **plan),
       num_cpus=num_devices)
   est.train(_input_fn(labels), steps=1)
   after_1 = testlib.variables(est)
@@ -220,6 +229,103 @@ def test_features_only_input_equals_plain(name, warnings):
   testlib.assert_variables_close(towered_1, plain_1)
   testlib.assert_variables_close(towered_3, plain_3)
   assert not _ours(warnings), _ours(warnings)
+
+
+# --- Micro-batches: the head on a first pass's rows (cached_gradients) ----------
+
+LAYOUTS = {'1x3': (1, 3), '2x2': (2, 2)}
+
+
+@pytest.mark.parametrize('layout', sorted(LAYOUTS))
+@pytest.mark.parametrize('name', EXACT)
+def test_micro_batches_equal_plain_on_the_whole_batch(name, layout, warnings):
+  """1 device x 3 micro-batches (4/3/3, then 1/1/0) and 2 x 2 (3/2/3/2, then 1/0/1/0)."""
+  num_devices, micro_batches = LAYOUTS[layout]
+  plain_1, plain_3 = _plain(name)
+  towered_1, towered_3 = _towered(name, num_devices=num_devices, micro_batches=micro_batches)
+  testlib.assert_variables_close(towered_1, plain_1)
+  testlib.assert_variables_close(towered_3, plain_3)
+  assert not _ours(warnings), _ours(warnings)
+
+
+@pytest.mark.parametrize('strategy', ['replicated', 'gpu'])
+def test_micro_batches_with_variables_on_the_devices_equal_plain(strategy):
+  """CLIP on 2 x 2: the first pass and the head read device 0's values; each device's passes
+  its own copies ('replicated'), or variables spread over the devices ('gpu')."""
+  plain_1, plain_3 = _plain('clip')
+  towered_1, towered_3 = _towered('clip', num_devices=2, micro_batches=2,
+                                  variable_strategy=strategy)
+  testlib.assert_variables_close(towered_1, plain_1)
+  testlib.assert_variables_close(towered_3, plain_3)
+
+
+def test_micro_batches_features_only_input_equal_plain(warnings):
+  plain_1, plain_3 = _plain('simclr', labels=False)
+  towered_1, towered_3 = _towered('simclr', labels=False, num_devices=1, micro_batches=3)
+  testlib.assert_variables_close(towered_1, plain_1)
+  testlib.assert_variables_close(towered_3, plain_3)
+  assert not _ours(warnings), _ours(warnings)
+
+
+def _tensor_and_dict_model_fn(features, labels, mode):
+  """Features a Tensor, labels a dict."""
+  return _model_fn(patterns.clip, {'x': features}, labels['y'], mode)
+
+
+@pytest.mark.parametrize('layout', sorted(LAYOUTS))
+def test_micro_batches_features_a_tensor_labels_a_dict_equal_plain(layout):
+  x, y = _data()
+  input_fn = lambda: tf.data.Dataset.from_tensor_slices((x, {'y': y})).batch(BATCH)
+  results = []
+  for fn, num_devices, micro_batches in [(_tensor_and_dict_model_fn, 1, 1),
+                                         (_tensor_and_dict_model_fn, *LAYOUTS[layout])]:
+    if micro_batches > 1:
+      fn = et.replicate_model_fn(fn, devices=testlib.cpu_devices(num_devices),
+                                 micro_batches=micro_batches)
+    est = testlib.make_estimator(fn, num_cpus=num_devices)
+    est.train(input_fn, steps=1)
+    after_1 = testlib.variables(est)
+    est.train(input_fn, steps=2)
+    results.append((after_1, testlib.variables(est)))
+  (plain_1, plain_3), (towered_1, towered_3) = results
+  testlib.assert_variables_close(towered_1, plain_1)
+  testlib.assert_variables_close(towered_3, plain_3)
+
+
+def test_micro_batches_refuse_a_random_op_before_the_cut():
+  with pytest.raises(ValueError, match=r"micro_batches > 1 cannot train the loss .* exactly: "
+                                       r"it mixes the batch's rows, so each micro-batch's rows "
+                                       r"of .* are computed twice.*through the stateful op "
+                                       r"dropout/random_uniform/RandomUniform \(RandomUniform\)"
+                                       r".*Apply it after the mixing ops"):
+    _build('dropout_before_the_cut', num_devices=1, micro_batches=3)
+
+
+def test_micro_batches_run_after_the_cached_gradient():
+  """Every micro-batch's inputs wait for the head's gradient; a device's first passes chain."""
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.create_global_step()
+    model_fn = functools.partial(_model_fn, patterns.in_batch_softmax)
+    towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(2), micro_batches=2)
+    x, y = _data()
+    towered({'x': tf.compat.v1.placeholder_with_default(x[:BATCH], [None, patterns.F])},
+            tf.compat.v1.placeholder_with_default(y[:BATCH], [None]), ModeKeys.TRAIN, None, None)
+    ops = graph.get_operations()
+  gates = [op for op in ops if op.name.startswith('micro_batch_gates/')]
+  assert len(gates) == 8, [op.name for op in gates]   # x and y of 4 micro-batches
+  for op in gates:
+    assert any('whole_batch_head' in c.name for c in op.control_inputs), (op.name,
+                                                                           op.control_inputs)
+  firsts = {op.name: op for op in ops if op.name.startswith('cached_gradients/')
+            and op.type == 'Identity' and not op.inputs[0].name.startswith('cached_gradients')}
+  assert len(firsts) == 8, sorted(firsts)   # each micro-batch's x and y, before its first pass
+  chained = {name for name, op in firsts.items() if op.control_inputs}
+  assert chained == {n for n in firsts if n.startswith(('cached_gradients/shard_1/',
+                                                        'cached_gradients/shard_3/'))}, firsts
+  for name in chained:
+    before = 'shard_0' if 'shard_1' in name else 'shard_2'
+    assert all(c.type == 'StopGradient' and f'/{before}/' in f'/{c.name}'
+               for c in firsts[name].control_inputs), firsts[name].control_inputs
 
 
 def _head_ops(name):

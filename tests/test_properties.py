@@ -320,6 +320,10 @@ def check_case(features, num_towers, sizes, fault, depth, mode, seed, labels='te
 @example(dict(features='ragged', labels='absent', signature=('features', 'mode'),
               num_towers=2, sizes=[3, 4], fault=None, micro_batches=1, asks_tower=True,
               depth=0, mode=ModeKeys.EVAL, seed=8))
+# Micro-batches: the first micro-batch's gated sparse and ragged inputs read as the ungated ones.
+@example(dict(features={'a': {'a': 'sparse'}, 'c': 'ragged'}, labels='nest',
+              signature=('features', 'labels', 'mode'), num_towers=7, sizes=[21], fault=None,
+              micro_batches=2, asks_tower=False, depth=0, mode=ModeKeys.TRAIN, seed=1382))
 @given(cases())
 def test_any_structure_ends_like_the_plain_model_fn(case):
   check_case(**case)
