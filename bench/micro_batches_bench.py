@@ -63,11 +63,17 @@ flags.DEFINE_integer('warmup_steps', 2, 'Untimed first steps.')
 flags.DEFINE_integer('traced_steps', 3, 'Untimed traced steps after the timed ones (allocator peak).')
 flags.DEFINE_integer('repeats', 3, 'Fresh processes per configuration; the median is reported.')
 flags.DEFINE_bool('quick', False, 'B=2048, 5 steps, 1 repeat: a smoke run.')
+flags.DEFINE_enum('model', 'mlp', ['mlp', 'two_encoders', 'one_encoder'],
+                  'mlp: the MLP above; two_encoders / one_encoder: the branched models above.')
 flags.DEFINE_string('config', None, 'Internal: run one configuration in this process.')
 
 WIDTH = 4096
 INPUTS = 64
 CLASSES = 10
+ENCODER_INPUTS = 256
+ENCODER_WIDTH = 1024
+ENCODER_LAYERS = 4
+EMBEDDING = 128
 
 
 def model_fn(features, labels, mode):
@@ -86,6 +92,47 @@ def model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+def _encoder(x, name: str, seed: int):
+  """4 x 1024 ReLU dense layers, then a 128-d linear output."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  init = tf.compat.v1.glorot_uniform_initializer
+  with tf.compat.v1.variable_scope(name):
+    for i in range(ENCODER_LAYERS):
+      x = tf.compat.v1.layers.dense(x, ENCODER_WIDTH, activation=tf.nn.relu,
+                                    kernel_initializer=init(seed=seed + i), name=f'dense_{i}')
+    return tf.compat.v1.layers.dense(x, EMBEDDING, kernel_initializer=init(seed=seed + 10),
+                                     name='out')
+
+
+def encoders_model_fn(features, labels, mode):
+  """Query and doc embeddings (two encoders, or one against a given doc vector);
+  a per-example loss: the mean over rows of -<q, d>."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  del labels
+  query = _encoder(features['query'], 'query', 1)
+  doc = features['doc']
+  if FLAGS.model == 'two_encoders':
+    doc = _encoder(doc, 'doc', 101)
+  loss = tf.reduce_mean(-tf.reduce_sum(query * doc, -1))
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.01).minimize(
+      loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _batch_of_examples(batch: int):
+  """The model's batch (features, labels), made in the graph from fixed seeds."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if FLAGS.model == 'mlp':
+    x = tf.random.stateless_normal([batch, INPUTS], seed=[1, 2])
+    y = tf.random.stateless_uniform([batch], seed=[3, 4], maxval=CLASSES, dtype=tf.int32)
+    return x, y
+  # Random ops with seeds, not stateless ones: grappler would fold those into
+  # constants of the batch's size.
+  doc_width = ENCODER_INPUTS if FLAGS.model == 'two_encoders' else EMBEDDING
+  return {'query': tf.random.normal([batch, ENCODER_INPUTS], seed=1),
+          'doc': tf.random.normal([batch, doc_width], seed=2)}, None
+
+
 def run_one(name: str, batch: int, devices: list[str] | None, k: int) -> dict:
   """Trains one configuration in this process; returns its numbers."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -95,11 +142,9 @@ def run_one(name: str, batch: int, devices: list[str] | None, k: int) -> dict:
     # Made in the graph from fixed seeds, not a numpy constant: a constant of
     # the batch's size would be copied into the GraphDef (and grappler's and
     # the session's copies of it), which would count against larger batches.
-    def batch_of_examples(_):
-      x = tf.random.stateless_normal([batch, INPUTS], seed=[1, 2])
-      y = tf.random.stateless_uniform([batch], seed=[3, 4], maxval=CLASSES, dtype=tf.int32)
-      return x, y
-    return tf.data.Dataset.from_tensors(0).repeat().map(batch_of_examples)
+    if FLAGS.model != 'mlp':  # no input pipeline at all: no prefetched batches
+      return _batch_of_examples(batch)
+    return tf.data.Dataset.from_tensors(0).repeat().map(lambda _: _batch_of_examples(batch))
 
   times, peaks, before_steps = [], [], []
 
@@ -123,7 +168,8 @@ def run_one(name: str, batch: int, devices: list[str] | None, k: int) -> dict:
                        for d in run_values.run_metadata.step_stats.dev_stats
                        for n in d.node_stats for m in n.memory))
 
-  fn = model_fn if devices is None else replicate_model_fn(model_fn, devices=devices,
+  plain = model_fn if FLAGS.model == 'mlp' else encoders_model_fn
+  fn = plain if devices is None else replicate_model_fn(plain, devices=devices,
                                                            micro_batches=k)
   config = tf.estimator.RunConfig(
       save_checkpoints_steps=None, save_checkpoints_secs=None, save_summary_steps=None,
@@ -173,7 +219,8 @@ def in_subprocess(config: str) -> dict:
   args = [sys.executable, os.path.abspath(__file__), f'--config={config}',
           f'--batch_size={FLAGS.batch_size}', f'--micro_batches={FLAGS.micro_batches}',
           f'--num_devices={FLAGS.num_devices}', f'--steps={FLAGS.steps}',
-          f'--warmup_steps={FLAGS.warmup_steps}', f'--traced_steps={FLAGS.traced_steps}']
+          f'--warmup_steps={FLAGS.warmup_steps}', f'--traced_steps={FLAGS.traced_steps}',
+          f'--model={FLAGS.model}']
   out = subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout
   return json.loads(out.strip().splitlines()[-1])
 
@@ -192,7 +239,7 @@ def main(argv):
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import benchlib  # pylint: disable=g-import-not-at-top
   print(f'micro_batches_bench: {datetime.date.today()}, {benchlib.machine()}; '
-        f'B={FLAGS.batch_size}, k={FLAGS.micro_batches}, N={FLAGS.num_devices}, '
+        f'model {FLAGS.model}, B={FLAGS.batch_size}, k={FLAGS.micro_batches}, N={FLAGS.num_devices}, '
         f'{FLAGS.steps} steps ({FLAGS.warmup_steps} warm-up)')
   # Peak RSS moves by some tens of MB from process to process (the C
   # library's arenas, thread timing): each configuration runs --repeats times,
