@@ -9,7 +9,17 @@ a real `Estimator.train` at:
   (a) plain at batch B;
   (b) plain at batch B / k;
   (c) `replicate_model_fn(devices=['/cpu:0'], micro_batches=k)` at batch B;
-  (d) `replicate_model_fn(devices=N virtual CPUs, micro_batches=k)` at batch B.
+  (d) `replicate_model_fn(devices=N virtual CPUs, micro_batches=k)` at batch B;
+  (e) plain on the first B / k rows of an input of batch B: (e) - (b) is what
+      holding (and making) the whole batch's input costs, which (c) must pay.
+
+--model=two_encoders / one_encoder: models with more than one branch, where
+the weights are not small beside one micro-batch's activations: a query
+encoder and a doc encoder (each 4 x 1024 ReLU dense layers on 256 inputs, a
+128-d output), or the query encoder against a given 128-d doc vector; a
+per-example loss, the mean of -<q, d>; SGD. At its peak (c) holds, beyond
+(b), the whole batch's input and the gradient sums (one float32 per trained
+parameter); the bench prints both amounts and the ratios without them.
 
 Peak memory, two ways:
 
@@ -33,10 +43,12 @@ Speed: examples/sec over the steps after --warmup_steps, timed by a hook
 between the end of the last warm-up step and the end of the last step (graph
 construction and session creation left out). Input: a random batch made by
 tf.data each step from fixed seeds (a static batch dimension), so that no
-batch-sized constant sits in the graph.
+batch-sized constant sits in the graph; for the encoders, by seeded random
+ops in the input_fn itself (no input pipeline, no prefetched batches).
 
   python bench/micro_batches_bench.py           # B=8192, k=4, N=2
   python bench/micro_batches_bench.py --quick   # B=2048, fewer steps
+  python bench/micro_batches_bench.py --model=two_encoders   # or one_encoder
 """
 
 from __future__ import annotations
@@ -63,11 +75,17 @@ flags.DEFINE_integer('warmup_steps', 2, 'Untimed first steps.')
 flags.DEFINE_integer('traced_steps', 3, 'Untimed traced steps after the timed ones (allocator peak).')
 flags.DEFINE_integer('repeats', 3, 'Fresh processes per configuration; the median is reported.')
 flags.DEFINE_bool('quick', False, 'B=2048, 5 steps, 1 repeat: a smoke run.')
+flags.DEFINE_enum('model', 'mlp', ['mlp', 'two_encoders', 'one_encoder'],
+                  'mlp: the MLP above; two_encoders / one_encoder: the branched models above.')
 flags.DEFINE_string('config', None, 'Internal: run one configuration in this process.')
 
 WIDTH = 4096
 INPUTS = 64
 CLASSES = 10
+ENCODER_INPUTS = 256
+ENCODER_WIDTH = 1024
+ENCODER_LAYERS = 4
+EMBEDDING = 128
 
 
 def model_fn(features, labels, mode):
@@ -86,6 +104,47 @@ def model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+def _encoder(x, name: str, seed: int):
+  """4 x 1024 ReLU dense layers, then a 128-d linear output."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  init = tf.compat.v1.glorot_uniform_initializer
+  with tf.compat.v1.variable_scope(name):
+    for i in range(ENCODER_LAYERS):
+      x = tf.compat.v1.layers.dense(x, ENCODER_WIDTH, activation=tf.nn.relu,
+                                    kernel_initializer=init(seed=seed + i), name=f'dense_{i}')
+    return tf.compat.v1.layers.dense(x, EMBEDDING, kernel_initializer=init(seed=seed + 10),
+                                     name='out')
+
+
+def encoders_model_fn(features, labels, mode):
+  """Query and doc embeddings (two encoders, or one against a given doc vector);
+  a per-example loss: the mean over rows of -<q, d>."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  del labels
+  query = _encoder(features['query'], 'query', 1)
+  doc = features['doc']
+  if FLAGS.model == 'two_encoders':
+    doc = _encoder(doc, 'doc', 101)
+  loss = tf.reduce_mean(-tf.reduce_sum(query * doc, -1))
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.01).minimize(
+      loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _batch_of_examples(batch: int):
+  """The model's batch (features, labels), made in the graph from fixed seeds."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if FLAGS.model == 'mlp':
+    x = tf.random.stateless_normal([batch, INPUTS], seed=[1, 2])
+    y = tf.random.stateless_uniform([batch], seed=[3, 4], maxval=CLASSES, dtype=tf.int32)
+    return x, y
+  # Random ops with seeds, not stateless ones: grappler would fold those into
+  # constants of the batch's size.
+  doc_width = ENCODER_INPUTS if FLAGS.model == 'two_encoders' else EMBEDDING
+  return {'query': tf.random.normal([batch, ENCODER_INPUTS], seed=1),
+          'doc': tf.random.normal([batch, doc_width], seed=2)}, None
+
+
 def run_one(name: str, batch: int, devices: list[str] | None, k: int) -> dict:
   """Trains one configuration in this process; returns its numbers."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -95,11 +154,9 @@ def run_one(name: str, batch: int, devices: list[str] | None, k: int) -> dict:
     # Made in the graph from fixed seeds, not a numpy constant: a constant of
     # the batch's size would be copied into the GraphDef (and grappler's and
     # the session's copies of it), which would count against larger batches.
-    def batch_of_examples(_):
-      x = tf.random.stateless_normal([batch, INPUTS], seed=[1, 2])
-      y = tf.random.stateless_uniform([batch], seed=[3, 4], maxval=CLASSES, dtype=tf.int32)
-      return x, y
-    return tf.data.Dataset.from_tensors(0).repeat().map(batch_of_examples)
+    if FLAGS.model != 'mlp':  # no input pipeline at all: no prefetched batches
+      return _batch_of_examples(batch)
+    return tf.data.Dataset.from_tensors(0).repeat().map(lambda _: _batch_of_examples(batch))
 
   times, peaks, before_steps = [], [], []
 
@@ -123,7 +180,17 @@ def run_one(name: str, batch: int, devices: list[str] | None, k: int) -> dict:
                        for d in run_values.run_metadata.step_stats.dev_stats
                        for n in d.node_stats for m in n.memory))
 
-  fn = model_fn if devices is None else replicate_model_fn(model_fn, devices=devices,
+  plain = model_fn if FLAGS.model == 'mlp' else encoders_model_fn
+  rows = batch // k if devices is None else batch  # (e): plain on the first B / k rows
+  if devices is None and k > 1:
+    whole = plain
+
+    def plain(features, labels, mode):  # pylint: disable=function-redefined
+      first = lambda t: None if t is None else t[:rows]
+      return whole(tf.nest.map_structure(first, features),
+                   tf.nest.map_structure(first, labels), mode)
+
+  fn = plain if devices is None else replicate_model_fn(plain, devices=devices,
                                                            micro_batches=k)
   config = tf.estimator.RunConfig(
       save_checkpoints_steps=None, save_checkpoints_secs=None, save_summary_steps=None,
@@ -134,9 +201,25 @@ def run_one(name: str, batch: int, devices: list[str] | None, k: int) -> dict:
   est.train(input_fn, steps=FLAGS.steps + FLAGS.traced_steps, hooks=[Timer()])
   timed = times[FLAGS.warmup_steps - 1:]
   return {'name': name, 'batch': batch,
-          'examples_per_sec': batch * (len(timed) - 1) / (timed[-1] - timed[0]),
+          'examples_per_sec': rows * (len(timed) - 1) / (timed[-1] - timed[0]),
           'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
           'allocator_peak_mb': max(peaks) / 2**20, 'rss_before_steps_mb': before_steps[0]}
+
+
+def held_by_design(batch: int, k: int) -> tuple[float, float]:
+  """MB that (c) must hold beyond (b): the whole batch's input beyond one
+  micro-batch's, and the gradient sums (one float32 per trained parameter)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default():
+    features, labels = _batch_of_examples(batch)
+    inputs = sum(t.shape.num_elements() * t.dtype.size
+                 for t in tf.nest.flatten((features, labels)) if t is not None)
+    tf.compat.v1.train.create_global_step()
+    (model_fn if FLAGS.model == 'mlp' else encoders_model_fn)(
+        features, labels, tf.estimator.ModeKeys.TRAIN)
+    sums = sum(v.shape.num_elements() * v.dtype.size
+               for v in tf.compat.v1.trainable_variables())
+  return inputs * (1 - 1 / k) / 2**20, sums / 2**20
 
 
 def baseline() -> dict:
@@ -154,6 +237,7 @@ def configurations() -> dict:
       'c': (f'(c) 1 device x {k} micro-batches, batch {b}', b, ['/cpu:0'], k),
       'd': (f'(d) {n} devices x {k} micro-batches, batch {b}', b,
             [f'/cpu:{i}' for i in range(n)], k),
+      'e': (f'(e) plain on {b // k} rows of an input of {b}', b, None, k),
   }
 
 
@@ -173,7 +257,8 @@ def in_subprocess(config: str) -> dict:
   args = [sys.executable, os.path.abspath(__file__), f'--config={config}',
           f'--batch_size={FLAGS.batch_size}', f'--micro_batches={FLAGS.micro_batches}',
           f'--num_devices={FLAGS.num_devices}', f'--steps={FLAGS.steps}',
-          f'--warmup_steps={FLAGS.warmup_steps}', f'--traced_steps={FLAGS.traced_steps}']
+          f'--warmup_steps={FLAGS.warmup_steps}', f'--traced_steps={FLAGS.traced_steps}',
+          f'--model={FLAGS.model}']
   out = subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout
   return json.loads(out.strip().splitlines()[-1])
 
@@ -192,12 +277,12 @@ def main(argv):
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import benchlib  # pylint: disable=g-import-not-at-top
   print(f'micro_batches_bench: {datetime.date.today()}, {benchlib.machine()}; '
-        f'B={FLAGS.batch_size}, k={FLAGS.micro_batches}, N={FLAGS.num_devices}, '
+        f'model {FLAGS.model}, B={FLAGS.batch_size}, k={FLAGS.micro_batches}, N={FLAGS.num_devices}, '
         f'{FLAGS.steps} steps ({FLAGS.warmup_steps} warm-up)')
   # Peak RSS moves by some tens of MB from process to process (the C
   # library's arenas, thread timing): each configuration runs --repeats times,
   # interleaved, and each number is the median of its runs.
-  runs = {c: [] for c in ['baseline', 'a', 'b', 'c', 'd']}
+  runs = {c: [] for c in ['baseline', 'a', 'b', 'c', 'd', 'e']}
   for _ in range(FLAGS.repeats):
     for c in runs:
       runs[c].append(in_subprocess(c))
@@ -219,6 +304,17 @@ def main(argv):
   print(f'(c) / (b) memory: RSS above baseline {above["c"] / above["b"]:.2f} (goal <= 1.10), '
         f'allocator peak {tensors["c"] / tensors["b"]:.2f}; (c) / (a): RSS above baseline '
         f'{above["c"] / above["a"]:.2f}, allocator peak {tensors["c"] / tensors["a"]:.2f}')
+  inputs, sums = held_by_design(FLAGS.batch_size, FLAGS.micro_batches)
+  excess = above['c'] - above['b']
+  print(f'(c) - (b): {excess:.0f} MB RSS above baseline, {tensors["c"] - tensors["b"]:.0f} MB '
+        f'allocator peak; held by design: the whole batch\'s input beyond one micro-batch\'s '
+        f'{inputs:.0f} MB, the gradient sums {sums:.0f} MB. (c) / (b), RSS above baseline, '
+        f'without the input: {(above["c"] - inputs) / above["b"]:.2f}; without the input '
+        f'and the sums: {(above["c"] - inputs - sums) / above["b"]:.2f}')
+  print(f'the whole batch\'s input, measured: (e) - (b) = {above["e"] - above["b"]:.0f} MB RSS '
+        f'above baseline, {tensors["e"] - tensors["b"]:.0f} MB allocator peak; (c) / (e): RSS '
+        f'above baseline {above["c"] / above["e"]:.2f}, allocator peak '
+        f'{tensors["c"] / tensors["e"]:.2f}')
   print(f'(c) / (a) examples/sec: {speed["c"] / speed["a"]:.2f} (goal >= 0.9); '
         f'(d) / (a): {speed["d"] / speed["a"]:.2f}')
 

@@ -10,12 +10,16 @@ parts to `gradient_sync` to meet.
   'collective' placements' copies, a parameter server's reads), so that the
   parts meet where `gradient_sync` says rather than wherever the pass would.
 - Micro-batches: one backward pass per shard. The micro-batches of a device
-  run one after another, so each one's backward pass must be ops of its own
-  that the next micro-batch's inputs can wait for (`after_backward`); and the
-  parts of a variable's gradient from one device's micro-batches are summed on
-  that device, in micro-batch order, before they cross to the variable's
-  aggregation device, so the bytes sent per step do not grow with the number
-  of micro-batches. A micro-batch's pass keeps the model_fn's per-op gates
+  run one after another, so each one's backward pass must be ops of its own;
+  the parts of a variable's gradient from one device's micro-batches are
+  summed on that device, in micro-batch order, before they cross to the
+  variable's aggregation device, so the bytes sent per step do not grow with
+  the number of micro-batches. The next micro-batch's inputs wait for the
+  running sums (`after_backward`), not only for the micro-batch's gradients:
+  each is then added as soon as it exists and freed, and grappler cannot merge
+  the chain of sums into one AddN that would keep every micro-batch's
+  gradients alive until the last one's (bench/micro_batches_bench.py
+  --model=two_encoders shows it). A micro-batch's pass keeps the model_fn's per-op gates
   (see `_options`). Only the first request is ordered: a later one's backward
   pass depends on the earlier whole-batch answer, which depends on every
   micro-batch.
@@ -66,9 +70,10 @@ class BackwardPasses:
     copy_of: `copy_of(variable, k)` is tower k's own copy of `variable`, or None.
     device_of: with micro-batches, `device_of(k)` is the device shard k runs
       on (then each shard gets a backward pass of its own); None: towers alone.
-    after_backward: with micro-batches, `after_backward(k, grads)` is called
-      once shard k's backward pass of the first request is built (to order
-      the next micro-batch of its device after it).
+    after_backward: with micro-batches, `after_backward(k, sums)` is called
+      once shard k's backward pass of the first request is built, with its
+      device's running sums of the gradients so far (to order the next
+      micro-batch of its device after them).
     copies: the towers' copies of tower 0's forward pass (`tower_copies`), or
       None; a copied tower's backward pass is a copy of tower 0's.
   """
@@ -186,7 +191,7 @@ class BackwardPasses:
           by_device[device] = [gradient_sync.add([a, b])
                                for a, b in zip(by_device[device], grads)]
       if ordered and self._after_backward is not None:
-        self._after_backward(k, [g for g in grads if g is not None])
+        self._after_backward(k, [g for g in by_device[device] if g is not None])
     return [[grads[i] for grads in by_device.values()] for i in range(len(primary.xs))]
 
   def _gradients(self, shards: Sequence[int], primary: Request, ys: list, grad_ys: list,

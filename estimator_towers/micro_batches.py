@@ -8,11 +8,19 @@ micro-batch s % k, so shards are numbered device-major, in input order.
 Micro-batches of one device run one after another within the step's single
 `session.run`: each micro-batch after the first reads its inputs through
 `gate` Identity ops, and `order_after` gives those ops control inputs on the
-previous micro-batch's last ops (its gradients in TRAIN, its outputs in EVAL
-and PREDICT). So a micro-batch's forward pass starts only once the previous
-one's backward pass has finished and its activations are released, and the
-peak activation memory of a device is about one micro-batch's. Devices still
-run in parallel with each other.
+previous micro-batch's last ops (in TRAIN the device's running sums of the
+gradients, that micro-batch's included; its outputs in EVAL and PREDICT).
+Every op of the micro-batch's forward pass that reads none of its inputs (a
+variable read feeding a Tile to the batch's size, a random op of a static
+shape) waits for the gates too (`gate_sources`). So a micro-batch's forward
+pass, every branch of it, starts only once the previous one's backward pass
+has finished, its gradients have been added to the sums and its activations
+are released: at its peak a device holds one micro-batch's activations, the
+gradient sums (one value per trained parameter) and the whole batch's input.
+Waiting for the sums, not only for the gradients, also keeps grappler from
+merging a device's chain of sums into one AddN at the end of the step, which
+would keep every micro-batch's gradients alive until then. Devices still run
+in parallel with each other.
 
 Batch normalisation without synchronisation normalises each micro-batch by
 its own statistics (a shard's, as across devices), and its moving averages
@@ -119,12 +127,13 @@ def gate(structure: Any, device: str) -> tuple[Any, list[tf.Operation]]:
 
   A SparseTensor's components are named indices, values and dense_shape, a
   RaggedTensor's Ragged..., so that the gated inputs read as the ungated ones.
+  None (absent labels) stays None.
   """
-  if structure is None:
-    return None, []
   ops = []
 
   def through(leaf):
+    if leaf is None:
+      return None
     parts = tf.nest.flatten(leaf, expand_composites=True)
     ragged = isinstance(leaf, tf.RaggedTensor)
     names = _COMPONENTS.get(type(leaf)) or [
@@ -148,6 +157,32 @@ def _ops(values: Any) -> list[tf.Operation]:
     elif isinstance(value, tf.Tensor):
       ops.append(value.op)
   return ops
+
+
+# Ops that allocate nothing a micro-batch holds: they need no gate.
+_INERT = frozenset(['Const', 'VarHandleOp', 'VariableV2', 'Placeholder', 'NoOp'])
+
+
+def gate_sources(ops: Sequence[tf.Operation], gates: Sequence[tf.Operation] | None) -> None:
+  """Makes the ops of a micro-batch's forward pass that no gate reaches wait for a gate.
+
+  `ops`: the ops made while the micro-batch's model_fn was built, in creation
+  order; `gates`: its input gates (None for a device's first micro-batch). An
+  op reached from a gate (by a data or control input) waits already; one
+  that is not (it reads only variables, constants or tensors from outside the
+  micro-batch) gets a control input on the first gate. Ops inside v1 control
+  flow are left alone (no control edge may cross into them; they wait for
+  the ops that enter it).
+  """
+  if not gates:
+    return
+  reached = set(gates)
+  for op in ops:
+    if (any(t.op in reached for t in op.inputs) or any(c in reached for c in op.control_inputs)):
+      reached.add(op)
+    elif op.type not in _INERT and not interception.in_control_flow(op):
+      interception.add_control_inputs(op, [gates[0]])
+      reached.add(op)
 
 
 def order_after(gates: Sequence[tf.Operation], done: Any) -> None:

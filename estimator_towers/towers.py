@@ -465,9 +465,8 @@ def _gate(shards: _Shards, tower_devices: Sequence[str]) -> None:
     for s in shards.active:
       device = tower_devices[shards.layout.device_of(s)]
       shards.ungated[s] = _flat_shard(shards, s)
-      shards.features[s], feature_ops = micro_batches_lib.gate(shards.features[s], device)
-      shards.labels[s], label_ops = micro_batches_lib.gate(shards.labels[s], device)
-      shards.gates[s] = feature_ops + label_ops
+      (shards.features[s], shards.labels[s]), shards.gates[s] = micro_batches_lib.gate(
+          (shards.features[s], shards.labels[s]), device)
 
 
 class _TowerBuilder:
@@ -504,21 +503,24 @@ class _TowerBuilder:
   def build(self, k: int, reuse: bool, **reuse_args) -> Any:
     """Shard k's model_fn on its device; None if it stopped at a gradient request.
 
-    Variables are per device: the shards of the primary's device use the
-    variables themselves, those of device d its copies when there are any.
+    Variables are per device (device d's shards use its copies, if any). A
+    micro-batch's ops that read none of its inputs wait for its gates too.
     """
     d = self.shards.layout.device_of(k)
     device = self.tower_devices[d]
     reuse_args.setdefault('copies', d != self.shards.layout.device_of(self.primary))
-    pinned = self.pinned if k == self.primary else None
+    pinned, first_op = self.pinned if k == self.primary else None, len(self.graph.get_operations())
     with tf.compat.v1.device(placement_lib.tower_device(device, pinned)), (
         self.variable_sharing.reusing(d, self.root_scope, **reuse_args) if reuse
         else self.variable_sharing.creating()), tower_context.entering(
             k, len(self.shards.sizes), device, primary=k == self.primary):
       try:
-        return self.run(self.shards.features[k], self.shards.labels[k], self.mode)
+        spec = self.run(self.shards.features[k], self.shards.labels[k], self.mode)
       except gradients.TowerStop:  # at the gradient request it was built for
-        return None
+        spec = None
+    if self.shards.layout.previous(k) is not None:  # a device's first: not ordered after one
+      micro_batches_lib.gate_sources(self.graph.get_operations()[first_op:], self.shards.gates[k])
+    return spec
 
   def keep_collections(self, kept: dict) -> None:
     """Per-tower collections: as before the towers, plus the primary's additions."""
@@ -682,9 +684,8 @@ def _build_train(builder: _TowerBuilder, plan: plan_lib.DevicePlan, features, la
 
 def _order_next(shards: _Shards, k: int, done: Any) -> None:
   """The next micro-batch of shard k's device waits for `done` (shard k's last ops)."""
-  following = k + 1
-  if following in shards.gates and shards.layout.previous(following) == k:
-    micro_batches_lib.order_after(shards.gates[following], done)
+  if k + 1 in shards.gates and shards.layout.previous(k + 1) == k:
+    micro_batches_lib.order_after(shards.gates[k + 1], done)
 
 
 def _tower_loss(broker: gradients.WholeBatchGradients, build_other: Callable, k: int,

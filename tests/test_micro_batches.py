@@ -327,3 +327,127 @@ def test_the_overlap_check_fails_without_the_ordering(monkeypatch):
   monkeypatch.setattr(micro_batches_lib, 'order_after', lambda gates, done: None)
   assert any(overlaps(node_stats, 4) for node_stats in traced_steps(k=4))
 
+
+
+# --- Every branch of a micro-batch waits for the previous one's backward pass -----
+#
+# A model with two branches (query and doc encoders) and an op that reads none
+# of the micro-batch's inputs (a learned offset tiled to the batch's static
+# size): every op of micro-batch j+1's forward pass must wait (by data or
+# control edges) for micro-batch j's backward pass and its addition to the
+# device's gradient sums, or the executor may run it early and hold its
+# activations at the same time as micro-batch j's.
+
+STRUCTURES = ['dict features, Tensor labels', 'dict features, no labels',
+              'Tensor features, dict labels']
+QUERY, DOC, TWO_BRANCH_BATCH = 3, 5, 10
+
+
+def two_branch_model_fn(features, labels, mode):
+  init = tf.compat.v1.glorot_uniform_initializer
+
+  def encoder(x, name, seed):
+    with tf.compat.v1.variable_scope(name):
+      hidden = tf.compat.v1.layers.dense(x, 8, activation=tf.nn.tanh,
+                                         kernel_initializer=init(seed=seed))
+      return tf.compat.v1.layers.dense(hidden, 4, kernel_initializer=init(seed=seed + 1))
+
+  if isinstance(features, dict):
+    query, doc = features['query'], features['doc']
+  else:
+    query, doc = features[:, :QUERY], features[:, QUERY:]
+  offset = tf.compat.v1.get_variable(
+      'offset', [1, 4], initializer=tf.compat.v1.random_normal_initializer(seed=5))
+  doc_embedding = encoder(doc, 'doc', 3) + tf.tile(offset, [doc.shape[0], 1])  # static rows
+  score = tf.reduce_sum(encoder(query, 'query', 1) * doc_embedding, -1)
+  target = 0.0 if labels is None else labels['y'] if isinstance(labels, dict) else labels
+  loss = tf.reduce_mean(tf.square(score - target))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(
+      V1.MomentumOptimizer(0.1, 0.9), loss))
+
+
+def two_branch_batch(structure, rows):
+  """(features, labels) of `structure`, `rows` examples, as numpy arrays."""
+  rng = np.random.RandomState(0)
+  query, doc = rng.randn(rows, QUERY), rng.randn(rows, DOC)
+  y = rng.randn(rows).astype(np.float32)
+  features = ({'query': query.astype(np.float32), 'doc': doc.astype(np.float32)}
+              if structure.startswith('dict') else np.hstack([query, doc]).astype(np.float32))
+  labels = None if 'no labels' in structure else {'y': y} if 'dict labels' in structure else y
+  return features, labels
+
+
+def two_branch_input_fn(structure):
+  def fn():
+    data = two_branch_batch(structure, 3 * TWO_BRANCH_BATCH)
+    ds = tf.data.Dataset.from_tensor_slices(data if data[1] is not None else data[0])
+    return ds.batch(TWO_BRANCH_BATCH, drop_remainder=True)  # static: the Tile's rows
+  return fn
+
+
+def _graph_neighbours(graph):
+  """(inputs, consumers) of every op: data and control edges."""
+  inputs = {op: {t.op for t in op.inputs} | set(op.control_inputs)
+            for op in graph.get_operations()}
+  consumers = {op: set() for op in inputs}
+  for op, found in inputs.items():
+    for other in found:
+      consumers[other].add(op)
+  return inputs, consumers
+
+
+def _closure(start, edges):
+  seen, pending = set(), list(start)
+  while pending:
+    op = pending.pop()
+    if op not in seen:
+      seen.add(op)
+      pending.extend(edges[op])
+  return seen
+
+
+def unordered_ops(structure, k):
+  """Per j >= 1: (ops of micro-batch j's backward pass and gradient sums that some op of
+  micro-batch j+1's forward pass does not wait for, that op), or None; on one device."""
+  features, labels = two_branch_batch(structure, TWO_BRANCH_BATCH)
+  graph = tf.Graph()
+  with graph.as_default():
+    V1.create_global_step()
+    spec = replicate_model_fn(two_branch_model_fn, devices=['/cpu:0'], micro_batches=k)(
+        tf.nest.map_structure(tf.constant, features),
+        None if labels is None else tf.nest.map_structure(tf.constant, labels),
+        ModeKeys.TRAIN, config=tf.estimator.RunConfig())
+  inputs, consumers = _graph_neighbours(graph)
+  update = _closure([spec.train_op], inputs)
+  computing = lambda op: op.type not in ('Const', 'NoOp', 'VarHandleOp')
+  forward = [{op for op in graph.get_operations() if op.name.startswith(f'tower_{j}/')
+              and computing(op)} for j in range(k)]
+  found = []
+  for j in range(1, k - 1):
+    backward = (_closure(forward[j], consumers) & update) - _closure(forward[j + 1], consumers)
+    backward -= forward[j] | {op for op in backward if op.name.startswith('micro_batch_gates/')}
+    assert any(op.type == 'AddN' for op in backward)  # the sums of micro-batches 0..j
+    for op in sorted(forward[j + 1], key=lambda op: op.name):
+      missing = backward - _closure([op], inputs)
+      if missing:
+        found.append((j, op.name, sorted(m.name for m in missing)[:3]))
+        break
+  return found
+
+
+@pytest.mark.parametrize('structure', STRUCTURES)
+def test_every_branch_waits_for_the_previous_backward_pass_and_sums(structure):
+  assert unordered_ops(structure, 4) == []
+
+
+@pytest.mark.parametrize('structure', STRUCTURES)
+@pytest.mark.parametrize('num_devices, k', LAYOUTS)
+def test_two_branches_train_like_plain(structure, num_devices, k):
+  fn = two_branch_input_fn(structure)
+  plain = train_1_then_2(two_branch_model_fn, fn)
+  towered = train_1_then_2(replicate_model_fn(
+      two_branch_model_fn, devices=testlib.cpu_devices(num_devices), micro_batches=k),
+      fn, num_cpus=num_devices)
+  for steps, mine, theirs in zip((1, 3), towered, plain):
+    assert theirs['global_step'] == steps and mine['global_step'] == steps
+    assert_close(mine, theirs)
