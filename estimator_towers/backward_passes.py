@@ -93,6 +93,11 @@ class BackwardPasses:
     """True if some tower's forward pass is a copy (its backward pass is then one of its own)."""
     return self._copies is not None and self._copies.any_copied()
 
+  def adopt(self, k: int, pairs: dict) -> None:
+    """Tower k's counterparts of tensors made after its forward pass (`TowerCopies.adopt`)."""
+    if self._copies is not None:
+      self._copies.adopt(k, pairs)
+
   def answer(self, towers: Sequence[int], requests: Sequence[Request], seeds: Any,
              ordered: bool) -> list:
     """The whole-batch gradient of `requests` (one per tower, the primary's first)."""

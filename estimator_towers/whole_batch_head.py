@@ -79,7 +79,7 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     if missing:
       return f'shard {i} built no counterpart of {missing[0]}'
     per_shard.append(mine)
-  static = _static_size(head, found, frontier)
+  static = static_size(head, found, frontier)
   if static is not None:
     return static
   try:
@@ -89,7 +89,7 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     return f'building it on the whole batch failed ({error})'
 
 
-def _static_size(head: list, found: rd.RowDependence, frontier: list) -> str | None:
+def static_size(head: list, found: rd.RowDependence, frontier: list) -> str | None:
   """Why not, if a constant the head reads may hold the shard's static size.
 
   With a static batch size, `tf.shape(x)` of a shard tensor is a constant of
@@ -146,13 +146,13 @@ def _build(found, loss, grad_y, head, frontier, shapes, per_shard, sizes, nonemp
     mapped = {}
     for j, t in enumerate(frontier):
       kind = found.kind(t)
-      mapped[t.name] = _gathered([s[j] for s in per_shard], kind, sizes, nonempty)
+      mapped[t.name] = gathered([s[j] for s in per_shard], kind, sizes, nonempty)
       if across is not None:
         mapped[t.name] = _across_workers(mapped[t.name], kind, across)
     for t in shapes:
       mapped[t.name] = _whole_shape(t, found.kind(t.op.inputs[0]), batch)
     for op in head:
-      copy = _copy(op, [mapped.get(t.name, t) for t in op.inputs])
+      copy = copy_op(op, [mapped.get(t.name, t) for t in op.inputs])
       for a, b in zip(op.outputs, copy.outputs):
         mapped[a.name] = b
     whole = mapped[loss.name]
@@ -208,7 +208,7 @@ def _head(found: rd.RowDependence, loss: tf.Tensor):
           list(shapes.values()))
 
 
-def _gathered(parts: list, kind: rd.Kind, sizes: Sequence, nonempty: Sequence) -> tf.Tensor:
+def gathered(parts: list, kind: rd.Kind, sizes: Sequence, nonempty: Sequence) -> tf.Tensor:
   """The shards' rows of one frontier tensor, in input order (blocks kept apart)."""
   blocks = kind.blocks if kind.tag == rd.ROWS else 1
   pieces = [[] for _ in range(blocks)]
@@ -245,29 +245,38 @@ def _across_workers(mine: tf.Tensor, kind: rd.Kind, across: Any) -> tf.Tensor:
                       for part in tf.split(mine, blocks, 0)], 0)
 
   @tf.custom_gradient
-  def gathered(rows):
-    with tf.device(across.device):
-      count = tf.shape(rows)[0]
-      (counts,) = across.sum([tf.one_hot(across.rank, across.size, dtype=tf.int32) * count])
-      top = tf.reduce_max(counts)
-      padding = [[0, top - count]] + [[0, 0]] * (rows.shape.rank - 1)
-      padded = tf.pad(rows, padding)
-      slots = tf.scatter_nd([[across.rank]], padded[None],
-                            tf.concat([[across.size], tf.shape(padded)], 0))
-    (total,) = across.sum([slots])
-    with tf.device(across.device):
-      result = tf.boolean_mask(total, tf.sequence_mask(counts, top))
-      offset = tf.reduce_sum(counts[:across.rank])
+  def gathered_rows(rows):
+    result, offset = cluster_rows(rows, across)
 
     def grad(upstream):
       with tf.device(across.device):
-        return upstream[offset:offset + count]
+        return upstream[offset:offset + tf.shape(rows)[0]]
     return result, grad
 
   with tf.name_scope('across_workers'):
-    out = gathered(mine)
+    out = gathered_rows(mine)
   out.set_shape(tf.TensorShape([None]).concatenate(mine.shape[1:]))
   return out
+
+
+def cluster_rows(rows: tf.Tensor, across: Any) -> tuple[tf.Tensor, tf.Tensor]:
+  """(every worker's `rows` in rank order, where this worker's begin), uneven counts too.
+
+  Each worker pads its rows to the largest count, one all-reduce sums the
+  workers' slots, and the padding is dropped. Not differentiable.
+  """
+  with tf.device(across.device):
+    count = tf.shape(rows)[0]
+    (counts,) = across.sum([tf.one_hot(across.rank, across.size, dtype=tf.int32) * count])
+    top = tf.reduce_max(counts)
+    padding = [[0, top - count]] + [[0, 0]] * (rows.shape.rank - 1)
+    padded = tf.pad(rows, padding)
+    slots = tf.scatter_nd([[across.rank]], padded[None],
+                          tf.concat([[across.size], tf.shape(padded)], 0))
+  (total,) = across.sum([slots])
+  with tf.device(across.device):
+    return (tf.boolean_mask(total, tf.sequence_mask(counts, top)),
+            tf.reduce_sum(counts[:across.rank]))
 
 
 def _whole_shape(t: tf.Tensor, kind: rd.Kind, batch: Any) -> tf.Tensor:
@@ -280,7 +289,7 @@ def _whole_shape(t: tf.Tensor, kind: rd.Kind, batch: Any) -> tf.Tensor:
   return tf.concat([tf.reshape(rows, [1]), rest], 0)
 
 
-def _copy(op: tf.Operation, inputs: list) -> tf.Operation:
+def copy_op(op: tf.Operation, inputs: list) -> tf.Operation:
   """`op` again on `inputs`: its type and attributes (its gradient override too)."""
   attrs = {k: v for k, v in op.node_def.attr.items()
            if not k.startswith('_') or k == '_gradient_op_type'}

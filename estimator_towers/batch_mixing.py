@@ -1,0 +1,261 @@
+"""Mixing at the input: the ops that mix the batch's rows before any trained variable.
+
+The rule. Mixup (`0.7 x + 0.3 reverse(x, [0])`, its labels alike), a shuffle
+of the batch, a difference from the batch's mean: where an op that mixes the
+batch's rows (`row_dependence`) is computed from the shard's inputs through
+ops that read no variable, the *input stage* (the shard's inputs to the
+mixing ops' outputs, the *cut* tensors) is computed once more on the whole
+batch, before the shards are cut:
+
+- its inputs are the towers' inputs concatenated in input order (an empty
+  shard's borrowed row left out; across workers, all-gathered in rank order,
+  uneven counts too), on the first tower's device;
+- its ops are copies of tower 0's on them (a shape read is the whole
+  batch's; a random op is drawn once for the whole batch, as on one device);
+- in every tower, the ops that read its own value of a cut tensor read its
+  rows of the whole batch's value instead (a shard empty at run time keeps
+  its borrowed row's own value; its weight is 0).
+
+From the cut on, every tower's graph is per-example again (tower 0's is
+classified with the cut tensors as rows; a mixing op that reads only cut
+tensors and inputs is cut too), and the usual rules apply: the loss algebra,
+tower copies, one backward pass per tower on its own device. Nothing is
+differentiated through the input stage (it reads no variable), so no
+gradient crosses between towers. Mixing that reads a variable (attention in
+the middle of the network) is left to `whole_batch_head`.
+
+Not cut (then `whole_batch_head` computes the loss on the whole batch): an
+input stage reading a sparse or ragged input, a static batch size whose
+shape reads are constants of the graph, and, across workers, an input of a
+dtype the all-reduce cannot sum. A cut tensor that does not have one row
+per example of the whole batch stops the step with an error saying so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import tensorflow as tf
+
+from estimator_towers import counterparts
+from estimator_towers import interception
+from estimator_towers import logs
+from estimator_towers import row_dependence as rd
+from estimator_towers import whole_batch_head
+
+_VARIABLE_OPS = frozenset(('ReadVariableOp', 'VarHandleOp', 'VariableV2', 'Variable',
+                           'ResourceGather', 'ResourceGatherNd', 'VarIsInitializedOp'))
+_GATHERED_DTYPES = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+_ROUNDS = 8
+
+
+@dataclasses.dataclass
+class Shards:
+  """The towers of one gradient request.
+
+  Attributes:
+    ys: per tower, the request's tensors (tower 0's first).
+    inputs: per tower, its shard's tensors, flattened (aligned).
+    sizes, nonempty: per tower, its examples (int or scalar Tensor) and
+      whether it has any (bool or Tensor).
+    across: a `cross_worker.CrossWorker` when the batch spans workers.
+    adopt: `adopt(i, {tower 0's tensor ref: tower i's})`: tensors made after
+      the towers' forward passes whose counterparts a copied pass needs.
+  """
+  ys: Sequence[list]
+  inputs: Sequence[list]
+  sizes: Sequence
+  nonempty: Sequence
+  across: Any = None
+  adopt: Callable[[int, dict], None] = lambda i, pairs: None
+  start: Any = 0          # where this worker's rows begin in the cluster's batch
+  examples: Any = None    # the whole batch's examples (the cluster's)
+
+
+def cut(shards: Shards, declared: Callable[[tf.Tensor], bool]) -> bool:
+  """Cuts every tower at the input stage's mixing ops (see the module doc).
+
+  Each tower's rows of a cut tensor are rows from then on
+  (`row_dependence.add_rows`). False where no mixing op is at the input.
+  """
+  inputs = [t for t in shards.inputs[0] if isinstance(t, tf.Tensor)]
+  whole: dict = {}   # tower 0's tensor name -> the whole batch's value
+  made = False
+  for _ in range(_ROUNDS):
+    found = rd.classify(shards.ys[0], inputs, declared)
+    stage = _stage(found, inputs)
+    if not stage:
+      break
+    ops, outputs = stage
+    if whole_batch_head.static_size(ops, found, inputs) is not None:
+      break
+    values = _whole_values(ops, outputs, found, whole, shards)
+    if values is None:
+      break
+    inputs = inputs + _rewire(outputs, values, shards, whole)
+    made = True
+  if not made:
+    return False
+  logs.info_once_per_graph(
+      f'estimator_towers: {len(inputs) - len(shards.inputs[0])} tensor(s) that mix the '
+      f'batch\'s rows at the input are computed on the whole batch before the shards '
+      f'are cut; every tower reads its rows of them.')
+  return True
+
+
+def _stage(found: rd.RowDependence, inputs: list) -> tuple[list, list] | None:
+  """(the input stage's ops in graph order, the cut tensors), or None if none is at the input."""
+  names = {t.name for t in inputs}
+  ops: dict = {}
+  cut_ops = []
+  for mixing in found.mixing:
+    reached = _ancestors(mixing.op, names, found)
+    if reached is not None:
+      ops.update(reached)
+      cut_ops.append(mixing.op)
+  if not cut_ops:
+    return None
+  order = {op.name: i for i, op in enumerate(cut_ops[0].graph.get_operations())}
+  outputs = [t for op in cut_ops for t in op.outputs if t.consumers()]
+  return sorted(ops.values(), key=lambda op: order[op.name]), outputs
+
+
+def _ancestors(op: tf.Operation, inputs: set, found: rd.RowDependence) -> dict | None:
+  """The ops between `inputs` and `op` that depend on the shard; None if one reads a variable."""
+  reached, pending = {}, [op]
+  while pending:
+    x = pending.pop()
+    if x.name in reached:
+      continue
+    if x.type in _VARIABLE_OPS or x.control_inputs:
+      return None
+    reached[x.name] = x
+    for t in x.inputs:
+      if t.name in inputs:
+        continue
+      if t.op.type in _VARIABLE_OPS:
+        return None
+      if found.kind(t) is not None:
+        pending.append(t.op)
+      elif _reads_variable(t):
+        return None
+  return reached
+
+
+def _reads_variable(t: tf.Tensor, limit: int = 200) -> bool:
+  """True if `t` (which does not depend on the shard) is computed from a variable."""
+  pending, seen = [t.op], set()
+  while pending and len(seen) < limit:
+    op = pending.pop()
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    if op.type in _VARIABLE_OPS:
+      return True
+    pending.extend(i.op for i in op.inputs)
+  return len(seen) >= limit
+
+
+def _whole_values(ops: list, outputs: list, found: rd.RowDependence, whole: dict,
+                  shards: Shards) -> list | None:
+  """The whole batch's value of each cut tensor (None: an input cannot be gathered)."""
+  device = outputs[0].op.device
+  read = {t.name for op in ops for t in op.inputs}
+  first = shards.inputs[0]
+  with tf.name_scope('batch_mixing'):
+    for j, t in enumerate(first):
+      if t.name not in read or t.name in whole:
+        continue
+      if found.kind(t) != rd.Kind(rd.ROWS) or (
+          shards.across is not None and t.dtype.base_dtype not in _GATHERED_DTYPES):
+        return None
+      with tf.device(device):
+        whole[t.name] = _gathered([s[j] for s in shards.inputs], shards)
+    mapped = dict(whole)
+    with tf.device(device):
+      for op in ops:
+        copy = whole_batch_head.copy_op(op, [mapped.get(t.name, t) for t in op.inputs])
+        for a, b in zip(op.outputs, copy.outputs):
+          mapped[a.name] = b
+  return [mapped[t.name] for t in outputs]
+
+
+def _gathered(parts: list, shards: Shards) -> tf.Tensor:
+  """The towers' rows of one input in input order; across workers, the cluster's."""
+  rows = whole_batch_head.gathered(parts, rd.Kind(rd.ROWS), shards.sizes, shards.nonempty)
+  if shards.across is not None:
+    value, shards.start = whole_batch_head.cluster_rows(rows, shards.across)
+    value.set_shape(tf.TensorShape([None]).concatenate(rows.shape[1:]))
+    rows = value
+  if shards.examples is None:
+    shards.examples = tf.shape(rows)[0]
+  return rows
+
+
+def _offsets(shards: Shards) -> list:
+  """Where each tower's rows begin in the whole batch (after lower ranks' rows, across workers)."""
+  start, found = shards.start, []
+  for size in shards.sizes:
+    found.append(start)
+    start = start + size
+  return found
+
+
+def _rewire(outputs: list, values: list, shards: Shards, whole: dict) -> list:
+  """Every tower's consumers of its cut tensors read its rows of `values`; tower 0's rows."""
+  mine = [[t] + [counterparts.along(shards.ys[0], ys, t) for ys in shards.ys[1:]]
+          for t in outputs]
+  for t, theirs in zip(outputs, mine):
+    if any(c is None for c in theirs):
+      raise ValueError(
+          f'estimator_towers: the input stage\'s {t.name} mixes the batch\'s rows, but a '
+          f'tower built no counterpart of it (its model_fn took another path); every '
+          f'tower must build the same ops.')
+  offsets = _offsets(shards)
+  first = []
+  for t, value, theirs in zip(outputs, values, mine):
+    graph = t.graph
+    start = graph.version
+    with tf.name_scope('batch_mixing'):
+      check = _check_rows(t, value, shards)
+      pairs = []
+      for i, own in enumerate(theirs):
+        with tf.device(own.op.device), tf.control_dependencies([check]):
+          rows = _rows(value, own, offsets[i], shards.sizes[i])
+        pairs.append((own, rows))
+    rd.add_rows([rows for _, rows in pairs])
+    made = set(graph.get_operations()[start:])
+    for i, (own, rows) in enumerate(pairs):
+      for consumer in list(own.consumers()):
+        if consumer in made:
+          continue
+        for index, x in enumerate(consumer.inputs):
+          if x is own:
+            interception.replace_input(consumer, index, rows)
+      if i:
+        shards.adopt(i, {pairs[0][1].ref(): rows})
+    whole[pairs[0][1].name] = value
+    first.append(pairs[0][1])
+  return first
+
+
+def _rows(value: tf.Tensor, own: tf.Tensor, offset: Any, size: Any) -> tf.Tensor:
+  """A tower's rows of the whole batch's `value` (an empty shard: its own borrowed row)."""
+  begin = tf.cast(offset, tf.int32)
+  count = tf.cast(size, tf.int32)
+  rows = tf.concat([value[begin:begin + count], own[count:]], 0)
+  rows.set_shape(own.shape)
+  return rows
+
+
+def _check_rows(t: tf.Tensor, value: tf.Tensor, shards: Shards) -> tf.Operation:
+  """Asserts that the whole batch's value of the cut tensor `t` has one row per example."""
+  with tf.device(value.op.device):
+    return tf.debugging.assert_equal(
+        tf.shape(value)[0], shards.examples, message=(
+            f'estimator_towers: {t.name} mixes the batch\'s rows at the input and is '
+            f'computed on the whole batch before the shards are cut, so it must have one '
+            f'row per example of the batch (each tower reads its own rows); it has another '
+            f'number of rows. Compute it with one row per example (or run the model_fn on '
+            f'one device)'))
