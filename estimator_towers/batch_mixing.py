@@ -90,10 +90,14 @@ def cut(shards: Shards, declared: Callable[[tf.Tensor], bool]) -> bool:
     ops, outputs = stage
     if whole_batch_head.static_size(ops, found, inputs) is not None:
       break
+    theirs = [[t] + [counterparts.along(shards.ys[0], ys, t) for ys in shards.ys[1:]]
+              for t in outputs]
+    if any(c is None for found_k in theirs for c in found_k):
+      break   # a tower built other ops: the whole-batch head says so
     values = _whole_values(ops, outputs, found, whole, shards)
     if values is None:
       break
-    inputs = inputs + _rewire(outputs, values, shards, whole)
+    inputs = inputs + _rewire(outputs, theirs, values, shards, whole)
     made = True
   if not made:
     return False
@@ -110,7 +114,7 @@ def _stage(found: rd.RowDependence, inputs: list) -> tuple[list, list] | None:
   ops: dict = {}
   cut_ops = []
   for mixing in found.mixing:
-    reached = _ancestors(mixing.op, names, found)
+    reached = _ancestors(mixing.op, names, found) if _one_row_each(mixing.op, found) else None
     if reached is not None:
       ops.update(reached)
       cut_ops.append(mixing.op)
@@ -119,6 +123,38 @@ def _stage(found: rd.RowDependence, inputs: list) -> tuple[list, list] | None:
   order = {op.name: i for i, op in enumerate(cut_ops[0].graph.get_operations())}
   outputs = [t for op in cut_ops for t in op.outputs if t.consumers()]
   return sorted(ops.values(), key=lambda op: order[op.name]), outputs
+
+
+_PERMUTATIONS = frozenset(('ReverseV2', 'RandomShuffle', 'Roll'))
+_PRODUCTS = {'MatMul': 'transpose_a', 'BatchMatMul': 'adj_x', 'BatchMatMulV2': 'adj_x',
+             'BatchMatMulV3': 'adj_x'}
+_ARITHMETIC = frozenset(('Add', 'AddV2', 'Sub', 'Mul', 'RealDiv', 'Div', 'DivNoNan', 'MulNoNan',
+                         'Maximum', 'Minimum', 'SquaredDifference', 'Pow', 'Select',
+                         'SelectV2'))
+
+
+def _one_row_each(op: tf.Operation, found: rd.RowDependence) -> bool:
+  """True for a mixing op whose output has one row per example of its rows input.
+
+  A permutation of the rows (a reverse, a shuffle, a roll), a matrix product
+  of rows with anything, arithmetic of rows with batch statistics or the
+  batch size: the whole batch's value then has a row per example, and a
+  tower's rows are its examples' rows. Anything else is left to the
+  whole-batch head.
+  """
+  kinds = [found.kind(t) for t in op.inputs]
+  rows = rd.Kind(rd.ROWS)
+  if op.type in _PERMUTATIONS:
+    return kinds[0] == rows
+  if op.type in _PRODUCTS:
+    return kinds[0] == rows and not op.get_attr(_PRODUCTS[op.type])
+  if op.type not in _ARITHMETIC or rows not in kinds:
+    return False
+  ranks = [t.shape.rank for t in op.inputs]
+  top = max(r for k, r in zip(kinds, ranks) if k == rows) if None not in ranks else None
+  return top is not None and all(
+      (k is None or k == rows or k.tag in (rd.STAT, rd.SIZE)) and r <= top
+      for k, r in zip(kinds, ranks))
 
 
 def _ancestors(op: tf.Operation, inputs: set, found: rd.RowDependence) -> dict | None:
@@ -202,16 +238,9 @@ def _offsets(shards: Shards) -> list:
   return found
 
 
-def _rewire(outputs: list, values: list, shards: Shards, whole: dict) -> list:
-  """Every tower's consumers of its cut tensors read its rows of `values`; tower 0's rows."""
-  mine = [[t] + [counterparts.along(shards.ys[0], ys, t) for ys in shards.ys[1:]]
-          for t in outputs]
-  for t, theirs in zip(outputs, mine):
-    if any(c is None for c in theirs):
-      raise ValueError(
-          f'estimator_towers: the input stage\'s {t.name} mixes the batch\'s rows, but a '
-          f'tower built no counterpart of it (its model_fn took another path); every '
-          f'tower must build the same ops.')
+def _rewire(outputs: list, mine: list, values: list, shards: Shards, whole: dict) -> list:
+  """Every tower's consumers of its cut tensors (`mine`: per cut tensor, per tower) read
+  its rows of `values`; returns tower 0's rows."""
   offsets = _offsets(shards)
   first = []
   for t, value, theirs in zip(outputs, values, mine):

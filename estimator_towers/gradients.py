@@ -202,7 +202,8 @@ class WholeBatchGradients:
       batch_mixing.cut(batch_mixing.Shards(
           [q.ys for q in tower_requests], [self._ungated(k) for k in self.towers],
           [self._sizes[k] for k in self.towers], [self._nonempty[k] for k in self.towers],
-          self._passes.sync.across, self._passes.adopt), loss_algebra.is_declared)
+          self._passes.sync.across, lambda i, pairs: self._passes.adopt(self.towers[i], pairs)),
+          loss_algebra.is_declared)
     found = seeds_lib.for_request(
         self._graph, self._loss_reduction, self._inputs,
         [x for x in primary.xs if isinstance(x, tf.Variable)],

@@ -117,3 +117,13 @@ PATTERNS = {  # name: (model, type of the first mixing op)
     'attention': (attention, 'MatMul'),
     'two_levels': (two_levels, 'MatMul'),
 }
+
+
+def mixup_features(features, y):
+  """Mixup of a dict of features (two inputs mixed alike) and of the labels."""
+  a, b = features['a'], features['b']
+  mixed = tf.concat([0.7 * a + 0.3 * tf.reverse(a, [0]), 0.7 * b + 0.3 * tf.reverse(b, [0])], 1)
+  onehot = tf.one_hot(y, 3)
+  labels = 0.7 * onehot + 0.3 * tf.reverse(onehot, [0])
+  logits = dense(tf.nn.relu(dense(mixed, 5, 'hidden')), 3, 'logits')
+  return tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels, logits)), [a, b]
