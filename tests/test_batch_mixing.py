@@ -4,7 +4,8 @@ The reference is the plain model_fn on the whole batch (same initial values):
 every variable and slot within 1e-5 after 1 and 3 steps, on batches of 10, 10
 and 2 (3 towers: shards 4/3/3, then 1/1/0, one empty at run time), towers
 copied from the first or built, features a Tensor or a dict, labels mixed or
-absent. The graph: the input stage runs on the whole batch on the first
+absent; and inputs centred on the batch's mean, read by the first layer. The
+graph: the input stage runs on the whole batch on the first
 device, the network after it on each tower's device on its own rows (no
 whole-batch head).
 """
@@ -41,6 +42,8 @@ def _model_fn(structure, features, labels, mode):
     labels = tf.cast(x[:, 0] > 0, tf.int32) + tf.cast(x[:, 1] > 0, tf.int32)
   if structure == 'two_features':
     loss, _ = patterns.mixup_features(features, labels)
+  elif structure == 'centred':
+    loss, _ = patterns.batch_centred(features['x'], labels)
   else:
     loss, _ = patterns.mixup(features if structure == 'tensor' else features['x'], labels)
   optimizer = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
@@ -87,7 +90,7 @@ def _plain(structure):
 
 
 @pytest.mark.parametrize('layout', ['copied', 'built'])
-@pytest.mark.parametrize('structure', ['dict', 'tensor', 'two_features', 'no_labels'])
+@pytest.mark.parametrize('structure', ['dict', 'tensor', 'two_features', 'no_labels', 'centred'])
 def test_input_mixing_equals_plain_on_the_whole_batch(structure, layout, monkeypatch):
   """3 towers, 1 step on shards 4/3/3, then 2 more, the last on 1/1/0 (an empty shard)."""
   if layout == 'built':
