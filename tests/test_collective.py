@@ -195,11 +195,12 @@ def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize('model', ['clip', 'top_k'])
+@pytest.mark.parametrize('model', ['clip', 'top_k', 'mixup'])
 def test_cross_example_losses_across_two_workers_of_two_towers(tmp_path, model):
   """Issue 33: an in-batch softmax with a trained temperature, a batch top-k: the head on the
   cluster's rows (all-gathered in rank order; the worker's input ends first, so the global
-  batches are 12, 12, 8, 6, 6), every worker's rows and gradients exact."""
+  batches are 12, 12, 8, 6, 6), every worker's rows and gradients exact. Mixup: its input
+  stage on the cluster's rows, each tower reading its own."""
   data = _data(tmp_path / 'data.npz', SIZES)
   batches = _global_batches(data, SIZES)
   spec = _spec(tmp_path, model, 2)
@@ -456,6 +457,21 @@ def test_batch_norm_across_workers_mixes_no_rows(monkeypatch, sync):
     return collective_task.bn_model_fn(features, labels, mode, {'learning_rate': 0.1})
   graph = _train_graph(model_fn, monkeypatch, CHIEF_AND_WORKER, sync_batch_norm=sync)
   assert not [op for op in graph.get_operations() if 'whole_batch_head' in op.name]
+
+
+def test_mixup_across_workers_is_cut_at_the_input(monkeypatch):
+  """Mixup's input stage on the cluster's rows (all-gathered); no whole-batch head."""
+  def model_fn(features, labels, mode):
+    return collective_task.mixup_model_fn(features, labels, mode, {'learning_rate': 0.1})
+  graph = _train_graph(model_fn, monkeypatch, CHIEF_AND_WORKER)
+  names = [op.name for op in graph.get_operations()]
+  assert not [n for n in names if 'whole_batch_head' in n]
+  whole = [op for op in graph.get_operations()
+           if op.name.startswith('batch_mixing/') and op.type == 'ReverseV2']
+  assert len(whole) == 2
+  gathers = [op for op in graph.get_operations() if op.type.startswith('CollectiveReduce')
+             and op.name.startswith('batch_mixing/')]
+  assert len(gathers) == 4   # per input (features, labels): the counts, then the rows
 
 
 def test_chief_and_workers_without_ps_need_the_collective_strategy(monkeypatch):
