@@ -81,7 +81,7 @@ def cut(shards: Shards, declared: Callable[[tf.Tensor], bool]) -> bool:
   """
   inputs = [t for t in shards.inputs[0] if isinstance(t, tf.Tensor)]
   whole: dict = {}   # tower 0's tensor name -> the whole batch's value
-  made = False
+  made, earlier = False, bool(rd.cut_rows(inputs[0].graph)) if inputs else False
   for _ in range(_ROUNDS):
     found = rd.classify(shards.ys[0], inputs, declared)
     stage = _stage(found, inputs)
@@ -99,6 +99,8 @@ def cut(shards: Shards, declared: Callable[[tf.Tensor], bool]) -> bool:
       break
     inputs = inputs + _rewire(outputs, theirs, values, shards, whole)
     made = True
+  if earlier:
+    _check_rebuilt(shards, declared)
   if not made:
     return False
   logs.info_once_per_graph(
@@ -106,6 +108,20 @@ def cut(shards: Shards, declared: Callable[[tf.Tensor], bool]) -> bool:
       f'batch\'s rows at the input are computed on the whole batch before the shards '
       f'are cut; every tower reads its rows of them.')
   return True
+
+
+def _check_rebuilt(shards: Shards, declared: Callable[[tf.Tensor], bool]) -> None:
+  """Raises if a tower built again for a later request has an input stage tower 0's lacks."""
+  for i in range(1, len(shards.ys)):
+    mine = [t for t in shards.inputs[i] if isinstance(t, tf.Tensor)]
+    if _stage(rd.classify(shards.ys[i], mine, declared), mine):
+      raise ValueError(
+          f'estimator_towers: tower {i} was built again for a later gradient request (its '
+          f'tensors {[t.name for t in shards.ys[i]]} were made after the first request), '
+          f'and its input stage mixes the batch\'s rows, while tower 0 reads the rows its '
+          f'first request cut on the whole batch: the towers would differ. Compute the '
+          f'later losses before the first gradient request (before the first minimize), '
+          f'or run this model_fn on one device.')
 
 
 def _stage(found: rd.RowDependence, inputs: list) -> tuple[list, list] | None:

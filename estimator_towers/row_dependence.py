@@ -87,6 +87,11 @@ def add_rows(tensors: Sequence[tf.Tensor]) -> None:
     _cut_rows.setdefault(t.graph, set()).add(t.name)
 
 
+def cut_rows(graph: tf.Graph) -> frozenset:
+  """The names of the tensors `add_rows` made rows in `graph`."""
+  return frozenset(_cut_rows.get(graph, ()))
+
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
   """A tensor's rows: `tag` one of the kinds above.

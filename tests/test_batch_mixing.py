@@ -179,3 +179,27 @@ def test_a_cut_tensor_without_a_row_per_example_stops_the_step(monkeypatch):
                            r"on the whole batch before the shards are cut, so it must have one "
                            r"row per example of the batch"):
     est.train(_input_fn('dict'), steps=1)
+
+
+def test_a_later_request_that_builds_the_towers_again_is_an_error():
+  """A second loss made after the first minimize: the towers are built again for it, with
+  an input stage of their own that tower 0 no longer has."""
+  def model_fn(features, labels, mode):
+    loss, _ = patterns.mixup(features['x'], labels)
+    step = tf.compat.v1.train.get_global_step()
+    first = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    with tf.control_dependencies([first]):
+      second = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(0.5 * loss, step)
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=second)
+
+  towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(3))
+  x = np.random.RandomState(0).randn(BATCH, patterns.F).astype(np.float32)
+  with tf.Graph().as_default(), pytest.raises(
+      ValueError, match=r"tower 1 was built again for a later gradient request .* its input "
+                        r"stage mixes the batch's rows, while tower 0 reads the rows its first "
+                        r"request cut on the whole batch: the towers would differ. Compute the "
+                        r"later losses before the first gradient request"):
+    tf.compat.v1.train.create_global_step()
+    towered({'x': tf.compat.v1.placeholder_with_default(x, [None, patterns.F])},
+            tf.compat.v1.placeholder_with_default(np.arange(BATCH, dtype=np.int32) % 3, [None]),
+            ModeKeys.TRAIN, None, None)
