@@ -105,7 +105,7 @@ class BackwardPasses:
     if self.per_shard:
       parts = self._per_shard(towers, requests, seeds.shards, ordered)
     else:
-      parts = self._one_pass(towers, requests, seeds.shards)
+      parts = self._one_pass(towers, requests, seeds.shards, copied=not seeds.one_pass)
     answer = [self.sync.meet(x, p) for x, p in zip(primary.xs, parts)]
     direct = None
     if seeds.stops:  # the shard-independent terms
@@ -114,9 +114,10 @@ class BackwardPasses:
     return self.sync.finish(primary.xs, answer, direct)
 
   def _one_pass(self, towers: Sequence[int], requests: Sequence[Request],
-                shards: Sequence) -> list:
-    """Per primary x, its parts from one backward pass over every tower's seeds."""
-    copied = self._copied_passes(towers, requests, shards)
+                shards: Sequence, copied: bool = True) -> list:
+    """Per primary x, its parts from one backward pass over every tower's seeds
+    (or, with `copied`, tower 0's pass and its copies where the towers are copies)."""
+    copied = self._copied_passes(towers, requests, shards) if copied else None
     if copied is not None:
       return copied
     primary = requests[0]

@@ -73,48 +73,83 @@ class Shards:
   examples: Any = None    # the whole batch's examples (the cluster's)
 
 
-def cut(shards: Shards, declared: Callable[[tf.Tensor], bool]) -> bool:
-  """Cuts every tower at the input stage's mixing ops (see the module doc).
+JOINED = 'joined'
+
+
+@dataclasses.dataclass
+class _Round:
+  """One cut: its stage's ops, the cut tensors and their towers' counterparts."""
+  found: rd.RowDependence
+  ops: list
+  outputs: list
+  sources: list   # per-example tensors of trained layers the stage reads (gathered)
+  theirs: list    # per cut tensor, per tower, its counterpart
+
+
+def cut(shards: Shards, declared: Callable[[tf.Tensor], bool]) -> bool | str:
+  """Cuts every tower after the mixing ops it can (see the module doc).
 
   Each tower's rows of a cut tensor are rows from then on
-  (`row_dependence.add_rows`). False where no mixing op is at the input.
+  (`row_dependence.add_rows`). Returns False where nothing is cut, `JOINED`
+  where a cut reads trained layers' rows (then the towers' backward passes
+  must be one: the gradient of every tower's rows meets in the stage).
   """
   inputs = [t for t in shards.inputs[0] if isinstance(t, tf.Tensor)]
+  earlier = bool(rd.cut_rows(inputs[0].graph)) if inputs else False
+  if any(t.shape.rank and t.shape[0] is not None for t in inputs):
+    return False   # a static batch: the shard's size may be a constant of the graph
+  plan = _plan(shards, inputs, declared, joined=shards.across is None)
+  if plan and plan[-1] is None:   # mixing left after a mid-network cut: the head's
+    plan = _plan(shards, inputs, declared, joined=False)
   whole: dict = {}   # tower 0's tensor name -> the whole batch's value
-  made, earlier = False, bool(rd.cut_rows(inputs[0].graph)) if inputs else False
-  for _ in range(_ROUNDS):
-    found = rd.classify(shards.ys[0], inputs, declared)
-    stage = _stage(found, inputs)
-    if not stage:
-      break
-    ops, outputs = stage
-    if whole_batch_head.static_size(ops, found, inputs) is not None:
-      break
-    theirs = [[t] + [counterparts.along(shards.ys[0], ys, t) for ys in shards.ys[1:]]
-              for t in outputs]
-    if any(c is None for found_k in theirs for c in found_k):
-      break   # a tower built other ops: the whole-batch head says so
-    values = _whole_values(ops, outputs, found, whole, shards)
+  made = []
+  for stage in plan:
+    values = _whole_values(stage, whole, shards) if stage is not None else None
     if values is None:
       break
-    inputs = inputs + _rewire(outputs, theirs, values, shards, whole)
-    made = True
+    _rewire(stage.outputs, stage.theirs, values, shards, whole)
+    made.append(stage)
   if earlier:
     _check_rebuilt(shards, declared)
   if not made:
     return False
   logs.info_once_per_graph(
-      f'estimator_towers: {len(inputs) - len(shards.inputs[0])} tensor(s) that mix the '
-      f'batch\'s rows at the input are computed on the whole batch before the shards '
-      f'are cut; every tower reads its rows of them.')
-  return True
+      f'estimator_towers: {sum(len(r.outputs) for r in made)} tensor(s) that mix the '
+      f'batch\'s rows are computed on the whole batch (first {made[0].outputs[0].name}); '
+      f'every tower reads its rows of them.')
+  return JOINED if any(r.sources for r in made) else True
+
+
+def _plan(shards: Shards, inputs: list, declared: Callable, joined: bool) -> list:
+  """The cuts, in order, as classified with the earlier cuts' tensors as rows.
+
+  With `joined`, cuts may read trained layers' rows; a last None says that
+  mixing is left after such a cut (then the whole-batch head is better).
+  """
+  rounds: list = []
+  cuts: list = []
+  for _ in range(_ROUNDS):
+    found = rd.classify(shards.ys[0], inputs + cuts, declared)
+    stage = _stage(found, inputs + cuts, joined)
+    if stage is not None and whole_batch_head.static_size(stage[0], found, inputs) is None:
+      ops, outputs, sources = stage
+      theirs = [[t] + [counterparts.along(shards.ys[0], ys, t) for ys in shards.ys[1:]]
+                for t in outputs]
+      if all(c is not None for found_k in theirs for c in found_k):
+        rounds.append(_Round(found, ops, outputs, sources, theirs))
+        cuts = cuts + outputs
+        continue
+    if found.mixing and any(r.sources for r in rounds):
+      rounds.append(None)
+    break
+  return rounds
 
 
 def _check_rebuilt(shards: Shards, declared: Callable[[tf.Tensor], bool]) -> None:
   """Raises if a tower built again for a later request has an input stage tower 0's lacks."""
   for i in range(1, len(shards.ys)):
     mine = [t for t in shards.inputs[i] if isinstance(t, tf.Tensor)]
-    if _stage(rd.classify(shards.ys[i], mine, declared), mine):
+    if _stage(rd.classify(shards.ys[i], mine, declared), mine, False):
       raise ValueError(
           f'estimator_towers: tower {i} was built again for a later gradient request (its '
           f'tensors {[t.name for t in shards.ys[i]]} were made after the first request), '
@@ -124,21 +159,26 @@ def _check_rebuilt(shards: Shards, declared: Callable[[tf.Tensor], bool]) -> Non
           f'or run this model_fn on one device.')
 
 
-def _stage(found: rd.RowDependence, inputs: list) -> tuple[list, list] | None:
-  """(the input stage's ops in graph order, the cut tensors), or None if none is at the input."""
+def _stage(found: rd.RowDependence, inputs: list, joined: bool
+           ) -> tuple[list, list, list] | None:
+  """(the stage's ops in graph order, the cut tensors, the trained rows it reads), or None."""
   names = {t.name for t in inputs}
   ops: dict = {}
+  sources: dict = {}
   cut_ops = []
   for mixing in found.mixing:
-    reached = _ancestors(mixing.op, names, found) if _one_row_each(mixing.op, found) else None
+    reached = (_ancestors(mixing.op, names, found, joined)
+               if _one_row_each(mixing.op, found) else None)
     if reached is not None:
-      ops.update(reached)
+      ops.update(reached[0])
+      sources.update(reached[1])
       cut_ops.append(mixing.op)
   if not cut_ops:
     return None
   order = {op.name: i for i, op in enumerate(cut_ops[0].graph.get_operations())}
   outputs = [t for op in cut_ops for t in op.outputs if t.consumers()]
-  return sorted(ops.values(), key=lambda op: order[op.name]), outputs
+  return (sorted(ops.values(), key=lambda op: order[op.name]), outputs,
+          list(sources.values()))
 
 
 _PERMUTATIONS = frozenset(('ReverseV2', 'RandomShuffle', 'Roll'))
@@ -173,9 +213,14 @@ def _one_row_each(op: tf.Operation, found: rd.RowDependence) -> bool:
       for k, r in zip(kinds, ranks))
 
 
-def _ancestors(op: tf.Operation, inputs: set, found: rd.RowDependence) -> dict | None:
-  """The ops between `inputs` and `op` that depend on the shard; None if one reads a variable."""
-  reached, pending = {}, [op]
+def _ancestors(op: tf.Operation, inputs: set, found: rd.RowDependence, joined: bool
+               ) -> tuple[dict, dict] | None:
+  """(the ops between the sources and `op`, the trained rows among the sources), or None.
+
+  The sources are `inputs` and, with `joined`, rows computed from trained
+  variables (a layer's output). None if the stage itself reads a variable.
+  """
+  reached, sources, pending = {}, {}, [op]
   while pending:
     x = pending.pop()
     if x.name in reached:
@@ -184,15 +229,18 @@ def _ancestors(op: tf.Operation, inputs: set, found: rd.RowDependence) -> dict |
       return None
     reached[x.name] = x
     for t in x.inputs:
-      if t.name in inputs:
+      kind = found.kind(t)
+      if t.name in inputs or t.name in sources:
         continue
-      if t.op.type in _VARIABLE_OPS:
+      if t.op.type in _VARIABLE_OPS or (kind is None and _reads_variable(t)):
         return None
-      if found.kind(t) is not None:
+      if kind is not None and _reads_variable(t):
+        if not joined or kind != rd.Kind(rd.ROWS):
+          return None
+        sources[t.name] = t
+      elif kind is not None:
         pending.append(t.op)
-      elif _reads_variable(t):
-        return None
-  return reached
+  return reached, sources
 
 
 def _reads_variable(t: tf.Tensor, limit: int = 200) -> bool:
@@ -209,13 +257,23 @@ def _reads_variable(t: tf.Tensor, limit: int = 200) -> bool:
   return len(seen) >= limit
 
 
-def _whole_values(ops: list, outputs: list, found: rd.RowDependence, whole: dict,
-                  shards: Shards) -> list | None:
+def _whole_values(stage: _Round, whole: dict, shards: Shards) -> list | None:
   """The whole batch's value of each cut tensor (None: an input cannot be gathered)."""
+  ops, outputs, found = stage.ops, stage.outputs, stage.found
   device = outputs[0].op.device
   read = {t.name for op in ops for t in op.inputs}
   first = shards.inputs[0]
   with tf.name_scope('batch_mixing'):
+    for t in stage.sources:
+      parts = [t] + [counterparts.along(shards.ys[0], ys, t) for ys in shards.ys[1:]]
+      if any(p is None for p in parts):
+        return None
+      if t.name not in whole:
+        with tf.device(device):
+          whole[t.name] = whole_batch_head.gathered(parts, rd.Kind(rd.ROWS), shards.sizes,
+                                                    shards.nonempty)
+          if shards.examples is None:
+            shards.examples = tf.shape(whole[t.name])[0]
     for j, t in enumerate(first):
       if t.name not in read or t.name in whole:
         continue
@@ -280,17 +338,19 @@ def _rewire(outputs: list, mine: list, values: list, shards: Shards, whole: dict
             interception.replace_input(consumer, index, rows)
       if i:
         shards.adopt(i, {pairs[0][1].ref(): rows})
-    whole[pairs[0][1].name] = value
+    whole[pairs[0][1].name] = whole[t.name] = value
     first.append(pairs[0][1])
   return first
 
 
 def _rows(value: tf.Tensor, own: tf.Tensor, offset: Any, size: Any) -> tf.Tensor:
-  """A tower's rows of the whole batch's `value` (an empty shard: its own borrowed row)."""
+  """A tower's rows of the whole batch's `value` (a shard empty at run time, whose one
+  borrowed example has weight 0: the batch's first row)."""
   begin = tf.cast(offset, tf.int32)
   count = tf.cast(size, tf.int32)
-  rows = tf.concat([value[begin:begin + count], own[count:]], 0)
-  rows.set_shape(own.shape)
+  borrowed = 0 if isinstance(size, int) else tf.maximum(1 - count, 0)
+  rows = tf.concat([value[begin:begin + count], value[:borrowed]], 0)
+  rows.set_shape(own.shape[:1].concatenate(value.shape[1:]))
   return rows
 
 

@@ -198,8 +198,9 @@ class WholeBatchGradients:
     """What each shard's backward pass starts from, by the loss's rule (`seeds`)."""
     primary = tower_requests[0]
     per_shard = self._passes.per_shard
+    cut = False
     if not per_shard and self._ungated is not None:  # micro-batches refuse mixing
-      batch_mixing.cut(batch_mixing.Shards(
+      cut = batch_mixing.cut(batch_mixing.Shards(
           [q.ys for q in tower_requests], [self._ungated(k) for k in self.towers],
           [self._sizes[k] for k in self.towers], [self._nonempty[k] for k in self.towers],
           self._passes.sync.across, lambda i, pairs: self._passes.adopt(self.towers[i], pairs)),
@@ -212,6 +213,8 @@ class WholeBatchGradients:
         self._batch,
         ungated=(lambda i: self._ungated(self.towers[i])) if per_shard else None,
         across=self._passes.sync.across, per_shard=self._passes.copied_towers)
+    if cut == batch_mixing.JOINED:  # every tower's rows meet in a cut: one backward pass
+      found = dataclasses.replace(found, one_pass=True)
     if found.loss is not None:
       self._whole_losses.setdefault(primary.ys[0].ref(), found.loss)
     return found

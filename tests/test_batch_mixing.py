@@ -1,13 +1,14 @@
-"""Mixing at the input (estimator_towers.batch_mixing): mixup before the shards are cut.
+"""Cuts after the mixing ops (estimator_towers.batch_mixing): mixup at the input, attention
+over the batch's hidden rows as a sync point.
 
 The reference is the plain model_fn on the whole batch (same initial values):
 every variable and slot within 1e-5 after 1 and 3 steps, on batches of 10, 10
 and 2 (3 towers: shards 4/3/3, then 1/1/0, one empty at run time), towers
 copied from the first or built, features a Tensor or a dict, labels mixed or
-absent; and inputs centred on the batch's mean, read by the first layer. The
-graph: the input stage runs on the whole batch on the first
-device, the network after it on each tower's device on its own rows (no
-whole-batch head).
+absent; inputs centred on the batch's mean, read by the first layer; attention
+`h + softmax(h h^T) h` between two layers. The graph: the mixing ops run on the
+whole batch on the first device, the network after them on each tower's device
+on its own rows (no whole-batch head).
 """
 
 import functools
@@ -44,6 +45,8 @@ def _model_fn(structure, features, labels, mode):
     loss, _ = patterns.mixup_features(features, labels)
   elif structure == 'centred':
     loss, _ = patterns.batch_centred(features['x'], labels)
+  elif structure == 'attention':
+    loss, _ = patterns.attention(features['x'], labels)
   else:
     loss, _ = patterns.mixup(features if structure == 'tensor' else features['x'], labels)
   optimizer = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
@@ -90,8 +93,9 @@ def _plain(structure):
 
 
 @pytest.mark.parametrize('layout', ['copied', 'built'])
-@pytest.mark.parametrize('structure', ['dict', 'tensor', 'two_features', 'no_labels', 'centred'])
-def test_input_mixing_equals_plain_on_the_whole_batch(structure, layout, monkeypatch):
+@pytest.mark.parametrize('structure', ['dict', 'tensor', 'two_features', 'no_labels', 'centred',
+                                       'attention'])
+def test_cut_equals_plain_on_the_whole_batch(structure, layout, monkeypatch):
   """3 towers, 1 step on shards 4/3/3, then 2 more, the last on 1/1/0 (an empty shard)."""
   if layout == 'built':
     monkeypatch.setattr(towers, '_tower_copies', lambda *args: None)
@@ -99,17 +103,20 @@ def test_input_mixing_equals_plain_on_the_whole_batch(structure, layout, monkeyp
   towered_1, towered_3, graph = _train(functools.partial(_model_fn, structure), structure, 3)
   testlib.assert_variables_close(towered_1, plain_1)
   testlib.assert_variables_close(towered_3, plain_3)
-  assert _copied(graph, 1) == _copied(graph, 2) == (layout == 'copied')
+  # The backward passes: copies of tower 0's, but one pass where the towers' rows meet in
+  # the cut (attention: each tower's hidden rows get the gradient of every tower's loss).
+  assert _copied(graph, 1) == _copied(graph, 2) == (layout == 'copied' and
+                                                    structure != 'attention')
   names = [op.name for op in graph.get_operations()]
   assert any(n.startswith('batch_mixing/') for n in names)
   assert not any(n.startswith('whole_batch_head/') for n in names)
 
 
-def _graph(structure='dict', num_devices=3, name='mixup'):
-  """A towered TRAIN graph of mixup on one batch of 10 (its size unknown when built)."""
+def _graph(structure='dict', num_devices=3, name=None):
+  """A towered TRAIN graph on one batch of 10 (its size unknown when built)."""
   x = np.random.RandomState(0).randn(BATCH, patterns.F).astype(np.float32)
   y = np.arange(BATCH, dtype=np.int32) % 3
-  if name == 'mixup':
+  if name is None:
     model_fn = functools.partial(_model_fn, structure)
   else:
     def model_fn(features, labels, mode):
@@ -127,13 +134,15 @@ def _graph(structure='dict', num_devices=3, name='mixup'):
   return graph, spec
 
 
-def test_the_towers_run_the_network_on_their_own_rows():
-  """The reverses of the whole batch on the first device; each tower's layer on its device,
-  on its shard's rows (4, 3, 3); no whole-batch head."""
-  graph, spec = _graph()
+@pytest.mark.parametrize('structure,mixing', [('dict', 'ReverseV2'), ('attention', 'MatMul')])
+def test_the_towers_run_the_network_on_their_own_rows(structure, mixing):
+  """The mixing ops on the whole batch on the first device (mixup's reverses of the inputs,
+  attention's two products of the hidden rows); each tower's next layer on its device, on
+  its shard's rows (4, 3, 3); no whole-batch head."""
+  graph, _ = _graph(structure)
   ops = graph.get_operations()
   assert not [op for op in ops if op.name.startswith('whole_batch_head/')]
-  whole = [op for op in ops if op.name.startswith('batch_mixing/') and op.type == 'ReverseV2']
+  whole = [op for op in ops if op.name.startswith('batch_mixing') and op.type == mixing]
   assert len(whole) == 2 and {op.device for op in whole} == {'/device:CPU:0'}
   layers = [graph.get_operation_by_name(f'{prefix}logits/MatMul')
             for prefix in ('', 'tower_1/', 'tower_2/')]
@@ -143,15 +152,16 @@ def test_the_towers_run_the_network_on_their_own_rows():
     with tf.compat.v1.Session(config=testlib.run_config(3).session_config) as session:
       session.run(tf.compat.v1.global_variables_initializer())
       rows = [int(s[0]) for s in session.run(shapes)]
-      whole_rows = session.run(tf.shape(whole[0].outputs[0]))[0]
+      whole_rows = session.run(tf.shape(whole[-1].outputs[0]))[0]
   assert rows == [4, 3, 3] and whole_rows == BATCH
 
 
-def test_mixing_that_reads_a_variable_is_left_to_the_whole_batch_head():
-  """Attention over the batch's hidden rows mixes after a trained layer: not cut."""
-  graph, _ = _graph(name='attention')
+def test_mixing_left_after_a_mid_network_cut_is_the_whole_batch_heads():
+  """An in-batch softmax: cut after q d^T, its labels tf.range(B) would still mix; nothing
+  is cut and the head runs from the embeddings."""
+  graph, _ = _graph(name='in_batch_softmax')
   names = [op.name for op in graph.get_operations()]
-  assert not any(n.startswith('batch_mixing/') for n in names)
+  assert not any(n.startswith('batch_mixing') for n in names)
   assert any(n.startswith('whole_batch_head/') for n in names)
 
 
