@@ -68,10 +68,10 @@ class _GraphOf(tf.compat.v1.train.SessionRunHook):
     self.graph = tf.compat.v1.get_default_graph()
 
 
-def _train(model_fn, structure, num_devices=1):
+def _train(model_fn, structure, num_devices=1, **plan):
   """The variables after 1 and after 3 steps, and the graph."""
   if num_devices > 1:
-    model_fn = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices))
+    model_fn = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices), **plan)
   est = testlib.make_estimator(model_fn, num_cpus=num_devices)
   hook = _GraphOf()
   est.train(_input_fn(structure), steps=1, hooks=[hook])
@@ -103,6 +103,13 @@ def test_cut_equals_plain_on_the_whole_batch(structure, layout, monkeypatch):
   towered_1, towered_3, graph = _train(functools.partial(_model_fn, structure), structure, 3)
   testlib.assert_variables_close(towered_1, plain_1)
   testlib.assert_variables_close(towered_3, plain_3)
+  if structure in ('attention', 'centred') and layout == 'copied':
+    # Each tower its own copy of the variables: a tower's backward pass alone would miss
+    # what its variables owe to the other towers' losses through the cut.
+    replicated_1, replicated_3, _ = _train(functools.partial(_model_fn, structure), structure,
+                                           3, variable_strategy='replicated')
+    testlib.assert_variables_close(replicated_1, plain_1)
+    testlib.assert_variables_close(replicated_3, plain_3)
   # The backward passes: copies of tower 0's, but one pass where the towers' rows meet in
   # the cut (attention: each tower's hidden rows get the gradient of every tower's loss).
   assert _copied(graph, 1) == _copied(graph, 2) == (layout == 'copied' and
