@@ -1,34 +1,46 @@
-"""Mixing at the input: the ops that mix the batch's rows before any trained variable.
+"""Cuts after the ops that mix the batch's rows: at the input, and mid-network as a sync point.
 
-The rule. Mixup (`0.7 x + 0.3 reverse(x, [0])`, its labels alike), a shuffle
-of the batch, a difference from the batch's mean: where an op that mixes the
-batch's rows (`row_dependence`) is computed from the shard's inputs through
-ops that read no variable, the *input stage* (the shard's inputs to the
-mixing ops' outputs, the *cut* tensors) is computed once more on the whole
-batch, before the shards are cut:
+The rule. Where an op that mixes the batch's rows (`row_dependence`) gives
+one row per example (a permutation of the rows: mixup's `reverse(x, [0])`, a
+shuffle, a roll; a matrix product with rows on the left: attention's
+`h h^T`; arithmetic of rows with batch statistics: `x - mean(x, 0)`), it
+is computed once, on the whole batch, on the first tower's device, and every
+tower reads its own rows of its output (the *cut* tensor) instead of its
+own value. From the cut on each tower's rows are per-example again (they are
+classified as rows: `row_dependence.add_rows`), so the network after it runs
+on the towers, each on its own device and rows, under the usual rules (the
+loss algebra, tower copies). Cuts are made in rounds (attention's second
+product reads the first's cut) as long as each leaves the loss
+per-example.
 
-- its inputs are the towers' inputs concatenated in input order (an empty
-  shard's borrowed row left out; across workers, all-gathered in rank order,
-  uneven counts too), on the first tower's device;
-- its ops are copies of tower 0's on them (a shape read is the whole
-  batch's; a random op is drawn once for the whole batch, as on one device);
-- in every tower, the ops that read its own value of a cut tensor read its
-  rows of the whole batch's value instead (a shard empty at run time keeps
-  its borrowed row's own value; its weight is 0).
+- **At the input** (the *input stage*: the mixing ops computed from the
+  shard's inputs through ops that read no variable): the stage's inputs are
+  the towers' inputs concatenated in input order (an empty shard's borrowed
+  row left out; across workers, all-gathered in rank order, uneven counts
+  too) and its ops are copies of tower 0's on them, so a shape read is the
+  whole batch's and a random op is drawn once for the batch. Nothing is
+  differentiated through it (it reads no variable): no gradient crosses
+  between towers, and each tower's backward pass stays its own.
+- **Mid-network** (a sync point, as batch norm): the stage also reads rows
+  computed by trained layers (attention's hidden rows `h`), gathered from
+  the towers in input order. Forward, every tower's rows meet there;
+  backward, the gradient of every tower's rows of the cut must meet there
+  too before it flows into the gathered rows and back to each tower's own:
+  the towers' backward passes are then one (`Seeds.one_pass`), never a copy
+  per tower, which with per-tower variables would miss what a tower's
+  variables owe to the other towers' losses. Kept only where the cuts leave
+  the loss per-example; an in-batch softmax (whose labels `tf.range(B)` mix
+  after `q d^T`) stays the whole-batch head's, which gathers less. Not
+  across workers (there the head computes it on the cluster's rows).
 
-From the cut on, every tower's graph is per-example again (tower 0's is
-classified with the cut tensors as rows; a mixing op that reads only cut
-tensors and inputs is cut too), and the usual rules apply: the loss algebra,
-tower copies, one backward pass per tower on its own device. Nothing is
-differentiated through the input stage (it reads no variable), so no
-gradient crosses between towers. Mixing that reads a variable (attention in
-the middle of the network) is left to `whole_batch_head`.
-
-Not cut (then `whole_batch_head` computes the loss on the whole batch): an
-input stage reading a sparse or ragged input, a static batch size whose
-shape reads are constants of the graph, and, across workers, an input of a
-dtype the all-reduce cannot sum. A cut tensor that does not have one row
-per example of the whole batch stops the step with an error saying so.
+A shard empty at run time reads the batch's first row (its weight is 0).
+Not cut (then `whole_batch_head` computes the loss on the whole batch): a
+mixing op of another kind, a stage that itself reads a variable, or a
+sparse or ragged input, a static batch size (the shard's size may be a
+constant of the graph), a tower without a counterpart of a cut tensor, and,
+across workers, an input of a dtype the all-reduce cannot sum. A cut tensor
+found at run time with another number of rows than the batch stops the step
+with an error saying so.
 """
 
 from __future__ import annotations
