@@ -220,3 +220,25 @@ def test_a_later_request_that_builds_the_towers_again_is_an_error():
     towered({'x': tf.compat.v1.placeholder_with_default(x, [None, patterns.F])},
             tf.compat.v1.placeholder_with_default(np.arange(BATCH, dtype=np.int32) % 3, [None]),
             ModeKeys.TRAIN, None, None)
+
+
+@pytest.mark.parametrize('structure', ['dict', 'attention'])
+def test_the_step_loss_is_plains(structure):
+  """The reported loss (the towers' losses by the mean rule) is plain's on the whole batch."""
+  x = np.random.RandomState(0).randn(BATCH, patterns.F).astype(np.float32)
+  y = np.arange(BATCH, dtype=np.int32) % 3
+  values = []
+  for graph, spec in (_graph(structure), _plain_graph(structure, x, y)):
+    with graph.as_default(), tf.compat.v1.Session(
+        config=testlib.run_config(3).session_config) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      values.append(session.run(spec.loss))
+  testlib.assert_close(values[0], values[1])
+
+
+def _plain_graph(structure, x, y):
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.compat.v1.train.create_global_step()
+    spec = _model_fn(structure, {'x': tf.constant(x)}, tf.constant(y), ModeKeys.TRAIN)
+  return graph, spec
