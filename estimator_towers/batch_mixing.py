@@ -28,10 +28,12 @@ per-example.
   too before it flows into the gathered rows and back to each tower's own:
   the towers' backward passes are then one (`Seeds.one_pass`), never a copy
   per tower, which with per-tower variables would miss what a tower's
-  variables owe to the other towers' losses. Kept only where the cuts leave
-  the loss per-example; an in-batch softmax (whose labels `tf.range(B)` mix
-  after `q d^T`) stays the whole-batch head's, which gathers less. Not
-  across workers (there the head computes it on the cluster's rows).
+  variables owe to the other towers' losses. Across workers the rows are
+  the cluster's (all-gathered in rank order) and their gradient is summed
+  over the workers before each takes its own rows'. Kept only where the
+  cuts leave the loss per-example; an in-batch softmax (whose labels
+  `tf.range(B)` mix after `q d^T`) stays the whole-batch head's, which
+  gathers less.
 
 A shard empty at run time reads the batch's first row (its weight is 0).
 Not cut (then `whole_batch_head` computes the loss on the whole batch): a
@@ -110,7 +112,7 @@ def cut(shards: Shards, declared: Callable[[tf.Tensor], bool]) -> bool | str:
   earlier = bool(rd.cut_rows(inputs[0].graph)) if inputs else False
   if any(t.shape.rank and t.shape[0] is not None for t in inputs):
     return False   # a static batch: the shard's size may be a constant of the graph
-  plan = _plan(shards, inputs, declared, joined=shards.across is None)
+  plan = _plan(shards, inputs, declared, joined=True)
   if plan and plan[-1] is None:   # mixing left after a mid-network cut: the head's
     plan = _plan(shards, inputs, declared, joined=False)
   whole: dict = {}   # tower 0's tensor name -> the whole batch's value
@@ -282,10 +284,7 @@ def _whole_values(stage: _Round, whole: dict, shards: Shards) -> list | None:
         return None
       if t.name not in whole:
         with tf.device(device):
-          whole[t.name] = whole_batch_head.gathered(parts, rd.Kind(rd.ROWS), shards.sizes,
-                                                    shards.nonempty)
-          if shards.examples is None:
-            shards.examples = tf.shape(whole[t.name])[0]
+          whole[t.name] = _gathered(parts, shards, trained=True)
     for j, t in enumerate(first):
       if t.name not in read or t.name in whole:
         continue
@@ -303,16 +302,45 @@ def _whole_values(stage: _Round, whole: dict, shards: Shards) -> list | None:
   return [mapped[t.name] for t in outputs]
 
 
-def _gathered(parts: list, shards: Shards) -> tf.Tensor:
-  """The towers' rows of one input in input order; across workers, the cluster's."""
+def _gathered(parts: list, shards: Shards, trained: bool = False) -> tf.Tensor:
+  """The towers' rows of one tensor in input order; across workers, the cluster's.
+
+  Across workers, rows of `trained` layers are differentiable: the gradient
+  of the cluster's rows is summed over the workers (each differentiates its
+  own towers' losses), and this worker's rows of it flow back to its towers.
+  """
   rows = whole_batch_head.gathered(parts, rd.Kind(rd.ROWS), shards.sizes, shards.nonempty)
   if shards.across is not None:
-    value, shards.start = whole_batch_head.cluster_rows(rows, shards.across)
+    value = _cluster(rows, shards) if trained else _cluster_values(rows, shards)
     value.set_shape(tf.TensorShape([None]).concatenate(rows.shape[1:]))
     rows = value
   if shards.examples is None:
     shards.examples = tf.shape(rows)[0]
   return rows
+
+
+def _cluster_values(rows: tf.Tensor, shards: Shards) -> tf.Tensor:
+  value, shards.start = whole_batch_head.cluster_rows(rows, shards.across)
+  return value
+
+
+def _cluster(rows: tf.Tensor, shards: Shards) -> tf.Tensor:
+  """The cluster's rows, whose gradient is summed over the workers (see `_gathered`)."""
+  across = shards.across
+
+  @tf.custom_gradient
+  def cluster_rows(mine):
+    value, offset = whole_batch_head.cluster_rows(mine, across)
+    shards.start = offset
+
+    def grad(upstream):
+      (total,) = across.sum([upstream])
+      with tf.device(across.device):
+        return total[offset:offset + tf.shape(mine)[0]]
+    return value, grad
+
+  with tf.name_scope('across_workers'):
+    return cluster_rows(rows)
 
 
 def _offsets(shards: Shards) -> list:

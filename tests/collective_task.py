@@ -163,9 +163,19 @@ def mixup_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(loss, params))
 
 
+def attention_model_fn(features, labels, mode, params):
+  """Attention over the batch's hidden rows between two layers: rows mix mid-network."""
+  init = tf.compat.v1.glorot_uniform_initializer
+  h = tf.compat.v1.layers.dense(features['x'], 4, kernel_initializer=init(1))
+  mixed = h + tf.matmul(tf.nn.softmax(tf.matmul(h, h, transpose_b=True)), h)
+  logits = tf.compat.v1.layers.dense(mixed, testlib.NUM_CLASSES, kernel_initializer=init(2))
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(loss, params))
+
+
 MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_model_fn,
           'bn': bn_model_fn, 'clip': clip_model_fn, 'top_k': top_k_model_fn,
-          'mixup': mixup_model_fn}
+          'mixup': mixup_model_fn, 'attention': attention_model_fn}
 
 
 def input_fn(data, suffix, batch, features_only=False):

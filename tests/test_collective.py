@@ -195,12 +195,13 @@ def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize('model', ['clip', 'top_k', 'mixup'])
+@pytest.mark.parametrize('model', ['clip', 'top_k', 'mixup', 'attention'])
 def test_cross_example_losses_across_two_workers_of_two_towers(tmp_path, model):
   """Issue 33: an in-batch softmax with a trained temperature, a batch top-k: the head on the
   cluster's rows (all-gathered in rank order; the worker's input ends first, so the global
   batches are 12, 12, 8, 6, 6), every worker's rows and gradients exact. Mixup: its input
-  stage on the cluster's rows, each tower reading its own."""
+  stage on the cluster's rows, each tower reading its own. Attention: a sync point on the
+  cluster's hidden rows, their gradient summed over the workers."""
   data = _data(tmp_path / 'data.npz', SIZES)
   batches = _global_batches(data, SIZES)
   spec = _spec(tmp_path, model, 2)
@@ -459,19 +460,24 @@ def test_batch_norm_across_workers_mixes_no_rows(monkeypatch, sync):
   assert not [op for op in graph.get_operations() if 'whole_batch_head' in op.name]
 
 
-def test_mixup_across_workers_is_cut_at_the_input(monkeypatch):
-  """Mixup's input stage on the cluster's rows (all-gathered); no whole-batch head."""
+@pytest.mark.parametrize('model, mixing, reduces', [
+    ('mixup', 'ReverseV2', 4),      # per input (features, labels): the counts, the rows
+    ('attention', 'MatMul', 6),     # per product, its rows' counts, rows and gradient
+])
+def test_mixing_across_workers_is_cut_on_the_cluster_rows(monkeypatch, model, mixing, reduces):
+  """Mixup's input stage, attention's products: on the cluster's rows (all-gathered, the
+  hidden rows' gradient summed over the workers); no whole-batch head."""
   def model_fn(features, labels, mode):
-    return collective_task.mixup_model_fn(features, labels, mode, {'learning_rate': 0.1})
+    return collective_task.MODELS[model](features, labels, mode, {'learning_rate': 0.1})
   graph = _train_graph(model_fn, monkeypatch, CHIEF_AND_WORKER)
   names = [op.name for op in graph.get_operations()]
   assert not [n for n in names if 'whole_batch_head' in n]
   whole = [op for op in graph.get_operations()
-           if op.name.startswith('batch_mixing/') and op.type == 'ReverseV2']
+           if op.name.startswith('batch_mixing') and op.type == mixing]
   assert len(whole) == 2
   gathers = [op for op in graph.get_operations() if op.type.startswith('CollectiveReduce')
-             and op.name.startswith('batch_mixing/')]
-  assert len(gathers) == 4   # per input (features, labels): the counts, then the rows
+             and 'batch_mixing' in op.name]
+  assert len(gathers) == reduces, [op.name for op in gathers]
 
 
 def test_chief_and_workers_without_ps_need_the_collective_strategy(monkeypatch):
