@@ -246,9 +246,9 @@ def _ancestors(op: tf.Operation, inputs: set, found: rd.RowDependence, joined: b
       kind = found.kind(t)
       if t.name in inputs or t.name in sources:
         continue
-      if t.op.type in _VARIABLE_OPS or (kind is None and _reads_variable(t)):
+      if t.op.type in _VARIABLE_OPS or (kind is None and _reads_variable(t, inputs)):
         return None
-      if kind is not None and _reads_variable(t):
+      if kind is not None and _reads_variable(t, inputs):
         if not joined or kind != rd.Kind(rd.ROWS):
           return None
         sources[t.name] = t
@@ -257,17 +257,17 @@ def _ancestors(op: tf.Operation, inputs: set, found: rd.RowDependence, joined: b
   return reached, sources
 
 
-def _reads_variable(t: tf.Tensor, limit: int = 200) -> bool:
-  """True if `t` (which does not depend on the shard) is computed from a variable."""
-  pending, seen = [t.op], set()
+def _reads_variable(t: tf.Tensor, inputs: set = frozenset(), limit: int = 200) -> bool:
+  """True if `t` is computed from a variable (not through `inputs`); True past `limit` ops."""
+  pending, seen = [t], set()
   while pending and len(seen) < limit:
-    op = pending.pop()
-    if op.name in seen:
+    x = pending.pop()
+    if x.op.name in seen or x.name in inputs:
       continue
-    seen.add(op.name)
-    if op.type in _VARIABLE_OPS:
+    seen.add(x.op.name)
+    if x.op.type in _VARIABLE_OPS:
       return True
-    pending.extend(i.op for i in op.inputs)
+    pending.extend(x.op.inputs)
   return len(seen) >= limit
 
 
