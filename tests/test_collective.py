@@ -462,7 +462,7 @@ def test_batch_norm_across_workers_mixes_no_rows(monkeypatch, sync):
 
 @pytest.mark.parametrize('model, mixing, reduces', [
     ('mixup', 'ReverseV2', 4),      # per input (features, labels): the counts, the rows
-    ('attention', 'MatMul', 6),     # per product, its rows' counts, rows and gradient
+    ('attention', 'MatMul', 3),     # the hidden rows' counts, rows and gradient
 ])
 def test_mixing_across_workers_is_cut_on_the_cluster_rows(monkeypatch, model, mixing, reduces):
   """Mixup's input stage, attention's products: on the cluster's rows (all-gathered, the
