@@ -4,7 +4,9 @@ A two-tower retrieval model (MLP encoders, embeddings of width D, global
 batch B) trained with momentum SGD by Estimator, on N virtual CPU devices:
 
 - `in_batch`: softmax over the batch's documents (`q @ d^T / t`, labels
-  `tf.range(B)`): its head runs on the whole batch (`whole_batch_head`);
+  `tf.range(B)`): its head is made of rows (`row_wise_head`: each tower its
+  own rows against the gathered documents; `--single_head`: the head once on
+  the first tower's device, `whole_batch_head`);
 - `per_example`: the same towers with a per-example loss (a logistic loss of
   each pair's own score), the loss algebra's scalars-only path.
 
@@ -13,8 +15,11 @@ of --steps timed steps after --warmup), their ratio towered / plain, the
 ratio of those ratios (the issue asks >= 0.95), the bytes that cross devices
 in one step (`estimator_towers.traffic`, the second step's `_Send`/`_Recv`
 pairs) and what in_batch adds to per_example's, against the gathered
-tensors' size (2 (N-1)/N * B * D * 4 bytes forward, as much back), and the
-head's largest tensor.
+tensors' size (single head: q and d to the first tower, 2 (N-1)/N * B * D * 4
+bytes forward, as much back; row-wise: d to the first tower and from it to
+the N-1 others, ((N-1)/N + N-1) * B * D * 4 bytes forward, as much back, and
+the per-row values, (N-1)/N * B * 4 each way), and the head's largest tensor
+on each device (run once, its shapes at run time).
 
   python bench/cross_example_bench.py                    # B = 1024, D = 128, N = 2, 4
   python bench/cross_example_bench.py --quick            # B = 256, fewer steps
@@ -43,6 +48,7 @@ flags.DEFINE_integer('steps', 30, 'timed steps per run')
 flags.DEFINE_integer('warmup', 5, 'steps before timing')
 flags.DEFINE_integer('repeats', 3, 'alternating runs per configuration')
 flags.DEFINE_bool('quick', False, 'B = 256, 10 steps, 1 repeat')
+flags.DEFINE_bool('single_head', False, 'the head once on the first tower (not row-wise)')
 FLAGS = flags.FLAGS
 FEATURES = 64
 
@@ -82,6 +88,8 @@ def input_fn():
 def _estimator(loss, num_devices):
   fn = model_fn if num_devices == 1 else et.replicate_model_fn(
       model_fn, devices=[f'/cpu:{i}' for i in range(num_devices)])
+  if FLAGS.single_head and num_devices > 1:
+    fn = _single_head(fn)
   config = tf.estimator.RunConfig(
       session_config=tf.compat.v1.ConfigProto(device_count={'CPU': max(num_devices, 1)}),
       save_checkpoints_steps=None, save_checkpoints_secs=None, save_summary_steps=None,
@@ -110,6 +118,42 @@ def steps_per_sec(loss, num_devices):
   return FLAGS.steps / timer.seconds
 
 
+def _single_head(model):
+  """`model` with the single head: the row-wise split refused (a bench switch)."""
+  from estimator_towers import row_wise_head  # pylint: disable=g-import-not-at-top
+  def fn(*args, **kwargs):
+    original = row_wise_head.build
+    row_wise_head.build = lambda *a, **k: 'the single head (--single_head)'
+    try:
+      return model(*args, **kwargs)
+    finally:
+      row_wise_head.build = original
+  return fn
+
+
+def largest_head_tensors(num_devices):
+  """Per device, the head's largest tensor (elements, shape) in one step of in_batch."""
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.create_global_step()
+    features = tf.compat.v1.data.make_one_shot_iterator(input_fn()).get_next()
+    fn = et.replicate_model_fn(model_fn, devices=[f'/cpu:{i}' for i in range(num_devices)])
+    if FLAGS.single_head:
+      fn = _single_head(fn)
+    fn(features, None, tf.estimator.ModeKeys.TRAIN, {'loss': 'in_batch'})
+    made = [t for op in graph.get_operations() for t in op.outputs
+            if op.name.startswith(('row_wise_head/', 'whole_batch_head/')) and t.dtype.is_floating]
+    config = tf.compat.v1.ConfigProto(device_count={'CPU': num_devices})
+    with tf.compat.v1.Session(config=config) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      values = session.run(made)
+  largest = {}
+  for t, value in zip(made, values):
+    device = t.op.device or 'unplaced'
+    if value.size > largest.get(device, (0, None))[0]:
+      largest[device] = (value.size, value.shape)
+  return largest
+
+
 def step_bytes(loss, num_devices):
   hook = traffic.TransferHook()
   _estimator(loss, num_devices).train(input_fn, steps=2, hooks=[hook])
@@ -134,14 +178,23 @@ def main(argv):
     in_batch, per_example = med['in_batch:n'] / med['in_batch:1'], (
         med['per_example:n'] / med['per_example:1'])
     extra = step_bytes('in_batch', n) - step_bytes('per_example', n)
-    gathered = 2 * 2 * (n - 1) * (FLAGS.batch // n) * FLAGS.width * 4
+    shard, width = FLAGS.batch // n, FLAGS.width
+    if FLAGS.single_head:
+      gathered, what = 2 * 2 * (n - 1) * shard * width * 4, 'q and d of the N-1 other towers'
+    else:
+      gathered = 2 * ((n - 1) * shard + (n - 1) * FLAGS.batch) * width * 4 + (
+          2 * (n - 1) * shard * 4)
+      what = 'd to the first tower and to the N-1 others, the per-row values'
+    largest = ', '.join(f'{device} {shape[0]} x {shape[1]}' if len(shape) == 2 else
+                        f'{device} {shape}' for device, (_, shape)
+                        in sorted(largest_head_tensors(n).items()))
     print(f'N = {n}: steps/sec in_batch plain {med["in_batch:1"]:.2f} towered '
           f'{med["in_batch:n"]:.2f} ({in_batch:.3f} x), per_example plain '
           f'{med["per_example:1"]:.2f} towered {med["per_example:n"]:.2f} ({per_example:.3f} x); '
           f'in_batch / per_example = {in_batch / per_example:.3f}')
     print(f'  bytes per step: in_batch adds {extra} to per_example\'s; the gathered rows '
-          f'and their gradients (q and d of the N-1 other towers, both ways) are {gathered}; '
-          f'largest head tensor {FLAGS.batch} x {FLAGS.batch} on /cpu:0')
+          f'and their gradients ({what}, both ways) are {gathered}; '
+          f'largest head tensor per device: {largest}')
 
 
 if __name__ == '__main__':

@@ -42,6 +42,7 @@ from estimator_towers import interception
 from estimator_towers import logs
 from estimator_towers import loss_algebra
 from estimator_towers import row_dependence
+from estimator_towers import row_wise_head
 from estimator_towers import whole_batch_head
 from estimator_towers.loss_algebra import Expression
 
@@ -136,14 +137,14 @@ def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
   if not isinstance(loss, tf.Tensor):
     return 'the gradient request is of several tensors, and the head takes one loss'
   built = whole_batch_head.build(found, loss, grad_ys[0][0], find, sizes, nonempty, batch,
-                                 across)
+                                 across, split=row_wise_head.build)
   if isinstance(built, str):
     return built
-  whole, shards, stops = built
+  whole, shards, stops, where = built
   logs.info_once_per_graph(
       f'estimator_towers: the loss {loss.name} depends on {found.mixing[0].describe()}, '
       f'which mixes the batch\'s rows: its head ({len(found.frontier)} gathered tensor(s) '
-      f'to the loss) runs on the whole batch on {loss.op.device or "the first tower"}.')
+      f'to the loss) runs on the whole batch {where}.')
   return Seeds(shards, whole, stops)
 
 

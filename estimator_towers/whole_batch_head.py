@@ -26,7 +26,12 @@ tower, on its rows, and the gradient each row receives is the sum over every
 consumer of that row in the whole batch's head.
 
 Across workers the frontier rows are all-gathered from the workers in rank
-order and every worker runs the same head (`_across_workers`).
+order and every worker runs the same head (`across_workers`).
+
+Where the head is made of rows (a softmax per row over the whole batch's
+columns, then a mean), `row_wise_head` splits it instead: each tower
+computes its own rows against the gathered columns, so that no device holds
+a B x B tensor; this module's single head is the fallback.
 
 What it does not do (the warning of `row_dependence` stays): micro-batches
 (an error), a frontier tensor some tower has no counterpart of, a gradient
@@ -48,8 +53,8 @@ _HEAD_KINDS = (rd.MIXED, rd.STAT, rd.SIZE, rd.SHAPE, rd.COLS, rd.UNIQUE)
 
 
 def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
-          sizes: Sequence, nonempty: Sequence, batch: Any, across: Any = None
-          ) -> tuple[tf.Tensor, list, list] | str:
+          sizes: Sequence, nonempty: Sequence, batch: Any, across: Any = None,
+          split: Callable | None = None) -> tuple[tf.Tensor, list, list, str] | str:
   """The whole batch's head of tower 0's `loss`, or why it cannot be built.
 
   Args:
@@ -63,11 +68,16 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     across: a `cross_worker.CrossWorker` when the batch spans workers: each
       frontier tensor is then all-gathered from the workers in rank order, and
       every worker runs the same head on the cluster's rows.
+    split: `split(found, loss, grad_y, find, frontier, shapes, per_shard,
+      sizes, nonempty, batch, across)`, the head made of rows computed per
+      tower (`row_wise_head`), tried first: what it returns, or a sentence
+      saying why not (then the head runs once, here).
 
   Returns:
     (whole-batch loss, per shard (frontier tensors, their initial
     gradients), every shard's frontier tensors: where the head's own
-    backward pass stops), or a sentence saying why there is none.
+    backward pass stops, where the head runs), or a sentence saying why
+    there is none.
   """
   head, frontier, shapes = _head(found, loss)
   if head is None:
@@ -82,9 +92,17 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
   static = static_size(head, found, frontier)
   if static is not None:
     return static
+  if split is not None:
+    try:
+      built = split(found, loss, grad_y, find, frontier, shapes, per_shard, sizes, nonempty,
+                    batch, across)
+    except (ValueError, TypeError) as error:   # not row-wise after all: the single head
+      built = str(error)
+    if not isinstance(built, str):
+      return built
   try:
     return _build(found, loss, grad_y, head, frontier, shapes, per_shard, sizes, nonempty,
-                  batch, across)
+                  batch, across) + (f'on {loss.op.device or "the first tower"}',)
   except (ValueError, TypeError) as error:
     return f'building it on the whole batch failed ({error})'
 
@@ -148,9 +166,9 @@ def _build(found, loss, grad_y, head, frontier, shapes, per_shard, sizes, nonemp
       kind = found.kind(t)
       mapped[t.name] = gathered([s[j] for s in per_shard], kind, sizes, nonempty)
       if across is not None:
-        mapped[t.name] = _across_workers(mapped[t.name], kind, across)
+        mapped[t.name] = across_workers(mapped[t.name], kind, across)
     for t in shapes:
-      mapped[t.name] = _whole_shape(t, found.kind(t.op.inputs[0]), batch)
+      mapped[t.name] = whole_shape(t, found.kind(t.op.inputs[0]), batch)
     for op in head:
       copy = copy_op(op, [mapped.get(t.name, t) for t in op.inputs])
       for a, b in zip(op.outputs, copy.outputs):
@@ -229,32 +247,37 @@ def gathered(parts: list, kind: rd.Kind, sizes: Sequence, nonempty: Sequence) ->
   return flat[0] if len(flat) == 1 else tf.concat(flat, 0)
 
 
-def _across_workers(mine: tf.Tensor, kind: rd.Kind, across: Any) -> tf.Tensor:
+def across_workers(mine: tf.Tensor, kind: rd.Kind, across: Any, summed: bool = False
+                   ) -> tf.Tensor:
   """Every worker's rows of a gathered frontier tensor, in rank order (uneven counts too).
 
   Each worker pads its rows to the largest count, one all-reduce sums the
   workers' slots, and the padding is dropped. Every worker then runs the
   same head on the same rows, so the gradient with respect to a worker's
   rows is its own slice of its own head's gradient: no all-reduce backward.
+  With `summed` (each worker's consumers are its own rows' only, as in
+  `row_wise_head`) the workers' gradients are summed before the slice.
   A stacked layout's blocks stay apart (each worker's first views, then the
   second views).
   """
   blocks = kind.blocks if kind.tag == rd.ROWS else 1
   if blocks > 1:
-    return tf.concat([_across_workers(part, rd.Kind(rd.ROWS), across)
+    return tf.concat([across_workers(part, rd.Kind(rd.ROWS), across, summed)
                       for part in tf.split(mine, blocks, 0)], 0)
 
   @tf.custom_gradient
-  def gathered_rows(rows):
+  def all_rows(rows):
     result, offset = cluster_rows(rows, across)
 
     def grad(upstream):
+      if summed:
+        (upstream,) = across.sum([upstream])
       with tf.device(across.device):
         return upstream[offset:offset + tf.shape(rows)[0]]
     return result, grad
 
   with tf.name_scope('across_workers'):
-    out = gathered_rows(mine)
+    out = all_rows(mine)
   out.set_shape(tf.TensorShape([None]).concatenate(mine.shape[1:]))
   return out
 
@@ -279,7 +302,7 @@ def cluster_rows(rows: tf.Tensor, across: Any) -> tuple[tf.Tensor, tf.Tensor]:
             tf.reduce_sum(counts[:across.rank]))
 
 
-def _whole_shape(t: tf.Tensor, kind: rd.Kind, batch: Any) -> tf.Tensor:
+def whole_shape(t: tf.Tensor, kind: rd.Kind, batch: Any) -> tf.Tensor:
   """The whole batch's value of Shape(x) or Size(x), for per-example rows x."""
   x = t.op.inputs[0]
   rows = tf.cast(batch, t.dtype) * kind.blocks

@@ -130,7 +130,19 @@ def _minimize(loss, params):
 
 
 def clip_model_fn(features, labels, mode, params):
-  """CLIP's symmetric in-batch softmax with a trained temperature: rows mix (issue 33)."""
+  return _clip(features, mode, params, weighted=False)
+
+
+def clip_weighted_model_fn(features, labels, mode, params):
+  return _clip(features, mode, params, weighted=True)
+
+
+def _clip(features, mode, params, weighted):
+  """CLIP's symmetric in-batch softmax with a trained temperature: rows mix (issue 33).
+
+  `weighted`: the two terms weighted by a trained scalar, a variable only the mean over
+  the rows reads (the row-wise head's tail).
+  """
   init = tf.compat.v1.glorot_uniform_initializer
   x = features['x']
   q = tf.math.l2_normalize(tf.compat.v1.layers.dense(x[:, :3], 4, kernel_initializer=init(1)), -1)
@@ -142,6 +154,11 @@ def clip_model_fn(features, labels, mode, params):
   xent = tf.nn.sparse_softmax_cross_entropy_with_logits
   loss = (tf.reduce_mean(xent(targets, logits)) +
           tf.reduce_mean(xent(targets, tf.transpose(logits)))) / 2
+  if weighted:
+    w = tf.sigmoid(tf.compat.v1.get_variable(
+        'term_weight', [], initializer=tf.compat.v1.constant_initializer(0.5)))
+    loss = (w * tf.reduce_mean(xent(targets, logits)) +
+            (1 - w) * tf.reduce_mean(xent(targets, tf.transpose(logits))) + 0.1 * w * w)
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(loss, params))
 
 
@@ -175,7 +192,8 @@ def attention_model_fn(features, labels, mode, params):
 
 MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_model_fn,
           'bn': bn_model_fn, 'clip': clip_model_fn, 'top_k': top_k_model_fn,
-          'mixup': mixup_model_fn, 'attention': attention_model_fn}
+          'clip_weighted': clip_weighted_model_fn, 'mixup': mixup_model_fn,
+          'attention': attention_model_fn}
 
 
 def input_fn(data, suffix, batch, features_only=False):

@@ -119,6 +119,28 @@ PATTERNS = {  # name: (model, type of the first mixing op)
 }
 
 
+def in_batch_regularised(x, y):
+  """An in-batch softmax plus a penalty on the whole B x B matrix: a head not made of rows."""
+  q, d = encoders(x)
+  logits = tf.matmul(q, d, transpose_b=True) / 0.1
+  labels = tf.range(tf.shape(q)[0])
+  xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+  return tf.reduce_mean(xent) + 0.01 * tf.reduce_mean(tf.square(logits)), [q, d]
+
+
+def clip_weighted(x, y):
+  """CLIP's two terms weighted by a trained scalar that only the mean over the rows reads."""
+  q, d = encoders(x)
+  scale = tf.compat.v1.get_variable('log_scale', [], initializer=tf.compat.v1.zeros_initializer())
+  logits = tf.exp(scale) * tf.matmul(q, d, transpose_b=True)
+  labels = tf.range(tf.shape(q)[0])
+  w = tf.sigmoid(tf.compat.v1.get_variable(
+      'term_weight', [], initializer=tf.compat.v1.constant_initializer(0.5)))
+  rows = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+  columns = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, tf.transpose(logits))
+  return w * tf.reduce_mean(rows) + (1 - w) * tf.reduce_mean(columns) + 0.1 * w * w, [q, d]
+
+
 def mixup_features(features, y):
   """Mixup of a dict of features (two inputs mixed alike) and of the labels."""
   a, b = features['a'], features['b']

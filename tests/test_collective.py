@@ -195,13 +195,14 @@ def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize('model', ['clip', 'top_k', 'mixup', 'attention'])
+@pytest.mark.parametrize('model', ['clip', 'clip_weighted', 'top_k', 'mixup', 'attention'])
 def test_cross_example_losses_across_two_workers_of_two_towers(tmp_path, model):
-  """Issue 33: an in-batch softmax with a trained temperature, a batch top-k: the head on the
-  cluster's rows (all-gathered in rank order; the worker's input ends first, so the global
-  batches are 12, 12, 8, 6, 6), every worker's rows and gradients exact. Mixup: its input
-  stage on the cluster's rows, each tower reading its own. Attention: a sync point on the
-  cluster's hidden rows, their gradient summed over the workers."""
+  """Issue 33: an in-batch softmax with a trained temperature (and a trained weight of its
+  two terms), a batch top-k: the head on the cluster's rows (all-gathered in rank order; CLIP's
+  row-wise, each worker its own rows against the cluster's columns; the worker's input ends
+  first, so the global batches are 12, 12, 8, 6, 6), every worker's rows and gradients exact.
+  Mixup: its input stage on the cluster's rows, each tower reading its own. Attention: a sync
+  point on the cluster's hidden rows, their gradient summed over the workers."""
   data = _data(tmp_path / 'data.npz', SIZES)
   batches = _global_batches(data, SIZES)
   spec = _spec(tmp_path, model, 2)
@@ -457,7 +458,8 @@ def test_batch_norm_across_workers_mixes_no_rows(monkeypatch, sync):
   def model_fn(features, labels, mode):
     return collective_task.bn_model_fn(features, labels, mode, {'learning_rate': 0.1})
   graph = _train_graph(model_fn, monkeypatch, CHIEF_AND_WORKER, sync_batch_norm=sync)
-  assert not [op for op in graph.get_operations() if 'whole_batch_head' in op.name]
+  assert not [op for op in graph.get_operations()
+              if 'whole_batch_head' in op.name or 'row_wise_head' in op.name]
 
 
 @pytest.mark.parametrize('model, mixing, reduces', [

@@ -4,7 +4,8 @@ Exact towers: a loss that depends on ops mixing the batch's rows (an in-batch
 softmax's matrix product, CLIP's symmetric loss with a trained temperature,
 SimCLR's stacked views, a batch top-k, an opaque function, mixup's reverse,
 attention over the batch) trains on towers as the plain model_fn on the whole
-batch: its head runs on the whole batch's rows (`whole_batch_head`).
+batch: its head runs on the whole batch's rows (`whole_batch_head`), row-wise
+per tower where it is made of rows (`row_wise_head`).
 
 Never silently wrong: where the library does not compute such an op on the
 whole batch (EVAL, a gradient request of several tensors), one warning at
@@ -22,6 +23,7 @@ import tensorflow as tf
 import cross_example_models as patterns
 import testlib
 import estimator_towers as et
+from estimator_towers import logs
 from estimator_towers import towers
 
 ModeKeys = tf.estimator.ModeKeys
@@ -169,10 +171,13 @@ def _features_only(pattern, features, labels, mode):
   return _model_fn(pattern, features, tf.cast(features['x'][:, 0] > 0, tf.int32), mode)
 
 
+def _pattern(name):
+  return patterns.PATTERNS[name][0] if name in patterns.PATTERNS else getattr(patterns, name)
+
+
 @functools.lru_cache(maxsize=None)
 def _plain(name, labels=True):
-  model_fn = functools.partial(_model_fn if labels else _features_only,
-                               patterns.PATTERNS[name][0])
+  model_fn = functools.partial(_model_fn if labels else _features_only, _pattern(name))
   est = testlib.make_estimator(model_fn)
   est.train(_input_fn(labels), steps=1)
   after_1 = testlib.variables(est)
@@ -181,8 +186,7 @@ def _plain(name, labels=True):
 
 
 def _towered(name, labels=True, num_devices=3):
-  model_fn = functools.partial(_model_fn if labels else _features_only,
-                               patterns.PATTERNS[name][0])
+  model_fn = functools.partial(_model_fn if labels else _features_only, _pattern(name))
   est = testlib.make_estimator(
       et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices)),
       num_cpus=num_devices)
@@ -192,8 +196,8 @@ def _towered(name, labels=True, num_devices=3):
   return after_1, testlib.variables(est)
 
 
-EXACT = ('in_batch_softmax', 'clip', 'simclr', 'top_k', 'opaque', 'mixup', 'attention',
-         'two_levels')
+EXACT = ('in_batch_softmax', 'clip', 'clip_weighted', 'simclr', 'top_k', 'opaque', 'mixup',
+         'attention', 'two_levels')
 
 
 @pytest.mark.parametrize('name', EXACT)
@@ -206,7 +210,7 @@ def test_towers_equal_plain_on_the_whole_batch(name, warnings):
   assert not _ours(warnings), _ours(warnings)   # exact: nothing to warn of
 
 
-@pytest.mark.parametrize('name', ['simclr', 'attention'])
+@pytest.mark.parametrize('name', ['simclr', 'attention', 'clip'])
 def test_features_only_input_equals_plain(name, warnings):
   """labels=None (self-supervised, BERT-style input): the same, from the features alone."""
   plain_1, plain_3 = _plain(name, labels=False)
@@ -233,12 +237,82 @@ def test_per_example_losses_gather_nothing():
   assert _head_ops('per_example') == []
 
 
-def test_the_head_runs_on_the_first_tower_device():
-  ops = _head_ops('in_batch_softmax')
+def test_a_head_not_made_of_rows_runs_on_the_first_tower_device(warnings, monkeypatch):
+  """A penalty on the whole B x B matrix: not row-wise, so the single head (and exact)."""
+  said = []
+  monkeypatch.setattr(logs.logging, 'info', lambda fmt, *a: said.append(fmt % a))
+  ops = _head_ops('in_batch_regularised')
   assert ops and {op.device for op in ops} == {'/device:CPU:0'}, {op.device for op in ops}
   # Gathered: the two encoders' rows, once each (no other tensor is gathered).
   concats = [op for op in ops if op.type == 'ConcatV2' and op.inputs[0].dtype == tf.float32]
   assert len(concats) == 2, [op.name for op in concats]
+  assert [m for m in said if 'runs on the whole batch on /device:CPU:0.' in m], said
+  plain_1, plain_3 = _plain('in_batch_regularised')
+  towered_1, towered_3 = _towered('in_batch_regularised')
+  testlib.assert_variables_close(towered_1, plain_1)
+  testlib.assert_variables_close(towered_3, plain_3)
+  assert not _ours(warnings), _ours(warnings)
+
+
+def _built_towers_model_fn(pattern, features, labels, mode):
+  """Asks for its tower, so that every tower is built by running it (not copied)."""
+  et.current_tower()
+  return _model_fn(pattern, features, labels, mode)
+
+
+@pytest.mark.parametrize('name', ['clip', 'clip_weighted'])
+def test_a_row_wise_head_on_built_towers_equals_plain(name, warnings):
+  """Towers built one by one (not copied): the same seeds, the same update as plain."""
+  plain_1, plain_3 = _plain(name)
+  hook = _GraphHook()
+  est = testlib.make_estimator(
+      et.replicate_model_fn(functools.partial(_built_towers_model_fn, _pattern(name)),
+                            devices=testlib.cpu_devices(3)), num_cpus=3)
+  est.train(_input_fn(), steps=1, hooks=[hook])
+  assert any(op.name.startswith('tower_2/') for op in hook.graph.get_operations())  # built
+  assert any(op.name.startswith('row_wise_head/tower_2/') for op in hook.graph.get_operations())
+  testlib.assert_variables_close(testlib.variables(est), plain_1)
+  est.train(_input_fn(), steps=2)
+  testlib.assert_variables_close(testlib.variables(est), plain_3)
+  assert not _ours(warnings), _ours(warnings)
+
+
+class _GraphHook(tf.compat.v1.train.SessionRunHook):
+  def begin(self):
+    self.graph = tf.compat.v1.get_default_graph()
+
+
+def _row_wise_tensors(name):
+  """(op, device, run-time shape) of every tensor the head made, on a batch of 10 (4/3/3)."""
+  with tf.Graph().as_default() as graph:
+    tf.compat.v1.train.create_global_step()
+    towered = et.replicate_model_fn(functools.partial(_model_fn, _pattern(name)),
+                                    devices=testlib.cpu_devices(3))
+    x, y = _data()
+    towered({'x': tf.compat.v1.placeholder_with_default(x[:BATCH], [None, patterns.F])},
+            tf.compat.v1.placeholder_with_default(y[:BATCH], [None]), ModeKeys.TRAIN, None, None)
+    made = [t for op in graph.get_operations() for t in op.outputs
+            if op.name.startswith(('row_wise_head/', 'whole_batch_head/'))
+            and t.dtype.is_floating]
+    config = tf.compat.v1.ConfigProto(device_count={'CPU': 3})
+    with tf.compat.v1.Session(config=config) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      values = session.run(made)
+  return [(t.op.name, t.op.device, v.shape) for t, v in zip(made, values)]
+
+
+@pytest.mark.parametrize('name,views', [('in_batch_softmax', 1), ('clip', 1), ('simclr', 2)])
+def test_a_head_made_of_rows_holds_no_batch_by_batch_tensor(name, views):
+  """Each tower computes its own rows against the gathered columns: n_k x B (SimCLR: n_k x 2B,
+  both views' columns), never B x B."""
+  found = _row_wise_tensors(name)
+  assert found and all(op.startswith('row_wise_head/') for op, _, _ in found), found
+  largest = max(int(np.prod(shape)) for _, _, shape in found)
+  assert largest == 4 * views * BATCH, sorted(found, key=lambda f: -int(np.prod(f[2])))[:3]
+  for k, rows in enumerate((4, 3, 3)):   # the tower's logits, on its own device
+    mine = {op.split('/')[1] for op, device, shape in found
+            if shape == (rows, views * BATCH) and device == f'/device:CPU:{k}'}
+    assert f'tower_{k}' in mine, (k, mine)
 
 
 # --- EVAL: loss and metrics of cross-example tensors ----------------------------

@@ -1,0 +1,416 @@
+"""A head made of rows: each tower computes its own rows against the gathered columns.
+
+The rule. Where the whole-batch head (`whole_batch_head`) is made of rows
+(a softmax per row over the whole batch's columns, then a mean of the rows'
+values), each tower computes its own rows, as OpenCLIP's local loss does,
+so that no device holds a B x B tensor:
+
+- *local rows*: row i of a head tensor is the whole batch's row
+  offset_k + i, computed by tower k on its device for its own rows only.
+  A frontier tensor's local rows are the tower's own (not gathered); a
+  matrix product `a @ b^T` with `a` local rows is `a_k @ B^T` against the
+  gathered columns `B` (n_k x B); elementwise ops, a softmax or
+  cross-entropy per row, reductions and concatenations along other axes
+  than the rows', a one-hot of local rows, a reshape that keeps every row
+  (a vector to a vector, [n, C] to [-1, C]), a `tf.ones_like` of local rows
+  keep local rows; a
+  `tf.range(batch)` of the whole batch's size (the labels of an in-batch
+  softmax) is the local range offset_k + range(n_k). The transpose of a
+  product `a @ b^T` has the rows of `b @ a^T`, so CLIP's column term is
+  row-wise too.
+- *whole*: the gathered frontier columns (on the first tower's device,
+  all-gathered across workers), the whole batch's sizes and shapes, values
+  of no shard (a trained temperature), and the *tail*: the per-row values
+  (a vector of B numbers, gathered from the towers' local rows) and what is
+  computed from them (the mean over the rows, sums of terms), once, on the
+  first tower's device.
+
+Anything else (an op of the head these rules do not know, a B x B value
+the tail would need, the tail reading the frontier itself) is not row-wise:
+the head then runs once, on the first tower's device (`whole_batch_head`).
+
+Gradients. The tail's gradient with respect to the per-row values is cut
+into each tower's rows and seeds its local part; each local part's backward
+pass gives the gradient with respect to its own rows and to the gathered
+columns, and the columns' gradients of every tower (every worker's, across
+workers) are summed once, never a local-only or 1/N share, before each
+tower's rows of them join its seeds. The values of no shard the head reads
+(the temperature) are seeded in the first tower's backward pass with the
+sum of the local parts' gradients and the tail's (the tail's on the first
+worker only), so each is counted once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from estimator_towers import row_dependence as rd
+from estimator_towers import whole_batch_head as wbh
+
+# Applied elementwise (with broadcasting): local rows in, local rows out.
+_ELEMENTWISE = frozenset((
+    'Identity', 'StopGradient', 'Cast', 'AddV2', 'Add', 'AddN', 'Sub', 'Mul', 'RealDiv',
+    'Div', 'DivNoNan', 'MulNoNan', 'Maximum', 'Minimum', 'Neg', 'Square', 'Sqrt', 'Rsqrt',
+    'Exp', 'Log', 'Log1p', 'Pow', 'Abs', 'Reciprocal', 'Tanh', 'Sigmoid', 'Softplus',
+    'SquaredDifference', 'Relu', 'Select', 'SelectV2', 'Equal', 'NotEqual', 'Less',
+    'LessEqual', 'Greater', 'GreaterEqual', 'LogicalAnd', 'LogicalOr', 'LogicalNot'))
+# Within each row of a matrix (over its last axis).
+_PER_ROW = frozenset(('Softmax', 'LogSoftmax', 'SparseSoftmaxCrossEntropyWithLogits',
+                      'SoftmaxCrossEntropyWithLogits'))
+_REDUCTIONS = frozenset(('Sum', 'Mean', 'Max', 'Min', 'Prod'))
+
+
+class NotRowWise(Exception):
+  """The head is not made of rows (the message says where)."""
+
+
+def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
+          frontier: list, shapes: list, per_shard: list, sizes: Sequence, nonempty: Sequence,
+          batch: Any, across: Any) -> tuple[tf.Tensor, list, list, str] | str:
+  """The head split into the towers' local rows and the tail (see the module docstring).
+
+  Args: as `whole_batch_head.build`'s `split`.
+
+  Returns:
+    (whole-batch loss, per shard (ys, initial gradients), [] (no pass of the
+    loss itself is needed), where it runs), or a sentence saying why not.
+  """
+  split = _Split(found, find, frontier, shapes, per_shard, sizes, nonempty, batch, across,
+                 loss.op.device)
+  try:
+    whole = split.whole(loss)
+  except NotRowWise as why:
+    return str(why)
+  if not split.tail:
+    return 'no per-row values'
+  return _seeds(split, whole, grad_y, per_shard)
+
+
+def _seeds(split: _Split, whole: tf.Tensor, grad_y: Any, per_shard: list
+           ) -> tuple[tf.Tensor, list, list, str] | str:
+  """Two backward passes: the tail's to the per-row values, the local parts' from them."""
+  rows = [r for parts in split.tail for r in parts]
+  outside = [t for _, t in split.outside.values()]
+  everything = [t for shard in per_shard for t in shard]
+  with tf.device(split.device), tf.name_scope('row_wise_head/tail_gradients'):
+    tail = tf.compat.v1.gradients(whole, rows + outside + everything,
+                                  grad_ys=None if grad_y is None else [grad_y],
+                                  stop_gradients=rows + outside + everything,
+                                  colocate_gradients_with_ops=True)
+  if any(g is not None for g in tail[len(rows) + len(outside):]):
+    return 'the tail after the per-row values reads the frontier itself'
+  seeded = [(r, g) for r, g in zip(rows, tail) if g is not None]
+  with tf.device(split.device), tf.name_scope('row_wise_head/local_gradients'):
+    local = tf.compat.v1.gradients([r for r, _ in seeded], everything + outside,
+                                   grad_ys=[g for _, g in seeded],
+                                   stop_gradients=everything + outside,
+                                   colocate_gradients_with_ops=True)
+  seeds, position = [], 0
+  for shard in per_shard:
+    grads = []
+    for t in shard:
+      g = local[position]
+      position += 1
+      if g is None:
+        with tf.device(t.op.device):
+          g = tf.zeros_like(t)
+      grads.append(tf.convert_to_tensor(g))
+    seeds.append((list(shard), grads))
+  first_worker = split.across is None or split.across.rank == 0
+  for (k, t), mine, theirs in zip(split.outside.values(), local[len(everything):],
+                                  tail[len(rows):]):
+    parts = [tf.convert_to_tensor(g) for g in (mine, theirs) if g is not None]
+    if not parts:
+      continue
+    with tf.device(t.op.device):
+      if theirs is not None and not first_worker:   # zeros: every worker's seeds alike
+        parts[-1] = tf.zeros_like(parts[-1])
+      seeds[k][0].append(t)
+      seeds[k][1].append(tf.add_n(parts))
+  where = (f'row-wise: each tower its own rows against the gathered columns, the mean over '
+           f'the rows on {split.device or "the first tower"}')
+  return whole, seeds, [], where
+
+
+class _Split:
+  """Builds a head tensor's whole value or a tower's local rows of it (or of its transpose)."""
+
+  def __init__(self, found, find, frontier, shapes, per_shard, sizes, nonempty, batch, across,
+               device):
+    self.found, self.sizes, self.nonempty, self.batch = found, sizes, nonempty, batch
+    self.find = find
+    self.across, self.device, self.per_shard = across, device, per_shard
+    self.frontier = {t.name: j for j, t in enumerate(frontier)}
+    self.shapes = {t.name for t in shapes}
+    self.tail: list = []         # per tail input: every tower's local rows of it
+    self.outside: dict = {}      # name -> (shard, value of no shard the head reads)
+    self._whole: dict = {}       # name -> (value, origins: 'tail' / 'columns')
+    self._rows: list = [{} for _ in per_shard]
+    self._local = 0              # > 0: building a tower's local rows
+    self._tower = 0              # whose local rows are being built
+    self._offset = None
+
+  def whole(self, t: tf.Tensor) -> tf.Tensor:
+    if self.found.kind(t) is None:
+      return self._outside(t)
+    if t.name not in self._whole:
+      with tf.device(self.device), tf.name_scope('row_wise_head/whole/'):
+        self._whole_of(t)
+    value, origins = self._whole[t.name]
+    if self._local and 'tail' in origins:
+      raise NotRowWise(f'a local row reads {t.name}, a value of every row')
+    if not self._local and 'columns' in origins:
+      raise NotRowWise(f'the tail reads {t.name}, a value of the gathered columns')
+    return value
+
+  def _outside(self, t: tf.Tensor) -> tf.Tensor:
+    """A value of no shard (a trained temperature): the tower's own counterpart in its rows.
+
+    Seeded in that tower's backward pass (the tail's: in the first tower's),
+    so that every tower's seeds have the same tensors (a copied tower's pass
+    stays a copy). Constants are not seeded.
+    """
+    if not t.dtype.is_floating or tf.get_static_value(t) is not None:
+      return t
+    k = self._tower if self._local else 0
+    mine = t if k == 0 else (self.find(k, t) if self.find is not None else None)
+    if mine is None:
+      k, mine = 0, t
+    self.outside.setdefault(mine.name, (k, mine))
+    return mine
+
+  def _whole_of(self, t: tf.Tensor) -> None:
+    kind = self.found.kind(t)
+    if t.name in self.frontier:
+      self._whole[t.name] = (self._columns(t, kind), {'columns'})
+    elif t.name in self.shapes:
+      self._whole[t.name] = (wbh.whole_shape(t, self.found.kind(t.op.inputs[0]), self.batch),
+                             set())
+    elif kind.tag == rd.MIXED and _per_row(t):
+      self._whole[t.name] = (self._gather_rows(t), {'tail'})
+    else:
+      self._copy_whole(t, kind)
+
+  def _copy_whole(self, t: tf.Tensor, kind: rd.Kind) -> None:
+    rank = t.shape.rank
+    if t.op.type in ('Shape', 'Size', 'Rank'):   # of a whole value: small
+      pass
+    elif rank is None or (rank > 1 and kind.tag not in (rd.COLS, rd.STAT)) or (
+        rank == 1 and kind.tag == rd.MIXED) or kind.tag in (rd.ROWS, rd.FLAT):
+      raise NotRowWise(f'{t.name} ({t.op.type}) is not a row of the head')
+    inputs = [self.whole(i) for i in t.op.inputs]
+    origins = set()
+    for i in t.op.inputs:
+      origins |= self._whole[i.name][1] if i.name in self._whole else set()
+    copy = wbh.copy_op(t.op, inputs)
+    for a, b in zip(t.op.outputs, copy.outputs):
+      self._whole[a.name] = (b, origins)
+
+  def _columns(self, t: tf.Tensor, kind: rd.Kind) -> tf.Tensor:
+    """The towers' rows of frontier tensor `t`, gathered: the columns every tower reads."""
+    j = self.frontier[t.name]
+    value = wbh.gathered([s[j] for s in self.per_shard], kind, self.sizes, self.nonempty)
+    if self.across is not None:
+      value = wbh.across_workers(value, kind, self.across, summed=True)
+    return value
+
+  def _gather_rows(self, t: tf.Tensor) -> tf.Tensor:
+    """The per-row values of `t`: every tower's local rows, in input order (a tail input)."""
+    parts = [self.rows(k, t) for k in range(len(self.per_shard))]
+    self.tail.append(parts)
+    value = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+    if self.across is not None:
+      value = wbh.across_workers(value, rd.Kind(rd.ROWS), self.across)
+    return value
+
+  # -- A tower's local rows --------------------------------------------------
+
+  def rows(self, k: int, t: tf.Tensor, transposed: bool = False) -> tf.Tensor:
+    """Tower k's rows of `t` (of its transpose, with `transposed`)."""
+    key = (t.name, transposed)
+    if key not in self._rows[k]:
+      device = self.per_shard[k][0].op.device if self.per_shard[k] else self.device
+      self._local += 1
+      tower, self._tower = self._tower, k
+      try:
+        with tf.device(device), tf.name_scope(f'row_wise_head/tower_{k}/'):
+          self._rows[k][key] = (self._transposed(k, t) if transposed else self._rows_of(k, t))
+      finally:
+        self._local -= 1
+        self._tower = tower
+    return self._rows[k][key]
+
+  def _rows_of(self, k: int, t: tf.Tensor) -> tf.Tensor:
+    op = t.op
+    if t.name in self.frontier:
+      return self._own(k, t)
+    if self.found.kind(t) is None:
+      raise NotRowWise(f'{t.name} is not rows')
+    if op.type in _ELEMENTWISE:
+      return self._elementwise(k, op, t)
+    if op.type in _PER_ROW and op.inputs[0].shape.rank == 2:
+      return self._copy(k, op, [self.rows(k, i) for i in op.inputs], t)
+    if op.type == 'MatMul' and not op.get_attr('transpose_a'):
+      return tf.matmul(self.rows(k, op.inputs[0]), self.whole(op.inputs[1]),
+                       transpose_b=op.get_attr('transpose_b'))
+    if op.type == 'Transpose' and _swaps(op):
+      return self.rows(k, op.inputs[0], transposed=True)
+    if op.type in _REDUCTIONS and 0 not in _axes(op, op.inputs[1]):
+      return self._copy(k, op, [self.rows(k, op.inputs[0]), op.inputs[1]], t)
+    if op.type == 'ConcatV2' and 0 not in _axes(op, op.inputs[-1], op.inputs[0]):
+      return self._copy(k, op, [self.rows(k, i) for i in op.inputs[:-1]] + [op.inputs[-1]], t)
+    if op.type == 'OneHot' and op.get_attr('axis') == -1:
+      return self._copy(k, op, [self.rows(k, op.inputs[0])]
+                        + [self.whole(i) for i in op.inputs[1:]], t)
+    if op.type == 'Reshape' and _keeps_rows(op):
+      return self.rows(k, op.inputs[0])
+    if op.type == 'Fill' and op.inputs[0].op.type == 'Shape':   # ones_like of local rows
+      return tf.fill(tf.shape(self.rows(k, op.inputs[0].op.inputs[0]),
+                              out_type=op.inputs[0].dtype), self.whole(op.inputs[1]))
+    if op.type == 'Range' and self._batch_range(op):
+      offset = self._offset_of(k)
+      return tf.range(tf.cast(self.sizes[k], t.dtype), dtype=t.dtype) + tf.cast(offset, t.dtype)
+    raise NotRowWise(f'the rows of {t.name} ({op.type}) are not the towers\' own')
+
+  def _transposed(self, k: int, t: tf.Tensor) -> tf.Tensor:
+    """Tower k's rows of t^T, for a matrix t."""
+    op = t.op
+    if t.shape.rank != 2:
+      raise NotRowWise(f'{t.name} is not a matrix')
+    if op.type == 'MatMul' and not op.get_attr('transpose_a'):   # (a b)^T = b^T a^T
+      b = op.inputs[1]
+      mine = self.rows(k, b) if op.get_attr('transpose_b') else self.rows(k, b, transposed=True)
+      return tf.matmul(mine, self.whole(op.inputs[0]), transpose_b=True)
+    if op.type == 'Transpose' and _swaps(op):
+      return self.rows(k, op.inputs[0])
+    if op.type in _ELEMENTWISE:
+      inputs = []
+      for i in op.inputs:
+        if i.shape.rank == 0:
+          inputs.append(self.whole(i))
+        elif i.shape.rank == 2 and self.found.kind(i) is not None:
+          inputs.append(self.rows(k, i, transposed=True))
+        else:
+          raise NotRowWise(f'{i.name} does not broadcast over a transpose\'s rows')
+      return wbh.copy_op(op, inputs).outputs[t.value_index]
+    raise NotRowWise(f'the transpose of {t.name} ({op.type}) is not made of rows')
+
+  def _elementwise(self, k: int, op: tf.Operation, t: tf.Tensor) -> tf.Tensor:
+    rank = t.shape.rank
+    inputs = []
+    for i in op.inputs:
+      mine = i.shape.rank
+      if mine is None or rank is None:
+        raise NotRowWise(f'{i.name} has no known rank')
+      if mine < rank or mine == 0 or i.shape[0] == 1:   # broadcast along the rows
+        inputs.append(self.whole(i))
+      elif self.found.kind(i) is None:
+        raise NotRowWise(f'{i.name}, a value of no shard, has a row per example')
+      else:
+        inputs.append(self.rows(k, i))
+    return self._copy(k, op, inputs, t)
+
+  def _copy(self, k: int, op: tf.Operation, inputs: list, t: tf.Tensor) -> tf.Tensor:
+    copy = wbh.copy_op(op, inputs)
+    for a, b in zip(op.outputs, copy.outputs):
+      self._rows[k].setdefault((a.name, False), b)
+    return copy.outputs[t.value_index]
+
+  def _own(self, k: int, t: tf.Tensor) -> tf.Tensor:
+    """Shard k's own rows of frontier tensor `t` (without an empty shard's borrowed row)."""
+    kind = self.found.kind(t)
+    if kind.tag != rd.ROWS or kind.blocks != 1:
+      raise NotRowWise(f'{t.name} is not one row per example')
+    part = self.per_shard[k][self.frontier[t.name]]
+    return part if isinstance(self.sizes[k], int) else part[:tf.cast(self.sizes[k], tf.int32)]
+
+  def _batch_range(self, op: tf.Operation) -> bool:
+    """Is `op` tf.range(B), B the whole batch's size read from a tensor of one row per example?"""
+    start, delta = (tf.get_static_value(op.inputs[i]) for i in (0, 2))
+    limit = op.inputs[1]
+    while limit.op.type == 'Cast':
+      limit = limit.op.inputs[0]
+    if start != 0 or delta != 1 or limit.op.type != 'StridedSlice':
+      return False
+    shape = limit.op.inputs[0]
+    source = self.found.kind(shape.op.inputs[0]) if shape.op.inputs else None
+    begin, end, strides = (tf.get_static_value(limit.op.inputs[i]) for i in (1, 2, 3))
+    return (shape.name in self.shapes and source is not None and source.blocks == 1
+            and _listed(begin) == [0] and _listed(end) == [1] and _listed(strides) == [1]
+            and limit.op.get_attr('shrink_axis_mask') == 1)
+
+  def _offset_of(self, k: int) -> Any:
+    """The whole batch's index of tower k's first row (the worker's rows come first)."""
+    if self._offset is None:
+      self._offset = 0
+      if self.across is not None:
+        across = self.across
+        with tf.device(across.device):
+          count = tf.add_n([tf.cast(s, tf.int32) for s in self.sizes])
+          (counts,) = across.sum([tf.one_hot(across.rank, across.size, dtype=tf.int32) * count])
+          self._offset = tf.reduce_sum(counts[:across.rank])
+    earlier = list(self.sizes[:k])
+    if all(isinstance(s, int) for s in earlier) and isinstance(self._offset, int):
+      return self._offset + sum(earlier)
+    return tf.add_n([tf.cast(s, tf.int32) for s in earlier + [self._offset]])
+
+
+def _keeps_rows(op: tf.Operation) -> bool:
+  """A Reshape that is the identity: a vector to a vector, or a matrix x to [-1, x's columns].
+
+  (`tf.compat.v1.losses.softmax_cross_entropy` reshapes its logits and labels so.)
+  """
+  x, shape = op.inputs
+  if x.shape.rank == 1 and op.outputs[0].shape.rank == 1:
+    return True
+  if x.shape.rank != 2 or shape.op.type != 'ConcatV2' or len(shape.op.inputs) != 3:
+    return False
+  first, columns, axis = shape.op.inputs
+  if _listed(tf.get_static_value(first)) != [-1] or _listed(tf.get_static_value(axis)) != [0]:
+    return False
+  if columns.op.type != 'Slice' or columns.op.inputs[0].op.type != 'Shape':
+    return False
+  begin, size = columns.op.inputs[1:]
+  return (columns.op.inputs[0].op.inputs[0].name == x.name and _last_axis(begin, x)
+          and _listed(tf.get_static_value(size)) == [1])
+
+
+def _last_axis(begin: tf.Tensor, x: tf.Tensor) -> bool:
+  """Is `begin` [1], or [rank(x) - 1] for a matrix x?"""
+  if _listed(tf.get_static_value(begin)) == [1]:
+    return True
+  if begin.op.type != 'Pack' or len(begin.op.inputs) != 1:
+    return False
+  sub = begin.op.inputs[0].op
+  if sub.type != 'Sub' or _listed(tf.get_static_value(sub.inputs[1])) != [1]:
+    return False
+  rank = sub.inputs[0]   # tf.rank(x): a constant where x's rank is known
+  return (_listed(tf.get_static_value(rank)) == [2] if rank.op.type == 'Const' else
+          rank.op.type == 'Rank' and rank.op.inputs[0].name == x.name)
+
+
+def _per_row(t: tf.Tensor) -> bool:
+  """A vector of one value per row (or [B, 1, ...]): what the tail gathers."""
+  return t.shape.rank is not None and t.shape.rank >= 1 and all(d == 1 for d in t.shape[1:])
+
+
+def _swaps(op: tf.Operation) -> bool:
+  return _listed(tf.get_static_value(op.inputs[1])) == [1, 0]
+
+
+def _axes(op: tf.Operation, axes: tf.Tensor, x: tf.Tensor | None = None) -> set:
+  """The axes `op` reduces or concatenates along, made non-negative ({0}: unknown)."""
+  value = tf.get_static_value(axes)
+  rank = (x if x is not None else op.inputs[0]).shape.rank
+  if value is None or rank is None:
+    return {0}
+  return {int(a) % max(rank, 1) for a in _listed(value)}
+
+
+def _listed(value: Any) -> list | None:
+  if value is None:
+    return None
+  return [int(v) for v in np.ravel(value)]
