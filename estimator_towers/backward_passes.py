@@ -98,6 +98,11 @@ class BackwardPasses:
     """True if some tower's forward pass is a copy (its backward pass is then one of its own)."""
     return self._copies is not None and self._copies.any_copied()
 
+  def adopt(self, k: int, pairs: dict) -> None:
+    """Tower k's counterparts of tensors made after its forward pass (`TowerCopies.adopt`)."""
+    if self._copies is not None:
+      self._copies.adopt(k, pairs)
+
   def answer(self, towers: Sequence[int], requests: Sequence[Request], seeds: Any,
              ordered: bool) -> list:
     """The whole-batch gradient of `requests` (one per tower, the primary's first)."""
@@ -105,7 +110,7 @@ class BackwardPasses:
     if self.per_shard:
       parts = self._per_shard(towers, requests, seeds.shards, ordered)
     else:
-      parts = self._one_pass(towers, requests, seeds.shards)
+      parts = self._one_pass(towers, requests, seeds.shards, copied=not seeds.one_pass)
     answer = [self.sync.meet(x, p) for x, p in zip(primary.xs, parts)]
     direct = None
     if seeds.stops:  # the shard-independent terms
@@ -114,9 +119,10 @@ class BackwardPasses:
     return self.sync.finish(primary.xs, answer, direct)
 
   def _one_pass(self, towers: Sequence[int], requests: Sequence[Request],
-                shards: Sequence) -> list:
-    """Per primary x, its parts from one backward pass over every tower's seeds."""
-    copied = self._copied_passes(towers, requests, shards)
+                shards: Sequence, copied: bool = True) -> list:
+    """Per primary x, its parts from one backward pass over every tower's seeds
+    (or, with `copied`, tower 0's pass and its copies where the towers are copies)."""
+    copied = self._copied_passes(towers, requests, shards) if copied else None
     if copied is not None:
       return copied
     primary = requests[0]

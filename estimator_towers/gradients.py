@@ -49,8 +49,10 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from estimator_towers import backward_passes
+from estimator_towers import batch_mixing
 from estimator_towers import counterparts
 from estimator_towers import interception
+from estimator_towers import loss_algebra
 from estimator_towers import seeds as seeds_lib
 from estimator_towers.gradient_request import Request
 from estimator_towers.gradient_request import pack
@@ -199,6 +201,13 @@ class WholeBatchGradients:
     """What each shard's backward pass starts from, by the loss's rule (`seeds`)."""
     primary = tower_requests[0]
     per_shard = self._passes.per_shard
+    cut = False
+    if not per_shard and self._ungated is not None:  # micro-batches refuse mixing
+      cut = batch_mixing.cut(batch_mixing.Shards(
+          [q.ys for q in tower_requests], [self._ungated(k) for k in self.towers],
+          [self._sizes[k] for k in self.towers], [self._nonempty[k] for k in self.towers],
+          self._passes.sync.across, lambda i, pairs: self._passes.adopt(self.towers[i], pairs)),
+          loss_algebra.is_declared)
     found = seeds_lib.for_request(
         self._graph, self._loss_reduction, self._inputs,
         [x for x in primary.xs if isinstance(x, tf.Variable)],
@@ -208,6 +217,8 @@ class WholeBatchGradients:
         ungated=(lambda i: self._ungated(self.towers[i])) if per_shard else None,
         gates=lambda i: self._gates.get(self.towers[i], []) if len(self.requests) == 1 else [],
         across=self._passes.sync.across, per_shard=self._passes.copied_towers)
+    if cut == batch_mixing.JOINED:  # every tower's rows meet in a cut: one backward pass
+      found = dataclasses.replace(found, one_pass=True)
     if found.loss is not None:
       self._whole_losses.setdefault(primary.ys[0].ref(), found.loss)
     return found

@@ -43,7 +43,8 @@ target (the loss), and gives each tensor in between one *kind*:
 
 Tensors that depend on no input of the shard (variables, constants,
 hyper-parameters) have no kind. A tensor declared with `loss_denominator` is
-a statistic, whatever computes it.
+a statistic, whatever computes it; a tower's rows of an input stage computed
+on the whole batch (`batch_mixing`) are rows.
 
 `classify` returns the kinds, the mixing ops (each with why), and the
 frontier: the last per-example tensors (rows or flat) that mixing ops read.
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable, Sequence
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -72,6 +74,22 @@ ROWS, FLAT, COLS, STAT, SIZE, SHAPE, UNIQUE, SPLITS, MIXED = (
     'rows', 'flat', 'columns', 'statistic', 'batch size', 'shape', 'distinct values',
     'row splits', 'mixed')
 _SEARCH_LIMIT = 200000
+_cut_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {tensor name}
+
+
+def add_rows(tensors: Sequence[tf.Tensor]) -> None:
+  """`tensors` are rows of their tower's examples, whatever computes them.
+
+  `batch_mixing` cuts the towers at the input stage's mixing ops: each tower
+  reads its rows of the whole batch's value, made from every tower's inputs.
+  """
+  for t in tensors:
+    _cut_rows.setdefault(t.graph, set()).add(t.name)
+
+
+def cut_rows(graph: tf.Graph) -> frozenset:
+  """The names of the tensors `add_rows` made rows in `graph`."""
+  return frozenset(_cut_rows.get(graph, ()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +201,9 @@ def classify(targets: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],
   targets = [t for t in targets if isinstance(t, tf.Tensor)]
   if not inputs or not targets:
     return RowDependence({}, [], [])
-  reader = _read(targets, _input_kinds(inputs), _static_examples(inputs), declared)
+  kinds = _input_kinds(inputs)
+  kinds.update((name, _ROWS) for name in _cut_rows.get(targets[0].graph, ()))
+  reader = _read(targets, kinds, _static_examples(inputs), declared)
   for t in targets:
     if reader.kind(t) is not None and reader.kind(t).tag == UNIQUE:
       reader.mixing.append(Mixing(t.op, 'a value of the batch\'s distinct ids, which no '
@@ -290,7 +310,27 @@ def _value(t: tf.Tensor, depth: int = 0):
       args = [_value(i, depth + 1) for i in op.inputs]
       if all(a is not None for a in args):
         return np.stack(args, axis=op.get_attr('axis'))
+    if op.type == 'ConcatV2':
+      args = [_value(i, depth + 1) for i in op.inputs]
+      if all(a is not None and a.ndim for a in args[:-1]) and args[-1] is not None:
+        return np.concatenate(args[:-1], axis=int(args[-1]))
+    if op.type == 'Slice' and op.inputs[0].op.type == 'Shape':
+      return _shape_slice(op, depth)
   return None if value is None else np.asarray(value)
+
+
+def _shape_slice(op: tf.Operation, depth: int):
+  """The value of Slice(Shape(x), begin, size) where those sizes of x are static."""
+  dims = op.inputs[0].op.inputs[0].shape
+  begin, size = _value(op.inputs[1], depth + 1), _value(op.inputs[2], depth + 1)
+  if dims.rank is None or begin is None or size is None or begin.size != 1 or size.size != 1:
+    return None
+  start = int(begin[0])
+  end = dims.rank if int(size[0]) < 0 else start + int(size[0])
+  picked = dims.as_list()[start:end]
+  if start < 0 or any(d is None for d in picked):
+    return None
+  return np.asarray(picked, op.outputs[0].dtype.as_numpy_dtype)
 
 
 class _Reader:
@@ -920,6 +960,8 @@ class _Reader:
     if x.tag in (STAT, SIZE):
       return x
     if x.tag == SHAPE:
+      if begin is not None and begin[0] > 0 and _value(op.outputs[0]) is not None:
+        return None   # static sizes after the batch's: the same on every shard
       return _SHAPE if begin is not None and begin[0] == 0 else _SIZE
     if begin is not None and size is not None and begin[0] == 0 and size[0] == -1:
       return x

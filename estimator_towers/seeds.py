@@ -66,10 +66,14 @@ class Seeds:
     stops: with micro-batches or across workers, the totals `loss` is made
       from: a backward pass through `loss` stopped there adds what the
       shards' passes do not (the shard-independent terms). Empty otherwise.
+    one_pass: the towers' backward passes must be one (`batch_mixing`: every
+      tower's rows meet in a tensor computed on the whole batch), not copies
+      of tower 0's.
   """
   shards: list
   loss: tf.Tensor | None = None
   stops: list = dataclasses.field(default_factory=list)
+  one_pass: bool = False
 
 
 def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor],

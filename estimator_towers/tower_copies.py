@@ -159,6 +159,16 @@ class TowerCopies:
     """True if tower k's forward pass is a copy."""
     return k in self._counterparts
 
+  def adopt(self, k: int, pairs: dict) -> None:
+    """Tower k's counterparts (`pairs`: tower 0's tensor ref -> tower k's) of tensors made later."""
+    if k in self._counterparts:
+      forward = self._counterparts[k]
+
+      def counterpart(tensor):
+        found = pairs.get(tensor.ref()) if isinstance(tensor, tf.Tensor) else None
+        return forward(tensor) if found is None else found
+      self._counterparts[k] = counterpart
+
   def any_copied(self) -> bool:
     return bool(self._counterparts)
 

@@ -99,7 +99,7 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     per_shard.append(mine)
   values = per_shard if cached is None else [[cached(i, t) for t in frontier]
                                              for i in range(len(sizes))]
-  static = _static_size(head, found, frontier)
+  static = static_size(head, found, frontier)
   if static is not None:
     return static
   if split is not None and cached is None:   # micro-batches: the single head
@@ -118,7 +118,7 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     return f'building it on the whole batch failed ({error})'
 
 
-def _static_size(head: list, found: rd.RowDependence, frontier: list) -> str | None:
+def static_size(head: list, found: rd.RowDependence, frontier: list) -> str | None:
   """Why not, if a constant the head reads may hold the shard's static size.
 
   With a static batch size, `tf.shape(x)` of a shard tensor is a constant of
@@ -280,30 +280,39 @@ def across_workers(mine: tf.Tensor, kind: rd.Kind, across: Any, summed: bool = F
 
   @tf.custom_gradient
   def all_rows(rows):
-    with tf.device(across.device):
-      count = tf.shape(rows)[0]
-      (counts,) = across.sum([tf.one_hot(across.rank, across.size, dtype=tf.int32) * count])
-      top = tf.reduce_max(counts)
-      padding = [[0, top - count]] + [[0, 0]] * (rows.shape.rank - 1)
-      padded = tf.pad(rows, padding)
-      slots = tf.scatter_nd([[across.rank]], padded[None],
-                            tf.concat([[across.size], tf.shape(padded)], 0))
-    (total,) = across.sum([slots])
-    with tf.device(across.device):
-      result = tf.boolean_mask(total, tf.sequence_mask(counts, top))
-      offset = tf.reduce_sum(counts[:across.rank])
+    result, offset = cluster_rows(rows, across)
 
     def grad(upstream):
       if summed:
         (upstream,) = across.sum([upstream])
       with tf.device(across.device):
-        return upstream[offset:offset + count]
+        return upstream[offset:offset + tf.shape(rows)[0]]
     return result, grad
 
   with tf.name_scope('across_workers'):
     out = all_rows(mine)
   out.set_shape(tf.TensorShape([None]).concatenate(mine.shape[1:]))
   return out
+
+
+def cluster_rows(rows: tf.Tensor, across: Any) -> tuple[tf.Tensor, tf.Tensor]:
+  """(every worker's `rows` in rank order, where this worker's begin), uneven counts too.
+
+  Each worker pads its rows to the largest count, one all-reduce sums the
+  workers' slots, and the padding is dropped. Not differentiable.
+  """
+  with tf.device(across.device):
+    count = tf.shape(rows)[0]
+    (counts,) = across.sum([tf.one_hot(across.rank, across.size, dtype=tf.int32) * count])
+    top = tf.reduce_max(counts)
+    padding = [[0, top - count]] + [[0, 0]] * (rows.shape.rank - 1)
+    padded = tf.pad(rows, padding)
+    slots = tf.scatter_nd([[across.rank]], padded[None],
+                          tf.concat([[across.size], tf.shape(padded)], 0))
+  (total,) = across.sum([slots])
+  with tf.device(across.device):
+    return (tf.boolean_mask(total, tf.sequence_mask(counts, top)),
+            tf.reduce_sum(counts[:across.rank]))
 
 
 def whole_shape(t: tf.Tensor, kind: rd.Kind, batch: Any, x: tf.Tensor | None = None

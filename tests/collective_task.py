@@ -170,9 +170,30 @@ def top_k_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(loss, params))
 
 
+def mixup_model_fn(features, labels, mode, params):
+  """Mixup of the inputs and labels with the batch reversed: rows mix at the input."""
+  x = features['x']
+  onehot = tf.one_hot(labels, testlib.NUM_CLASSES)
+  logits = _dense(0.7 * x + 0.3 * tf.reverse(x, [0]))
+  targets = 0.7 * onehot + 0.3 * tf.reverse(onehot, [0])
+  loss = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(targets, logits))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(loss, params))
+
+
+def attention_model_fn(features, labels, mode, params):
+  """Attention over the batch's hidden rows between two layers: rows mix mid-network."""
+  init = tf.compat.v1.glorot_uniform_initializer
+  h = tf.compat.v1.layers.dense(features['x'], 4, kernel_initializer=init(1))
+  mixed = h + tf.matmul(tf.nn.softmax(tf.matmul(h, h, transpose_b=True)), h)
+  logits = tf.compat.v1.layers.dense(mixed, testlib.NUM_CLASSES, kernel_initializer=init(2))
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(loss, params))
+
+
 MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_model_fn,
           'bn': bn_model_fn, 'clip': clip_model_fn, 'top_k': top_k_model_fn,
-          'clip_weighted': clip_weighted_model_fn}
+          'clip_weighted': clip_weighted_model_fn, 'mixup': mixup_model_fn,
+          'attention': attention_model_fn}
 
 
 def input_fn(data, suffix, batch, features_only=False):

@@ -144,3 +144,19 @@ def clip_weighted(x, y):
   rows = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
   columns = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, tf.transpose(logits))
   return w * tf.reduce_mean(rows) + (1 - w) * tf.reduce_mean(columns) + 0.1 * w * w, [q, d]
+
+
+def mixup_features(features, y):
+  """Mixup of a dict of features (two inputs mixed alike) and of the labels."""
+  a, b = features['a'], features['b']
+  mixed = tf.concat([0.7 * a + 0.3 * tf.reverse(a, [0]), 0.7 * b + 0.3 * tf.reverse(b, [0])], 1)
+  onehot = tf.one_hot(y, 3)
+  labels = 0.7 * onehot + 0.3 * tf.reverse(onehot, [0])
+  logits = dense(tf.nn.relu(dense(mixed, 5, 'hidden')), 3, 'logits')
+  return tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels, logits)), [a, b]
+
+
+def batch_centred(x, y):
+  """Inputs centred on the batch's mean, read by the first layer itself (the cut tensor)."""
+  logits = dense(x - tf.reduce_mean(x, 0), 3, 'logits')
+  return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)), [x]

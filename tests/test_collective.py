@@ -195,15 +195,17 @@ def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize('model, micro_batches', [('clip', 1), ('clip_weighted', 1),
-                                                   ('top_k', 1), ('clip', 2)])
+@pytest.mark.parametrize('model, micro_batches', [
+    ('clip', 1), ('clip_weighted', 1), ('top_k', 1), ('mixup', 1), ('attention', 1), ('clip', 2)])
 def test_cross_example_losses_across_two_workers_of_two_towers(tmp_path, model, micro_batches):
   """Issue 33: an in-batch softmax with a trained temperature (and a trained weight of its
   two terms), a batch top-k: the head on the cluster's rows (all-gathered in rank order; CLIP's
   row-wise, each worker its own rows against the cluster's columns; the worker's input ends
   first, so the global batches are 12, 12, 8, 6, 6), every worker's rows and gradients exact.
-  With micro-batches the head reads a first pass's rows, gathered across the workers once per
-  step."""
+  Mixup: its input stage on the cluster's rows, each tower reading its own. Attention: a sync
+  point on the cluster's hidden rows, their gradient summed over the workers.
+  With micro-batches the head reads a first pass's rows, gathered across the workers once
+  per step."""
   data = _data(tmp_path / 'data.npz', SIZES)
   batches = _global_batches(data, SIZES)
   spec = _spec(tmp_path, model, 2, micro_batches)
@@ -461,6 +463,26 @@ def test_batch_norm_across_workers_mixes_no_rows(monkeypatch, sync):
   graph = _train_graph(model_fn, monkeypatch, CHIEF_AND_WORKER, sync_batch_norm=sync)
   assert not [op for op in graph.get_operations()
               if 'whole_batch_head' in op.name or 'row_wise_head' in op.name]
+
+
+@pytest.mark.parametrize('model, mixing, reduces', [
+    ('mixup', 'ReverseV2', 4),      # per input (features, labels): the counts, the rows
+    ('attention', 'MatMul', 3),     # the hidden rows' counts, rows and gradient
+])
+def test_mixing_across_workers_is_cut_on_the_cluster_rows(monkeypatch, model, mixing, reduces):
+  """Mixup's input stage, attention's products: on the cluster's rows (all-gathered, the
+  hidden rows' gradient summed over the workers); no whole-batch head."""
+  def model_fn(features, labels, mode):
+    return collective_task.MODELS[model](features, labels, mode, {'learning_rate': 0.1})
+  graph = _train_graph(model_fn, monkeypatch, CHIEF_AND_WORKER)
+  names = [op.name for op in graph.get_operations()]
+  assert not [n for n in names if 'whole_batch_head' in n]
+  whole = [op for op in graph.get_operations()
+           if op.name.startswith('batch_mixing') and op.type == mixing]
+  assert len(whole) == 2
+  gathers = [op for op in graph.get_operations() if op.type.startswith('CollectiveReduce')
+             and 'batch_mixing' in op.name]
+  assert len(gathers) == reduces, [op.name for op in gathers]
 
 
 def test_chief_and_workers_without_ps_need_the_collective_strategy(monkeypatch):

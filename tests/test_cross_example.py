@@ -90,8 +90,6 @@ def _build_two_tensors(name, **plan):
 @pytest.mark.parametrize('name,op', [
     ('in_batch_softmax', "MatMul op 'MatMul'"),
     ('top_k', "TopKV2 op 'TopKV2' (a top-k across the batch axis)"),
-    ('mixup', "ReverseV2 op 'ReverseV2' (a reverse across the batch axis)"),
-    ('attention', "MatMul op 'MatMul'"),
     ('opaque', "PartitionedCall op 'PartitionedCall' (a function call the library cannot see "
                "inside, fed by the batch's rows), which may make a row depend on other "
                "examples of the batch"),
