@@ -16,8 +16,8 @@ ratio of those ratios (the issue asks >= 0.95), the bytes that cross devices
 in one step (`estimator_towers.traffic`, the second step's `_Send`/`_Recv`
 pairs) and what in_batch adds to per_example's, against the gathered
 tensors' size (single head: q and d to the first tower, 2 (N-1)/N * B * D * 4
-bytes forward, as much back; row-wise: d to the first tower and from it to
-the N-1 others, ((N-1)/N + N-1) * B * D * 4 bytes forward, as much back, and
+bytes forward, as much back; row-wise: d all-gathered, each tower receiving
+the N-1 other towers' rows, (N-1) * B * D * 4 bytes forward, as much back, and
 the per-row values, (N-1)/N * B * 4 each way), and the head's largest tensor
 on each device (run once, its shapes at run time).
 
@@ -182,9 +182,8 @@ def main(argv):
     if FLAGS.single_head:
       gathered, what = 2 * 2 * (n - 1) * shard * width * 4, 'q and d of the N-1 other towers'
     else:
-      gathered = 2 * ((n - 1) * shard + (n - 1) * FLAGS.batch) * width * 4 + (
-          2 * (n - 1) * shard * 4)
-      what = 'd to the first tower and to the N-1 others, the per-row values'
+      gathered = 2 * n * (n - 1) * shard * width * 4 + 2 * (n - 1) * shard * 4
+      what = 'd all-gathered: each tower the N-1 others\' rows; the per-row values'
     largest = ', '.join(f'{device} {shape[0]} x {shape[1]}' if len(shape) == 2 else
                         f'{device} {shape}' for device, (_, shape)
                         in sorted(largest_head_tensors(n).items()))

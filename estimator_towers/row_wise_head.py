@@ -156,6 +156,8 @@ class _Split:
   def whole(self, t: tf.Tensor) -> tf.Tensor:
     if self.found.kind(t) is None:
       return self._outside(t)
+    if self._local and t.name in self.frontier and self.across is None:
+      return self._columns_on(self._tower, t)
     if t.name not in self._whole:
       with tf.device(self.device), tf.name_scope('row_wise_head/whole/'):
         self._whole_of(t)
@@ -216,6 +218,18 @@ class _Split:
     if self.across is not None:
       value = wbh.across_workers(value, kind, self.across, summed=True)
     return value
+
+  def _columns_on(self, k: int, t: tf.Tensor) -> tf.Tensor:
+    """Frontier tensor `t`'s columns gathered on tower k's device (its local rows read them).
+
+    Each tower receives the other towers' rows straight from them (an
+    all-gather: (N - 1) / N of the columns per tower), not through the first
+    tower; their gradients go back the same way and add up on their owners.
+    """
+    key = (t.name, 'columns')
+    if key not in self._rows[k]:
+      self._rows[k][key] = self._columns(t, self.found.kind(t))   # under tower k's device
+    return self._rows[k][key]
 
   def _gather_rows(self, t: tf.Tensor) -> tf.Tensor:
     """The per-row values of `t`: every tower's local rows, in input order (a tail input)."""

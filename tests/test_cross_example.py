@@ -421,6 +421,17 @@ def test_a_head_made_of_rows_holds_no_batch_by_batch_tensor(name, views):
     assert f'tower_{k}' in mine, (k, mine)
 
 
+@pytest.mark.parametrize('name', ['in_batch_softmax', 'clip'])
+def test_a_row_wise_head_gathers_the_columns_on_every_tower(name):
+  """An all-gather: each tower concatenates the towers' rows of the columns on its own device
+  (each receives the others' rows straight from them), not on the first tower's and sent on."""
+  found = _row_wise_tensors(name)
+  for k in range(3):
+    mine = [op for op, device, shape in found if shape == (BATCH, 4) and 'concat' in op
+            and op.startswith(f'row_wise_head/tower_{k}/') and device == f'/device:CPU:{k}']
+    assert mine, (k, [f for f in found if f[2] == (BATCH, 4)])
+
+
 # --- EVAL: loss and metrics of cross-example tensors ----------------------------
 
 def _retrieval_model_fn(features, labels, mode, per_example_loss=False):
