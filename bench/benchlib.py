@@ -14,6 +14,7 @@ import datetime
 import gc
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import time
@@ -155,6 +156,38 @@ class StepTimer(tf.compat.v1.train.SessionRunHook):
     if self._steps == self._warmup:
       self.start, self.cpu_start = time.perf_counter(), time.process_time()
     self.stop, self.cpu_stop = time.perf_counter(), time.process_time()
+
+
+class MemoryTimer(tf.compat.v1.train.SessionRunHook):
+  """Times each of the first `steps` steps, then traces the later ones for the allocator's peak.
+
+  `times`: the end of each timed step (perf_counter); `peaks`: per traced
+  step, the most bytes TensorFlow's allocators had in use; `before_steps`:
+  the process's peak RSS (MB) once the session exists.
+  """
+
+  def __init__(self, steps: int):
+    self._steps = steps
+    self.times: list[float] = []
+    self.peaks: list[int] = []
+    self.before_steps: list[float] = []
+
+  def after_create_session(self, session, coord):
+    self.before_steps.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+  def before_run(self, run_context):
+    if len(self.times) == self._steps:
+      return tf.compat.v1.train.SessionRunArgs(None, options=tf.compat.v1.RunOptions(
+          trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
+    return None
+
+  def after_run(self, run_context, run_values):
+    if len(self.times) < self._steps:
+      self.times.append(time.perf_counter())
+      return
+    self.peaks.append(max(m.allocator_bytes_in_use
+                          for d in run_values.run_metadata.step_stats.dev_stats
+                          for n in d.node_stats for m in n.memory))
 
 
 def paired_change(values: Sequence[float], baseline: Sequence[float]

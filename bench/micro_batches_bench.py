@@ -158,27 +158,8 @@ def run_one(name: str, batch: int, devices: list[str] | None, k: int) -> dict:
       return _batch_of_examples(batch)
     return tf.data.Dataset.from_tensors(0).repeat().map(lambda _: _batch_of_examples(batch))
 
-  times, peaks, before_steps = [], [], []
-
-  class Timer(tf.compat.v1.train.SessionRunHook):
-    """Times every step; traces the last ones (untimed) for the allocator's peak."""
-
-    def after_create_session(self, session, coord):
-      before_steps.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-
-    def before_run(self, run_context):
-      if len(times) == FLAGS.steps:
-        return tf.compat.v1.train.SessionRunArgs(None, options=tf.compat.v1.RunOptions(
-            trace_level=tf.compat.v1.RunOptions.FULL_TRACE))
-      return None
-
-    def after_run(self, run_context, run_values):
-      if len(times) < FLAGS.steps:
-        times.append(time.perf_counter())
-        return
-      peaks.append(max(m.allocator_bytes_in_use
-                       for d in run_values.run_metadata.step_stats.dev_stats
-                       for n in d.node_stats for m in n.memory))
+  import benchlib  # pylint: disable=g-import-not-at-top
+  timer = benchlib.MemoryTimer(FLAGS.steps)
 
   plain = model_fn if FLAGS.model == 'mlp' else encoders_model_fn
   rows = batch // k if devices is None else batch  # (e): plain on the first B / k rows
@@ -198,12 +179,13 @@ def run_one(name: str, batch: int, devices: list[str] | None, k: int) -> dict:
       session_config=tf.compat.v1.ConfigProto(device_count={'CPU': len(devices or [0])}))
   est = tf.estimator.Estimator(fn, model_dir=tempfile.mkdtemp(prefix='mb_bench_'),
                                config=config)
-  est.train(input_fn, steps=FLAGS.steps + FLAGS.traced_steps, hooks=[Timer()])
-  timed = times[FLAGS.warmup_steps - 1:]
+  est.train(input_fn, steps=FLAGS.steps + FLAGS.traced_steps, hooks=[timer])
+  timed = timer.times[FLAGS.warmup_steps - 1:]
   return {'name': name, 'batch': batch,
           'examples_per_sec': rows * (len(timed) - 1) / (timed[-1] - timed[0]),
           'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-          'allocator_peak_mb': max(peaks) / 2**20, 'rss_before_steps_mb': before_steps[0]}
+          'allocator_peak_mb': max(timer.peaks) / 2**20,
+          'rss_before_steps_mb': timer.before_steps[0]}
 
 
 def held_by_design(batch: int, k: int) -> tuple[float, float]:
