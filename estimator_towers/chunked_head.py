@@ -65,7 +65,7 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     (whole-batch loss, per micro-batch (ys, initial gradients), [], where).
   """
   devices = [shard[0].device if shard else '' for shard in values]
-  chunks, chunk_sizes, owners = _chunks(values, sizes, devices)
+  chunks, chunk_sizes = _chunks(values, sizes, devices)
   shared: dict = {}
   args = (found, find, frontier, shapes, chunks, chunk_sizes, [True] * len(chunks), batch,
           across, loss.op.device)
@@ -93,10 +93,10 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
   return whole, seeds, [], where
 
 
-def _chunks(values: list, sizes: Sequence, devices: list) -> tuple[list, list, list]:
+def _chunks(values: list, sizes: Sequence, devices: list) -> tuple[list, list]:
   """Each micro-batch's rows cut into as many chunks as its device runs micro-batches."""
   count = collections.Counter(devices)
-  chunks, chunk_sizes, owners = [], [], []
+  chunks, chunk_sizes = [], []
   for i, (shard, n) in enumerate(zip(values, sizes)):
     c = count[devices[i]]
     with tf.device(devices[i]), tf.name_scope('chunked_head/rows/'):
@@ -108,8 +108,7 @@ def _chunks(values: list, sizes: Sequence, devices: list) -> tuple[list, list, l
       for m in range(c):
         chunks.append([v[bounds[m]:bounds[m + 1]] for v in shard])
         chunk_sizes.append(bounds[m + 1] - bounds[m])
-        owners.append(i)
-  return chunks, chunk_sizes, owners
+  return chunks, chunk_sizes
 
 
 class _Chunks(rwh._Split):  # pylint: disable=protected-access
