@@ -27,8 +27,9 @@ Setup"):
    variable's gradient add into one buffer per variable, as for any loss.
 
 A device then holds one micro-batch's activations plus the frontier rows
-(and the first device the head's tensors, a whole batch's as on one device:
-`B x B` for an in-batch softmax), and computes each micro-batch's forward
+(and the first device the head's tensors: a whole batch's as on one device,
+`B x B` for an in-batch softmax, except where the head is made of rows: then
+one chunk's rows at a time per device, `chunked_head`), and computes each micro-batch's forward
 pass to the frontier twice. Both passes give the same
 values only if the ops before the frontier are functions of their inputs: a
 stateful op among them (a random op such as dropout's, a variable update) is
@@ -44,6 +45,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from estimator_towers import chunked_head
 from estimator_towers import micro_batches
 from estimator_towers import row_dependence as rd
 from estimator_towers import whole_batch_head
@@ -79,7 +81,7 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
   first = _FirstPass(loss, list(inputs), ungated,
                      lambda i, t: (t if i == 0 else find(i, t)).device)
   built = whole_batch_head.build(found, loss, grad_y, find, sizes, nonempty, batch, across,
-                                 cached=first.value)
+                                 split=chunked_head.build, cached=first.value)
   if isinstance(built, str):
     return built
   _, shards, *_ = built

@@ -35,7 +35,9 @@ a B x B tensor; this module's single head is the fallback.
 
 With micro-batches the head reads each micro-batch's frontier rows from a
 first pass that keeps no activations (`cached_gradients`, the `cached`
-argument of `build`), and the seeds go to the micro-batches' own tensors.
+argument of `build`), and the seeds go to the micro-batches' own tensors; a
+head made of rows then runs in row chunks, one at a time per device
+(`chunked_head`).
 
 What it does not do (the warning of `row_dependence` stays): a frontier
 tensor some tower has no counterpart of, a gradient request of several
@@ -75,8 +77,10 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
       every worker runs the same head on the cluster's rows.
     split: `split(found, loss, grad_y, find, frontier, shapes, per_shard,
       sizes, nonempty, batch, across)`, the head made of rows computed per
-      tower (`row_wise_head`), tried first: what it returns, or a sentence
-      saying why not (then the head runs once, here).
+      tower (`row_wise_head`; with `cached`, per_shard the cached values and
+      `own=` the shards' own frontier tensors: `chunked_head`), tried first:
+      what it returns, or a sentence saying why not (then the head runs
+      once, here).
     cached: `cached(i, t)`, the value the head reads for shard i's rows of
       tower 0's per-example `t`, where it is not the towers' own (micro-batches:
       `cached_gradients`' first pass); None: the towers' own.
@@ -102,10 +106,11 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
   static = static_size(head, found, frontier)
   if static is not None:
     return static
-  if split is not None and cached is None:   # micro-batches: the single head
+  if split is not None:   # micro-batches: on the first pass's rows, seeds at their own
+    extra = {} if cached is None else {'own': per_shard, 'cached': cached}
     try:
-      built = split(found, loss, grad_y, find, frontier, shapes, per_shard, sizes, nonempty,
-                    batch, across)
+      built = split(found, loss, grad_y, find, frontier, shapes, values, sizes, nonempty,
+                    batch, across, **extra)
     except (ValueError, TypeError) as error:   # not row-wise after all: the single head
       built = str(error)
     if not isinstance(built, str):

@@ -312,8 +312,8 @@ def test_micro_batches_run_after_the_cached_gradient():
   gates = [op for op in ops if op.name.startswith('micro_batch_gates/')]
   assert len(gates) == 8, [op.name for op in gates]   # x and y of 4 micro-batches
   for op in gates:
-    assert any('whole_batch_head' in c.name for c in op.control_inputs), (op.name,
-                                                                           op.control_inputs)
+    assert any('chunked_head' in c.name for c in op.control_inputs), (op.name,
+                                                                       op.control_inputs)
   firsts = {op.name: op for op in ops if op.name.startswith('cached_gradients/')
             and op.type == 'Identity' and not op.inputs[0].name.startswith('cached_gradients')}
   assert len(firsts) == 8, sorted(firsts)   # each micro-batch's x and y, before its first pass
