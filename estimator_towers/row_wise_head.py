@@ -37,7 +37,11 @@ workers) are summed once, never a local-only or 1/N share, before each
 tower's rows of them join its seeds. The values of no shard the head reads
 (the temperature) are seeded in the first tower's backward pass with the
 sum of the local parts' gradients and the tail's (the tail's on the first
-worker only), so each is counted once.
+worker only), so each is counted once. A tail linear in the per-row values
+(a mean, a weighted sum of means) has coefficients their values do not
+change: taken on stand-ins of the whole batch's shape, they seed each
+tower's rows without waiting for the other towers' per-row values, which
+only the loss's value (and a trained weight's gradient) gathers.
 """
 
 from __future__ import annotations
@@ -102,7 +106,8 @@ def _seeds(split: _Split, whole: tf.Tensor, grad_y: Any, per_shard: list
                                   colocate_gradients_with_ops=True)
   if any(g is not None for g in tail[len(rows) + len(outside):]):
     return 'the tail after the per-row values reads the frontier itself'
-  seeded = [(r, g) for r, g in zip(rows, tail) if g is not None]
+  linear = _linear_coefficients(split, whole, grad_y)
+  seeded = [(r, g) for r, g in zip(rows, linear or tail) if g is not None]
   with tf.device(split.device), tf.name_scope('row_wise_head/local_gradients'):
     local = tf.compat.v1.gradients([r for r, _ in seeded], everything + outside,
                                    grad_ys=[g for _, g in seeded],
@@ -135,6 +140,72 @@ def _seeds(split: _Split, whole: tf.Tensor, grad_y: Any, per_shard: list
   return whole, seeds, [], where
 
 
+def _linear_coefficients(split: _Split, whole: tf.Tensor, grad_y: Any) -> list | None:
+  """The tail's gradient with respect to each tower's per-row values, where it is linear.
+
+  A tail linear in the per-row values (a mean of them, a weighted sum of
+  means, even with a trained weight) has a gradient with respect to them
+  that their values do not change: it is taken on stand-ins (zeros of the
+  whole batch's shape, from the shards' sizes), so each tower's backward
+  pass starts from its own rows' coefficients without waiting for the other
+  towers' per-row values (only the loss's value gathers them). None where
+  the gradient reads a stand-in's values (the tail is not linear).
+  """
+  stand_ins = {}
+  with tf.device(split.device), tf.name_scope('row_wise_head/coefficients'):
+    for value in split.gathered:
+      if not value.shape[1:].is_fully_defined():
+        return None
+      shape = tf.concat([tf.reshape(tf.cast(split.total(), tf.int32), [1]),
+                         tf.constant(value.shape[1:].as_list(), tf.int32)], 0)
+      stand_ins[value.name] = tf.zeros(shape, value.dtype)
+    tail = {v.name for v, origins in split._whole.values()   # pylint: disable=protected-access
+            if 'tail' in origins}
+    copy = _copied(whole, stand_ins, tail, {})
+    coefficients = tf.compat.v1.gradients(copy, list(stand_ins.values()),
+                                          grad_ys=None if grad_y is None else [grad_y])
+  if _reads_values(coefficients, {t.name for t in stand_ins.values()}):
+    return None
+  per_part = []
+  for g, parts in zip(coefficients, split.tail):
+    for k, part in enumerate(parts):
+      if g is None:
+        per_part.append(None)
+        continue
+      with tf.device(split.device), tf.name_scope('row_wise_head/coefficients'):
+        start = split._offset_of(k)   # pylint: disable=protected-access
+        per_part.append(g[start:start + tf.cast(split.sizes[k], tf.int32)])
+  return per_part
+
+
+def _copied(t: tf.Tensor, stand_ins: dict, tail: set, done: dict) -> tf.Tensor:
+  """`t` again, the tail's ops copied onto the stand-ins (the rest read as they are)."""
+  if t.name in stand_ins:
+    return stand_ins[t.name]
+  if t.name not in tail:
+    return t
+  if t.name not in done:
+    inputs = [_copied(i, stand_ins, tail, done) for i in t.op.inputs]
+    copy = wbh.copy_op(t.op, inputs)
+    for a, b in zip(t.op.outputs, copy.outputs):
+      done[a.name] = b
+  return done[t.name]
+
+
+def _reads_values(tensors: list, stand_ins: set) -> bool:
+  """Does any of `tensors` read a stand-in's values (not only its shape)?"""
+  seen, todo = set(), [t for t in tensors if t is not None]
+  while todo:
+    t = todo.pop()
+    if t.name in stand_ins:
+      return True
+    if t.name in seen or t.op.type in ('Shape', 'ShapeN', 'Size', 'Rank'):
+      continue
+    seen.add(t.name)
+    todo.extend(t.op.inputs)
+  return False
+
+
 class _Split:
   """Builds a head tensor's whole value or a tower's local rows of it (or of its transpose)."""
 
@@ -146,12 +217,14 @@ class _Split:
     self.frontier = {t.name: j for j, t in enumerate(frontier)}
     self.shapes = {t.name for t in shapes}
     self.tail: list = []         # per tail input: every tower's local rows of it
+    self.gathered: list = []     # per tail input: its gathered value (the whole batch's rows)
     self.outside: dict = {}      # name -> (shard, value of no shard the head reads)
     self._whole: dict = {}       # name -> (value, origins: 'tail' / 'columns')
     self._rows: list = [{} for _ in per_shard]
     self._local = 0              # > 0: building a tower's local rows
     self._tower = 0              # whose local rows are being built
     self._offset = None
+    self._total = None
 
   def whole(self, t: tf.Tensor) -> tf.Tensor:
     if self.found.kind(t) is None:
@@ -192,7 +265,9 @@ class _Split:
       self._whole[t.name] = (wbh.whole_shape(t, self.found.kind(t.op.inputs[0]), self.batch),
                              set())
     elif kind.tag == rd.MIXED and _per_row(t):
-      self._whole[t.name] = (self._gather_rows(t), {'tail'})
+      value = self._gather_rows(t)
+      self.gathered.append(value)
+      self._whole[t.name] = (value, {'tail'})
     else:
       self._copy_whole(t, kind)
 
@@ -356,16 +431,29 @@ class _Split:
             and _listed(begin) == [0] and _listed(end) == [1] and _listed(strides) == [1]
             and limit.op.get_attr('shrink_axis_mask') == 1)
 
+  def _worker_rows(self) -> None:
+    """The index of this worker's first row and the whole batch's row count, once."""
+    if self._offset is not None:
+      return
+    count = sum(self.sizes) if all(isinstance(s, int) for s in self.sizes) else tf.add_n(
+        [tf.cast(s, tf.int32) for s in self.sizes])
+    self._offset, self._total = 0, count
+    if self.across is not None:
+      across = self.across
+      with tf.device(across.device):
+        (counts,) = across.sum([tf.one_hot(across.rank, across.size, dtype=tf.int32)
+                                * tf.cast(count, tf.int32)])
+        self._offset = tf.reduce_sum(counts[:across.rank])
+        self._total = tf.reduce_sum(counts)
+
+  def total(self) -> Any:
+    """The whole batch's row count (every worker's), from the shards' sizes alone."""
+    self._worker_rows()
+    return self._total
+
   def _offset_of(self, k: int) -> Any:
     """The whole batch's index of tower k's first row (the worker's rows come first)."""
-    if self._offset is None:
-      self._offset = 0
-      if self.across is not None:
-        across = self.across
-        with tf.device(across.device):
-          count = tf.add_n([tf.cast(s, tf.int32) for s in self.sizes])
-          (counts,) = across.sum([tf.one_hot(across.rank, across.size, dtype=tf.int32) * count])
-          self._offset = tf.reduce_sum(counts[:across.rank])
+    self._worker_rows()
     earlier = list(self.sizes[:k])
     if all(isinstance(s, int) for s in earlier) and isinstance(self._offset, int):
       return self._offset + sum(earlier)

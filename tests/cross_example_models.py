@@ -146,6 +146,12 @@ def clip_weighted(x, y):
   return w * tf.reduce_mean(rows) + (1 - w) * tf.reduce_mean(columns) + 0.1 * w * w, [q, d]
 
 
+def in_batch_log_loss(x, y):
+  """The log of an in-batch softmax's mean: a tail not linear in the per-row values."""
+  loss, frontier = in_batch_softmax(x, y)
+  return tf.math.log(loss), frontier
+
+
 def mixup_features(features, y):
   """Mixup of a dict of features (two inputs mixed alike) and of the labels."""
   a, b = features['a'], features['b']

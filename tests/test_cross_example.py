@@ -432,6 +432,44 @@ def test_a_row_wise_head_gathers_the_columns_on_every_tower(name):
     assert mine, (k, [f for f in found if f[2] == (BATCH, 4)])
 
 
+def _ancestors(tensors):
+  seen, todo = set(), [t.op for t in tensors]
+  while todo:
+    op = todo.pop()
+    if op.name not in seen:
+      seen.add(op.name)
+      todo.extend([i.op for i in op.inputs] + list(op.control_inputs))
+  return seen
+
+
+@pytest.mark.parametrize('name,linear', [('in_batch_softmax', True), ('clip', True),
+                                         ('clip_weighted', True), ('in_batch_log_loss', False)])
+def test_a_linear_tail_lets_each_tower_start_its_backward_alone(name, linear):
+  """A mean of the per-row values (CLIP's weighted sum of two, with a trained weight too) seeds
+  each tower's rows with coefficients known in advance: no tower's backward pass waits for the
+  per-row values of the others (only the loss's value gathers them). A tail that is not linear
+  (the log of the mean) must wait for them."""
+  graph = _build(name).loss.graph
+  gathered = [op.name for op in graph.get_operations()
+              if op.name.startswith('row_wise_head/whole/') and op.type == 'ConcatV2'
+              and op.outputs[0].shape.rank == 1
+              and all(i.op.name.startswith('row_wise_head/tower_') for i in op.inputs[:-1])]
+  assert gathered, 'no per-row values gathered'
+  backward = [t for op in graph.get_operations()
+              if op.name.startswith('row_wise_head/local_gradients/') for t in op.outputs]
+  waits = set(gathered) & _ancestors(backward)
+  assert (not waits) == linear, (waits, gathered)
+
+
+def test_a_tail_not_linear_in_the_rows_equals_plain(warnings):
+  """The log of the mean: each tower's seeds wait for every per-row value, and stay exact."""
+  plain_1, plain_3 = _plain('in_batch_log_loss')
+  towered_1, towered_3 = _towered('in_batch_log_loss')
+  testlib.assert_variables_close(towered_1, plain_1)
+  testlib.assert_variables_close(towered_3, plain_3)
+  assert not _ours(warnings), _ours(warnings)
+
+
 # --- EVAL: loss and metrics of cross-example tensors ----------------------------
 
 def _retrieval_model_fn(features, labels, mode, per_example_loss=False):
