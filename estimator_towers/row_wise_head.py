@@ -164,10 +164,13 @@ def _linear_coefficients(split: _Split, whole: tf.Tensor, grad_y: Any) -> list |
     copy = _copied(whole, stand_ins, tail, {})
     coefficients = tf.compat.v1.gradients(copy, list(stand_ins.values()),
                                           grad_ys=None if grad_y is None else [grad_y])
-  if _reads_values(coefficients, {t.name for t in stand_ins.values()}):
-    return None
+  if _reads_values(coefficients, {t.name for t in stand_ins.values()}) or any(
+      part.shape[0] not in (None, n) for parts in split.tail
+      for part, n in zip(parts, split.sizes) if isinstance(n, int)):
+    return None   # not linear, or a tower's per-row values are not one per row
   per_part = []
   for g, parts in zip(coefficients, split.tail):
+    g = None if g is None else tf.convert_to_tensor(g)
     for k, part in enumerate(parts):
       if g is None:
         per_part.append(None)
