@@ -60,12 +60,7 @@ from estimator_towers import row_dependence
 from estimator_towers import tower_context
 
 # Ops the algebra rebuilds by copying them onto the whole batch's values.
-_ELEMENTWISE = frozenset((
-    'Identity', 'StopGradient', 'Cast', 'AddV2', 'Add', 'AddN', 'Sub', 'Mul', 'MulNoNan',
-    'RealDiv', 'Div', 'DivNoNan', 'Maximum', 'Minimum', 'Neg', 'Square', 'Sqrt', 'Rsqrt',
-    'Exp', 'Log', 'Log1p', 'Pow', 'Abs', 'Reciprocal', 'Inv', 'Tanh', 'Sigmoid',
-    'Softplus', 'SquaredDifference', 'Pack', 'Reshape', 'Squeeze', 'ExpandDims', 'Select',
-    'SelectV2', 'Floor', 'Ceil', 'Round', 'Relu', 'ClipByValue'))
+_ELEMENTWISE = row_dependence.ARITHMETIC | {'Pack', 'Reshape', 'Squeeze', 'ExpandDims'}
 # Reductions: a leaf when one-element over per-example values; rebuilt as
 # algebra when over values that are themselves statistics (a stack of losses).
 _SUMS = ('Sum', 'Mean')

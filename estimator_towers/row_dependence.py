@@ -109,28 +109,33 @@ _SIZE, _SHAPE, _UNIQUE, _MIXED = Kind(SIZE), Kind(SHAPE), Kind(UNIQUE), Kind(MIX
 _SPLITS = Kind(SPLITS)
 _STAT, _NORM = Kind(STAT), Kind(STAT, norm=True)
 
+# Elementwise arithmetic (with broadcasting): each output element from the
+# same position of the inputs, so a copy onto other values of the same
+# layout (the whole batch's, a tower's rows) is the same op on them
+# (`loss_algebra` and `row_wise_head` rebuild these).
+ARITHMETIC = frozenset((
+    'Identity', 'StopGradient', 'Cast', 'AddV2', 'Add', 'AddN', 'Sub', 'Mul', 'MulNoNan',
+    'RealDiv', 'Div', 'DivNoNan', 'Maximum', 'Minimum', 'Neg', 'Square', 'Sqrt', 'Rsqrt',
+    'Exp', 'Log', 'Log1p', 'Pow', 'Abs', 'Reciprocal', 'Inv', 'Tanh', 'Sigmoid', 'Softplus',
+    'SquaredDifference', 'Select', 'SelectV2', 'Floor', 'Ceil', 'Round', 'Relu',
+    'ClipByValue', 'Equal', 'NotEqual', 'Less', 'LessEqual', 'Greater', 'GreaterEqual',
+    'LogicalAnd', 'LogicalOr', 'LogicalNot'))
 # Ops applied elementwise (with broadcasting) or within each row.
-_ELEMENTWISE = frozenset((
-    'Identity', 'StopGradient', 'PreventGradient', 'CheckNumerics', 'EnsureShape', 'Snapshot',
-    'Cast', 'Bitcast', 'AddV2', 'Add', 'AddN', 'Sub', 'Mul', 'MulNoNan', 'RealDiv', 'Div',
-    'DivNoNan', 'FloorDiv', 'FloorMod', 'Mod', 'TruncateDiv', 'Maximum', 'Minimum', 'Neg',
-    'Square', 'Sqrt', 'Rsqrt', 'Exp', 'Expm1', 'Log', 'Log1p', 'Pow', 'Abs', 'Sign',
-    'Reciprocal', 'Inv', 'Tanh', 'Sigmoid', 'Softplus', 'Softsign', 'SquaredDifference',
-    'Floor', 'Ceil', 'Round', 'Rint', 'Relu', 'Relu6', 'Elu', 'Selu', 'LeakyRelu', 'Gelu',
-    'ClipByValue', 'Select', 'SelectV2', 'Equal', 'NotEqual', 'Less', 'LessEqual', 'Greater',
-    'GreaterEqual', 'LogicalAnd', 'LogicalOr', 'LogicalNot', 'IsNan', 'IsInf', 'IsFinite',
-    'Erf', 'Erfc', 'Sin', 'Cos', 'Atan2', 'Xlogy', 'Xdivy', 'Sinh', 'Cosh', 'Atan', 'Asin',
-    'Acos', 'Tan', 'Lgamma', 'Digamma', 'Softmax', 'LogSoftmax', 'BiasAdd', 'BiasAddV1',
+_ELEMENTWISE = ARITHMETIC | frozenset((
+    'PreventGradient', 'CheckNumerics', 'EnsureShape', 'Snapshot', 'Bitcast', 'FloorDiv',
+    'FloorMod', 'Mod', 'TruncateDiv', 'Expm1', 'Sign', 'Softsign', 'Rint', 'Relu6', 'Elu',
+    'Selu', 'LeakyRelu', 'Gelu', 'IsNan', 'IsInf', 'IsFinite', 'Erf', 'Erfc', 'Sin', 'Cos',
+    'Atan2', 'Xlogy', 'Xdivy', 'Sinh', 'Cosh', 'Atan', 'Asin', 'Acos', 'Tan', 'Lgamma',
+    'Digamma', 'Softmax', 'LogSoftmax', 'BiasAdd', 'BiasAddV1',
     'SoftmaxCrossEntropyWithLogits', 'SparseSoftmaxCrossEntropyWithLogits', 'InTopKV2',
     'ZerosLike', 'OnesLike', 'IdentityN', 'L2Normalize', 'ApproximateEqual', 'BitwiseAnd',
-    'BitwiseOr', 'BitwiseXor', 'Invert', 'LeftShift', 'RightShift', 'Real', 'Imag',
-    'Complex', 'ComplexAbs', 'Conj', 'BroadcastGradientArgs', 'StringToHashBucketFast',
-    'AsString', 'OneHot', 'Bucketize', 'Betainc', 'Igamma', 'Igammac', 'Zeta',
-    'SigmoidGrad', 'TanhGrad', 'ReluGrad', 'SoftplusGrad', 'RsqrtGrad', 'SqrtGrad',
-    'StringLength', 'StringToNumber', 'StringToHashBucket', 'StringToHashBucketStrong',
-    'StringLower', 'StringUpper', 'StringStrip', 'RegexFullMatch', 'StaticRegexFullMatch',
-    'RegexReplace', 'StaticRegexReplace', 'Substr',
-))
+    'BitwiseOr', 'BitwiseXor', 'Invert', 'LeftShift', 'RightShift', 'Real', 'Imag', 'Complex',
+    'ComplexAbs', 'Conj', 'BroadcastGradientArgs', 'StringToHashBucketFast', 'AsString',
+    'OneHot', 'Bucketize', 'Betainc', 'Igamma', 'Igammac', 'Zeta', 'SigmoidGrad', 'TanhGrad',
+    'ReluGrad', 'SoftplusGrad', 'RsqrtGrad', 'SqrtGrad', 'StringLength', 'StringToNumber',
+    'StringToHashBucket', 'StringToHashBucketStrong', 'StringLower', 'StringUpper',
+    'StringStrip', 'RegexFullMatch', 'StaticRegexFullMatch', 'RegexReplace',
+    'StaticRegexReplace', 'Substr'))
 _SEGMENT_SUMS = frozenset(('UnsortedSegmentSum', 'UnsortedSegmentMax', 'UnsortedSegmentMin',
                            'UnsortedSegmentProd', 'SegmentSum', 'SegmentMean', 'SegmentMax',
                            'SegmentMin', 'SegmentProd'))

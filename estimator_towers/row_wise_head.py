@@ -55,12 +55,7 @@ from estimator_towers import row_dependence as rd
 from estimator_towers import whole_batch_head as wbh
 
 # Applied elementwise (with broadcasting): local rows in, local rows out.
-_ELEMENTWISE = frozenset((
-    'Identity', 'StopGradient', 'Cast', 'AddV2', 'Add', 'AddN', 'Sub', 'Mul', 'RealDiv',
-    'Div', 'DivNoNan', 'MulNoNan', 'Maximum', 'Minimum', 'Neg', 'Square', 'Sqrt', 'Rsqrt',
-    'Exp', 'Log', 'Log1p', 'Pow', 'Abs', 'Reciprocal', 'Tanh', 'Sigmoid', 'Softplus',
-    'SquaredDifference', 'Relu', 'Select', 'SelectV2', 'Equal', 'NotEqual', 'Less',
-    'LessEqual', 'Greater', 'GreaterEqual', 'LogicalAnd', 'LogicalOr', 'LogicalNot'))
+_ELEMENTWISE = rd.ARITHMETIC
 # Within each row of a matrix (over its last axis).
 _PER_ROW = frozenset(('Softmax', 'LogSoftmax', 'SparseSoftmaxCrossEntropyWithLogits',
                       'SoftmaxCrossEntropyWithLogits'))
