@@ -111,7 +111,7 @@ def _chunks(values: list, sizes: Sequence, devices: list) -> tuple[list, list]:
   return chunks, chunk_sizes
 
 
-class _Chunks(rwh._Split):  # pylint: disable=protected-access
+class _Chunks(rwh.Split):
   """`row_wise_head`'s split with chunks as its towers, built in order per device.
 
   `shared` holds the gathered columns, one per device (and frontier tensor),
@@ -280,32 +280,11 @@ def _seeds(backward: _Chunks, own_grads: list, columns: dict, values: list, own:
   with tf.name_scope('chunked_head/cached_gradient'):
     grads = tf.compat.v1.gradients(ys, everything, grad_ys=grad_ys,
                                    colocate_gradients_with_ops=True)
-  seeds, position = [], 0
-  for shard, shard_values in zip(own, values):
-    shard_grads = []
-    for v in shard_values:
-      g = grads[position]
-      position += 1
-      if g is None:
-        with tf.device(v.device):
-          g = tf.zeros_like(v)
-      shard_grads.append(tf.convert_to_tensor(g))
-    seeds.append((list(shard), shard_grads))
-  return seeds
+  return wbh.shard_seeds(own, values, grads)
 
 
 def _seed_outside(seeds: list, outside: dict, tail: dict, forward: _Chunks, across: Any
                   ) -> None:
   """Values of no shard (a temperature): the chunks' gradients and the tail's, in shard 0."""
-  first_worker = across is None or across.rank == 0
-  values = {name: t for name, (_, t) in forward.outside.items()}
-  for name, t in values.items():
-    theirs = tail['outside'].get(name)
-    parts = [tf.convert_to_tensor(g) for g in (outside.get(name), theirs) if g is not None]
-    if not parts:
-      continue
-    with tf.device(t.op.device):
-      if theirs is not None and not first_worker:   # zeros: every worker's seeds alike
-        parts[-1] = tf.zeros_like(parts[-1])
-      seeds[0][0].append(t)
-      seeds[0][1].append(tf.add_n(parts))
+  rwh.seed_outside(seeds, [(0, t, outside.get(name), tail['outside'].get(name))
+                           for name, (_, t) in forward.outside.items()], across)

@@ -77,7 +77,7 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     (whole-batch loss, per shard (ys, initial gradients), [] (no pass of the
     loss itself is needed), where it runs), or a sentence saying why not.
   """
-  split = _Split(found, find, frontier, shapes, per_shard, sizes, nonempty, batch, across,
+  split = Split(found, find, frontier, shapes, per_shard, sizes, nonempty, batch, across,
                  loss.op.device)
   try:
     whole = split.whole(loss)
@@ -88,7 +88,7 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
   return _seeds(split, whole, grad_y, per_shard)
 
 
-def _seeds(split: _Split, whole: tf.Tensor, grad_y: Any, per_shard: list
+def _seeds(split: Split, whole: tf.Tensor, grad_y: Any, per_shard: list
            ) -> tuple[tf.Tensor, list, list, str] | str:
   """Two backward passes: the tail's to the per-row values, the local parts' from them."""
   rows = [r for parts in split.tail for r in parts]
@@ -108,34 +108,31 @@ def _seeds(split: _Split, whole: tf.Tensor, grad_y: Any, per_shard: list
                                    grad_ys=[g for _, g in seeded],
                                    stop_gradients=everything + outside,
                                    colocate_gradients_with_ops=True)
-  seeds, position = [], 0
-  for shard in per_shard:
-    grads = []
-    for t in shard:
-      g = local[position]
-      position += 1
-      if g is None:
-        with tf.device(t.op.device):
-          g = tf.zeros_like(t)
-      grads.append(tf.convert_to_tensor(g))
-    seeds.append((list(shard), grads))
-  first_worker = split.across is None or split.across.rank == 0
-  for (k, t), mine, theirs in zip(split.outside.values(), local[len(everything):],
-                                  tail[len(rows):]):
-    parts = [tf.convert_to_tensor(g) for g in (mine, theirs) if g is not None]
-    if not parts:
-      continue
-    with tf.device(t.op.device):
-      if theirs is not None and not first_worker:   # zeros: every worker's seeds alike
-        parts[-1] = tf.zeros_like(parts[-1])
-      seeds[k][0].append(t)
-      seeds[k][1].append(tf.add_n(parts))
+  seeds = wbh.shard_seeds(per_shard, per_shard, local)
+  seed_outside(seeds, [(k, t, mine, theirs) for (k, t), mine, theirs in zip(
+      split.outside.values(), local[len(everything):], tail[len(rows):])], split.across)
   where = (f'row-wise: each tower its own rows against the gathered columns, the mean over '
            f'the rows on {split.device or "the first tower"}')
   return whole, seeds, [], where
 
 
-def _linear_coefficients(split: _Split, whole: tf.Tensor, grad_y: Any) -> list | None:
+def seed_outside(seeds: list, outside: list, across: Any) -> None:
+  """Values of no shard (a temperature) join shard k's seeds: per (k, value, the local
+  parts' gradient, the tail's), their sum, the tail's counted on the first worker only
+  (zeros on the others: every worker's seeds alike)."""
+  first_worker = across is None or across.rank == 0
+  for k, t, mine, theirs in outside:
+    parts = [tf.convert_to_tensor(g) for g in (mine, theirs) if g is not None]
+    if not parts:
+      continue
+    with tf.device(t.op.device):
+      if theirs is not None and not first_worker:
+        parts[-1] = tf.zeros_like(parts[-1])
+      seeds[k][0].append(t)
+      seeds[k][1].append(tf.add_n(parts))
+
+
+def _linear_coefficients(split: Split, whole: tf.Tensor, grad_y: Any) -> list | None:
   """The tail's gradient with respect to each tower's per-row values, where it is linear.
 
   A tail linear in the per-row values (a mean of them, a weighted sum of
@@ -204,7 +201,7 @@ def _reads_values(tensors: list, stand_ins: set) -> bool:
   return False
 
 
-class _Split:
+class Split:
   """Builds a head tensor's whole value or a tower's local rows of it (or of its transpose)."""
 
   def __init__(self, found, find, frontier, shapes, per_shard, sizes, nonempty, batch, across,

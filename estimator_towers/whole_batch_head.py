@@ -195,6 +195,12 @@ def _build(found, loss, grad_y, head, frontier, shapes, shards, sizes, nonempty,
     everything = [t for shard in values for t in shard]
     grads = tf.gradients(whole, everything, grad_ys=None if grad_y is None else [grad_y],
                          stop_gradients=everything)
+  return whole, shard_seeds(per_shard, values, grads, device), everything
+
+
+def shard_seeds(per_shard: list, values: list, grads: list, device: str | None = None) -> list:
+  """Per shard, (its tensors, their initial gradients) from `grads`, one per tensor of
+  `values` in order (zeros where a tensor has none: on `device`, else on its own)."""
   seeds, position = [], 0
   for shard, shard_values in zip(per_shard, values):
     shard_grads = []
@@ -202,11 +208,11 @@ def _build(found, loss, grad_y, head, frontier, shapes, shards, sizes, nonempty,
       g = grads[position]
       position += 1
       if g is None:
-        with tf.device(device):
+        with tf.device(v.device if device is None else device):
           g = tf.zeros_like(v)
       shard_grads.append(tf.convert_to_tensor(g))
     seeds.append((list(shard), shard_grads))
-  return whole, seeds, everything
+  return seeds
 
 
 def _head(found: rd.RowDependence, loss: tf.Tensor):
