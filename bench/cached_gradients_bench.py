@@ -21,6 +21,14 @@ of a subprocess that only imports TensorFlow and estimator_towers
 allocator had in use during one of --traced_steps traced steps after the
 timed ones).
 
+The input pipeline makes one batch per step (--prefetch turns tf.data's
+default prefetch buffer back on: whole batches made ahead of the step and
+held between steps, B / (B / k) times larger for (c) than for (b)). What is
+alive at each configuration's peak is printed by group (the step's own
+tensors, from the traced steps' allocation records: `benchlib.live_at_peak`),
+and the ratios again without what (c) holds by design beyond (b): the whole
+batch's input beyond one micro-batch's and the gradient sums.
+
 Goals: (c) holds one micro-batch's activations plus what the step needs on
 the whole batch: the cut tensors (the batch's embeddings, 2 x B x dim floats,
 and their cached gradient), so (c) <= 1.10 x ((b) + cut bytes). The head
