@@ -222,6 +222,10 @@ def _report(runs: dict, base: float) -> None:
         f'{sums:.0f} MB (one float32 per trained parameter); (c) / ((b) + cut) without them: '
         f'RSS {(above["c"] - inherent) / (above["b"] + cut):.2f}, allocator '
         f'{(tensors["c"] - inherent) / (tensors["b"] + cut):.2f} (goal <= 1.10)')
+  own = {c: r['step_peak_mb'] for c, r in results.items()}
+  print(f'the step\'s own tensors at its peak: (c) / ((b) + cut) {own["c"] / (own["b"] + cut):.2f}; '
+        f'without the gradient sums: {(own["c"] - sums) / (own["b"] + cut):.2f} (the input is '
+        f'made by tf.data, not among them)')
   step = {c: r['seconds_per_step'] for c, r in results.items()}
   print(f'(c) / (a) step time: {step["c"] / step["a"]:.2f} (goal <= 1.5)')
 

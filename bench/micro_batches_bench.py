@@ -300,6 +300,9 @@ def main(argv):
         f'above baseline {above["c"] / above["e"]:.2f}, allocator peak '
         f'{tensors["c"] / tensors["e"]:.2f}')
   benchlib.print_live_at_peak({c: results[c] for c in ('b', 'e', 'c')})
+  own = {c: r['step_peak_mb'] for c, r in results.items()}
+  print(f'the step\'s own tensors at its peak: (c) / (b) {own["c"] / own["b"]:.2f}; without the '
+        f'input beyond one micro-batch\'s and the sums: {(own["c"] - inputs - sums) / own["b"]:.2f}')
   print(f'(c) / (a) examples/sec: {speed["c"] / speed["a"]:.2f} (goal >= 0.9); '
         f'(d) / (a): {speed["d"] / speed["a"]:.2f}')
 
