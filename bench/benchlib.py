@@ -14,6 +14,7 @@ import datetime
 import gc
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -163,7 +164,8 @@ class MemoryTimer(tf.compat.v1.train.SessionRunHook):
 
   `times`: the end of each timed step (perf_counter); `peaks`: per traced
   step, the most bytes TensorFlow's allocators had in use; `before_steps`:
-  the process's peak RSS (MB) once the session exists.
+  the process's peak RSS (MB) once the session exists; `live`:
+  `live_at_peak` of the traced step whose own tensors peaked highest.
   """
 
   def __init__(self, steps: int):
@@ -171,6 +173,7 @@ class MemoryTimer(tf.compat.v1.train.SessionRunHook):
     self.times: list[float] = []
     self.peaks: list[int] = []
     self.before_steps: list[float] = []
+    self.live: tuple[int, dict[str, int]] | None = None   # `live_at_peak` of the highest step
 
   def after_create_session(self, session, coord):
     self.before_steps.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -185,9 +188,60 @@ class MemoryTimer(tf.compat.v1.train.SessionRunHook):
     if len(self.times) < self._steps:
       self.times.append(time.perf_counter())
       return
+    stats = run_values.run_metadata.step_stats
     self.peaks.append(max(m.allocator_bytes_in_use
-                          for d in run_values.run_metadata.step_stats.dev_stats
-                          for n in d.node_stats for m in n.memory))
+                          for d in stats.dev_stats for n in d.node_stats for m in n.memory))
+    live = live_at_peak(stats)
+    if self.live is None or live[0] > self.live[0]:
+      self.live = live
+
+
+def live_at_peak(step_stats) -> tuple[int, dict[str, int]]:
+  """The most bytes the step's own tensors held at once, and which ops' they were.
+
+  A timeline of the step's allocations and deallocations (each op's
+  `memory.allocation_records`, FULL_TRACE: outputs and temporaries, freed
+  when their last reader is done), walked in time order: returns the peak of
+  live bytes and, at that moment, the live bytes per op name (the op that
+  allocated them; an output another op forwarded in place stays its
+  allocator's). Tensors alive before the step (variables) are not counted.
+  """
+  events = sorted((r.alloc_micros, r.alloc_bytes, n.node_name)
+                  for d in step_stats.dev_stats for n in d.node_stats
+                  for m in n.memory for r in m.allocation_records)
+  live, by_op, peak, at_peak = 0, {}, 0, {}
+  for _, size, op in events:
+    live += size
+    by_op[op] = by_op.get(op, 0) + size
+    if live > peak:
+      peak, at_peak = live, dict(by_op)
+  return peak, {op: b for op, b in at_peak.items() if b > 0}
+
+
+# What the tensors alive at a step's peak are, by the name of the op that
+# allocated them (the first matching rule; the rest: activations and their
+# gradients).
+LIVE_GROUPS = (
+    ('the batch\'s input', r'^(random_normal|IteratorGetNext|shard_inputs)'),
+    ('first pass (the cut)', r'^cached_gradients/'),
+    ('the head, cached gradient', r'^chunked_head/'),
+    ('weight gradients (sums)', r'(MatMul_grad/MatMul_1|BiasAddGrad)$'),
+)
+
+
+def print_live_at_peak(results: dict[str, dict]) -> None:
+  """Per configuration (`step_peak_mb`, `live_at_peak`): MB alive at the step's peak, by group."""
+  groups = [label for label, _ in LIVE_GROUPS] + ['activations, their gradients']
+  table = {}
+  for c, r in results.items():
+    table[c] = dict.fromkeys(groups, 0.0)
+    for op, size in r['live_at_peak']:
+      label = next((l for l, rule in LIVE_GROUPS if re.search(rule, op)), groups[-1])
+      table[c][label] += size / 2**20
+  print(f'alive at the step\'s peak (its own tensors, FULL_TRACE allocation records; MB): '
+        + ', '.join(f'{c} {r["step_peak_mb"]:.0f}' for c, r in results.items()))
+  for label in groups:
+    print(f'  {label:32s}' + ''.join(f' {c} {table[c][label]:6.1f}' for c in results))
 
 
 def paired_change(values: Sequence[float], baseline: Sequence[float]

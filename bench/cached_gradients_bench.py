@@ -21,6 +21,14 @@ of a subprocess that only imports TensorFlow and estimator_towers
 allocator had in use during one of --traced_steps traced steps after the
 timed ones).
 
+The input pipeline makes one batch per step (--prefetch turns tf.data's
+default prefetch buffer back on: whole batches made ahead of the step and
+held between steps, B / (B / k) times larger for (c) than for (b)). What is
+alive at each configuration's peak is printed by group (the step's own
+tensors, from the traced steps' allocation records: `benchlib.live_at_peak`),
+and the ratios again without what (c) holds by design beyond (b): the whole
+batch's input beyond one micro-batch's and the gradient sums.
+
 Goals: (c) holds one micro-batch's activations plus what the step needs on
 the whole batch: the cut tensors (the batch's embeddings, 2 x B x dim floats,
 and their cached gradient), so (c) <= 1.10 x ((b) + cut bytes). The head
@@ -60,6 +68,8 @@ flags.DEFINE_integer('steps', 8, 'Steps per configuration, warm-up included.')
 flags.DEFINE_integer('warmup_steps', 2, 'Untimed first steps.')
 flags.DEFINE_integer('traced_steps', 2, 'Untimed traced steps after the timed ones.')
 flags.DEFINE_integer('repeats', 3, 'Fresh processes per configuration; the median is reported.')
+flags.DEFINE_bool('prefetch', False, 'Keep tf.data\'s default prefetch buffer of whole batches '
+                  '(made ahead of the step, outside the step\'s tensors).')
 flags.DEFINE_bool('quick', False, 'B=1024, 4 steps, 1 repeat: a smoke run.')
 flags.DEFINE_string('config', None, 'Internal: run one configuration in this process.')
 
@@ -101,9 +111,16 @@ def run_one(name: str, batch: int, devices: list[str] | None, k: int) -> dict:
               'doc': tf.random.stateless_normal([batch, FLAGS.inputs], seed=[3, 4])}
     # The batch dimension unknown to the graph, as a dataset's batch without
     # drop_remainder leaves it: the whole batch's head needs it so.
-    return tf.data.Dataset.from_tensors(0).repeat().map(batch_of_examples).map(
+    dataset = tf.data.Dataset.from_tensors(0).repeat().map(batch_of_examples).map(
         lambda f: tf.nest.map_structure(
             lambda t: tf.compat.v1.placeholder_with_default(t, [None, FLAGS.inputs]), f))
+    # tf.data's default optimisations add a prefetch buffer after the map, of
+    # whole batches made ahead: the input pipeline's, not the step's (see
+    # --prefetch).
+    options = tf.data.Options()
+    options.experimental_optimization.inject_prefetch = FLAGS.prefetch
+    options.autotune.enabled = FLAGS.prefetch
+    return dataset.with_options(options)
 
   import benchlib  # pylint: disable=g-import-not-at-top
   timer = benchlib.MemoryTimer(FLAGS.steps)
@@ -122,7 +139,19 @@ def run_one(name: str, batch: int, devices: list[str] | None, k: int) -> dict:
           'seconds_per_step': (timed[-1] - timed[0]) / (len(timed) - 1),
           'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
           'allocator_peak_mb': max(timer.peaks) / 2**20,
-          'rss_before_steps_mb': timer.before_steps[0]}
+          'rss_before_steps_mb': timer.before_steps[0],
+          'step_peak_mb': timer.live[0] / 2**20,
+          'live_at_peak': sorted(timer.live[1].items(), key=lambda kv: -kv[1])}
+
+
+def held_by_design() -> tuple[float, float]:
+  """MB (c) must hold beyond (b): the whole batch's input beyond one
+  micro-batch's, and the gradient sums (one float32 per trained parameter)."""
+  b, k, n, w, d = (FLAGS.batch_size, FLAGS.micro_batches, FLAGS.inputs, FLAGS.width,
+                   FLAGS.depth)
+  inputs = 2 * b * n * 4 * (1 - 1 / k)
+  per_encoder = n * w + w + (d - 1) * (w * w + w) + w * FLAGS.dim + FLAGS.dim
+  return inputs / 2**20, 2 * per_encoder * 4 / 2**20
 
 
 def baseline() -> dict:
@@ -156,12 +185,13 @@ def in_subprocess(config: str) -> dict:
   args = [sys.executable, os.path.abspath(__file__), f'--config={config}'] + [
       f'--{name}={getattr(FLAGS, name)}' for name in (
           'batch_size', 'micro_batches', 'inputs', 'width', 'depth', 'dim', 'steps',
-          'warmup_steps', 'traced_steps')]
+          'warmup_steps', 'traced_steps', 'prefetch')]
   out = subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout
   return json.loads(out.strip().splitlines()[-1])
 
 
 def _report(runs: dict, base: float) -> None:
+  import benchlib  # pylint: disable=g-import-not-at-top
   b, k, dim = FLAGS.batch_size, FLAGS.micro_batches, FLAGS.dim
   mb = 2**20
   cut = 2 * (2 * b * dim * 4) / mb   # the embeddings and their cached gradient
@@ -184,6 +214,18 @@ def _report(runs: dict, base: float) -> None:
         f'(c) / ((b) + cut + head): RSS {above["c"] / (above["b"] + cut + head):.2f}, '
         f'allocator {tensors["c"] / (tensors["b"] + cut + head):.2f}; (c) / (a): RSS '
         f'{above["c"] / above["a"]:.2f}, allocator {tensors["c"] / tensors["a"]:.2f}')
+  benchlib.print_live_at_peak(results)
+  inputs, sums = held_by_design()
+  inherent = inputs + sums
+  print(f'held by design beyond (b): the whole batch\'s input beyond one micro-batch\'s '
+        f'{inputs:.0f} MB (made by tf.data, outside the step\'s tensors), the gradient sums '
+        f'{sums:.0f} MB (one float32 per trained parameter); (c) / ((b) + cut) without them: '
+        f'RSS {(above["c"] - inherent) / (above["b"] + cut):.2f}, allocator '
+        f'{(tensors["c"] - inherent) / (tensors["b"] + cut):.2f} (goal <= 1.10)')
+  own = {c: r['step_peak_mb'] for c, r in results.items()}
+  print(f'the step\'s own tensors at its peak: (c) / ((b) + cut) {own["c"] / (own["b"] + cut):.2f}; '
+        f'without the gradient sums: {(own["c"] - sums) / (own["b"] + cut):.2f} (the input is '
+        f'made by tf.data, not among them)')
   step = {c: r['seconds_per_step'] for c, r in results.items()}
   print(f'(c) / (a) step time: {step["c"] / step["a"]:.2f} (goal <= 1.5)')
 

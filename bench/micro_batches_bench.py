@@ -185,7 +185,9 @@ def run_one(name: str, batch: int, devices: list[str] | None, k: int) -> dict:
           'examples_per_sec': rows * (len(timed) - 1) / (timed[-1] - timed[0]),
           'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
           'allocator_peak_mb': max(timer.peaks) / 2**20,
-          'rss_before_steps_mb': timer.before_steps[0]}
+          'rss_before_steps_mb': timer.before_steps[0],
+          'step_peak_mb': timer.live[0] / 2**20,
+          'live_at_peak': sorted(timer.live[1].items(), key=lambda kv: -kv[1])}
 
 
 def held_by_design(batch: int, k: int) -> tuple[float, float]:
@@ -297,6 +299,10 @@ def main(argv):
         f'above baseline, {tensors["e"] - tensors["b"]:.0f} MB allocator peak; (c) / (e): RSS '
         f'above baseline {above["c"] / above["e"]:.2f}, allocator peak '
         f'{tensors["c"] / tensors["e"]:.2f}')
+  benchlib.print_live_at_peak({c: results[c] for c in ('b', 'e', 'c')})
+  own = {c: r['step_peak_mb'] for c, r in results.items()}
+  print(f'the step\'s own tensors at its peak: (c) / (b) {own["c"] / own["b"]:.2f}; without the '
+        f'input beyond one micro-batch\'s and the sums: {(own["c"] - inputs - sums) / own["b"]:.2f}')
   print(f'(c) / (a) examples/sec: {speed["c"] / speed["a"]:.2f} (goal >= 0.9); '
         f'(d) / (a): {speed["d"] / speed["a"]:.2f}')
 
