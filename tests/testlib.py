@@ -97,6 +97,40 @@ def variables(estimator: tf.estimator.Estimator) -> dict[str, np.ndarray]:
   return {n: estimator.get_variable_value(n) for n in estimator.get_variable_names()}
 
 
+def stepwise_estimator(model_fn, num_cpus: int = 1, model_dir: str | None = None,
+                       params=None, **config_kwargs) -> tf.estimator.Estimator:
+  """`make_estimator` that keeps a checkpoint of every step (for `train_and_read`)."""
+  return make_estimator(model_fn, num_cpus, model_dir, params, save_checkpoints_steps=1,
+                        keep_checkpoint_max=0, **config_kwargs)
+
+
+def checkpoint_variables(path: str) -> dict[str, np.ndarray]:
+  """Every value of checkpoint `path`, under the names `variables` gives."""
+  reader = tf.train.load_checkpoint(path)
+  return {n: reader.get_tensor(n) for n in reader.get_variable_to_shape_map()}
+
+
+def train_and_read(estimator: tf.estimator.Estimator, input_fn, at=(1, 3),
+                   hooks=None) -> list[dict[str, np.ndarray]]:
+  """The variables after each step of `at`, from ONE train(steps=max(at)) call.
+
+  One graph build and session instead of one per step count: the input runs
+  on (a second train() call would restart it). `estimator` must keep a
+  checkpoint of every step (`stepwise_estimator`); the reference it is
+  compared with must be read the same way.
+  """
+  config = estimator.config
+  assert config.save_checkpoints_steps == 1 and not config.keep_checkpoint_max, (
+      'train_and_read needs a stepwise_estimator (a checkpoint of every step, all kept)')
+  estimator.train(input_fn, steps=max(at), hooks=hooks)
+  found = []
+  for step in at:
+    values = checkpoint_variables(os.path.join(estimator.model_dir, f'model.ckpt-{step}'))
+    assert values['global_step'] == step, (step, values['global_step'])
+    found.append(values)
+  return found
+
+
 def predictions(estimator, fn, key='logits') -> np.ndarray:
   return np.stack([p[key] for p in estimator.predict(fn, yield_single_examples=True)])
 
