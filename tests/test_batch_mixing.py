@@ -69,15 +69,13 @@ class _GraphOf(tf.compat.v1.train.SessionRunHook):
 
 
 def _train(model_fn, structure, num_devices=1, **plan):
-  """The variables after 1 and after 3 steps, and the graph."""
+  """The variables after steps 1 and 3 of one train() call, and the graph."""
   if num_devices > 1:
     model_fn = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices), **plan)
-  est = testlib.make_estimator(model_fn, num_cpus=num_devices)
+  est = testlib.stepwise_estimator(model_fn, num_cpus=num_devices)
   hook = _GraphOf()
-  est.train(_input_fn(structure), steps=1, hooks=[hook])
-  after_1 = testlib.variables(est)
-  est.train(_input_fn(structure), steps=2)
-  return after_1, testlib.variables(est), hook.graph
+  after_1, after_3 = testlib.train_and_read(est, _input_fn(structure), hooks=[hook])
+  return after_1, after_3, hook.graph
 
 
 def _copied(graph, tower):

@@ -186,23 +186,16 @@ def _pattern(name):
 @functools.lru_cache(maxsize=None)
 def _plain(name, labels=True):
   model_fn = functools.partial(_model_fn if labels else _features_only, _pattern(name))
-  est = testlib.make_estimator(model_fn)
-  est.train(_input_fn(labels), steps=1)
-  after_1 = testlib.variables(est)
-  est.train(_input_fn(labels), steps=2)
-  return after_1, testlib.variables(est)
+  return tuple(testlib.train_and_read(testlib.stepwise_estimator(model_fn), _input_fn(labels)))
 
 
 def _towered(name, labels=True, num_devices=3, micro_batches=1, **plan):
   model_fn = functools.partial(_model_fn if labels else _features_only, _pattern(name))
-  est = testlib.make_estimator(
+  est = testlib.stepwise_estimator(
       et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices),
                             micro_batches=micro_batches, **plan),
       num_cpus=num_devices)
-  est.train(_input_fn(labels), steps=1)
-  after_1 = testlib.variables(est)
-  est.train(_input_fn(labels), steps=2)
-  return after_1, testlib.variables(est)
+  return tuple(testlib.train_and_read(est, _input_fn(labels)))
 
 
 EXACT = ('in_batch_softmax', 'clip', 'clip_weighted', 'simclr', 'top_k', 'opaque', 'mixup',
@@ -270,22 +263,26 @@ def _tensor_and_dict_model_fn(features, labels, mode):
   return _model_fn(patterns.clip, {'x': features}, labels['y'], mode)
 
 
+def _tensor_and_dict_input_fn():
+  x, y = _data()
+  return lambda: tf.data.Dataset.from_tensor_slices((x, {'y': y})).batch(BATCH)
+
+
+@functools.lru_cache(maxsize=None)
+def _tensor_and_dict_plain():
+  est = testlib.stepwise_estimator(_tensor_and_dict_model_fn)
+  return tuple(testlib.train_and_read(est, _tensor_and_dict_input_fn()))
+
+
 @pytest.mark.parametrize('layout', sorted(LAYOUTS))
 def test_micro_batches_features_a_tensor_labels_a_dict_equal_plain(layout):
-  x, y = _data()
-  input_fn = lambda: tf.data.Dataset.from_tensor_slices((x, {'y': y})).batch(BATCH)
-  results = []
-  for fn, num_devices, micro_batches in [(_tensor_and_dict_model_fn, 1, 1),
-                                         (_tensor_and_dict_model_fn, *LAYOUTS[layout])]:
-    if micro_batches > 1:
-      fn = et.replicate_model_fn(fn, devices=testlib.cpu_devices(num_devices),
-                                 micro_batches=micro_batches)
-    est = testlib.make_estimator(fn, num_cpus=num_devices)
-    est.train(input_fn, steps=1)
-    after_1 = testlib.variables(est)
-    est.train(input_fn, steps=2)
-    results.append((after_1, testlib.variables(est)))
-  (plain_1, plain_3), (towered_1, towered_3) = results
+  num_devices, micro_batches = LAYOUTS[layout]
+  plain_1, plain_3 = _tensor_and_dict_plain()
+  towered = et.replicate_model_fn(_tensor_and_dict_model_fn,
+                                  devices=testlib.cpu_devices(num_devices),
+                                  micro_batches=micro_batches)
+  towered_1, towered_3 = testlib.train_and_read(
+      testlib.stepwise_estimator(towered, num_cpus=num_devices), _tensor_and_dict_input_fn())
   testlib.assert_variables_close(towered_1, plain_1)
   testlib.assert_variables_close(towered_3, plain_3)
 
@@ -371,15 +368,14 @@ def test_a_row_wise_head_on_built_towers_equals_plain(name, warnings):
   """Towers built one by one (not copied): the same seeds, the same update as plain."""
   plain_1, plain_3 = _plain(name)
   hook = _GraphHook()
-  est = testlib.make_estimator(
+  est = testlib.stepwise_estimator(
       et.replicate_model_fn(functools.partial(_built_towers_model_fn, _pattern(name)),
                             devices=testlib.cpu_devices(3)), num_cpus=3)
-  est.train(_input_fn(), steps=1, hooks=[hook])
+  towered_1, towered_3 = testlib.train_and_read(est, _input_fn(), hooks=[hook])
   assert any(op.name.startswith('tower_2/') for op in hook.graph.get_operations())  # built
   assert any(op.name.startswith('row_wise_head/tower_2/') for op in hook.graph.get_operations())
-  testlib.assert_variables_close(testlib.variables(est), plain_1)
-  est.train(_input_fn(), steps=2)
-  testlib.assert_variables_close(testlib.variables(est), plain_3)
+  testlib.assert_variables_close(towered_1, plain_1)
+  testlib.assert_variables_close(towered_3, plain_3)
   assert not _ours(warnings), _ours(warnings)
 
 

@@ -14,6 +14,7 @@ Also: features only under staged input, and a signature without `labels`
 (Estimator's model_fn may leave it out when the input has none).
 """
 
+import functools
 import itertools
 
 import numpy as np
@@ -119,13 +120,19 @@ def trained(model_fn, input_fn, num_cpus):
 CASES = list(itertools.product(FEATURES, LABELS, LOSSES, LAYOUTS))
 
 
+@functools.lru_cache(maxsize=None)
+def plain(features_kind, labels_kind, loss_kind, ask_tower):
+  """The plain model_fn's variables (shared by the layouts that build the same model_fn)."""
+  return trained(make_model_fn(loss_kind, ask_tower), make_input_fn(features_kind, labels_kind), 1)
+
+
 @pytest.mark.parametrize('features_kind,labels_kind,loss_kind,layout', CASES,
                          ids=['-'.join(case) for case in CASES])
 def test_every_input_structure_trains_as_plain(features_kind, labels_kind, loss_kind, layout):
   spec = LAYOUTS[layout]
   input_fn = make_input_fn(features_kind, labels_kind)
   model_fn = make_model_fn(loss_kind, spec['ask_tower'])
-  expected = trained(model_fn, input_fn, 1)
+  expected = plain(features_kind, labels_kind, loss_kind, spec['ask_tower'])
   towered = replicate_model_fn(model_fn, devices=testlib.cpu_devices(spec['devices']),
                                micro_batches=spec['micro_batches'])
   actual = trained(towered, input_fn, spec['devices'])

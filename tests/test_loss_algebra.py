@@ -5,7 +5,7 @@ by the number of tokens (or by a sum of weights, or by a count of non-zero
 weights), or adds several such terms, or a regulariser, is rebuilt on the whole
 batch's statistics. Every check compares the towered model_fn with the plain
 one run by a plain Estimator on the same data: variables and optimizer slots
-after 1 and 1 + 3 steps, the loss each step reports, and the EVAL loss on one
+after 1 and 3 steps (one train() call), the loss each step reports, and the EVAL loss on one
 checkpoint, within |d| <= 1e-5 * max(1, |plain|). Shards: 3 towers, 3
 micro-batches on one device, 2 devices x 2 micro-batches; each layout has a
 shard that is all padding.
@@ -286,14 +286,12 @@ class ReportedLoss(tf.compat.v1.train.SessionRunHook):
 
 
 def _run(model_fn, num_cpus=1, model_dir=None, input_fn=_input_fn):
-  """Variables after 1 step and after 3 more (batches 1; 1, 2, 3), the
-  estimator, and the loss each of the 4 steps reported."""
-  est = testlib.make_estimator(model_fn, num_cpus=num_cpus, model_dir=model_dir)
+  """Variables after step 1 and step 3 of one train() call (batches 1, 2, 3),
+  the estimator, and the loss each of the 3 steps reported."""
+  est = testlib.stepwise_estimator(model_fn, num_cpus=num_cpus, model_dir=model_dir)
   reported = ReportedLoss()
-  est.train(input_fn, steps=1, hooks=[reported])
-  after_1 = testlib.variables(est)
-  est.train(input_fn, steps=3, hooks=[reported])
-  return after_1, testlib.variables(est), est, reported.values
+  after_1, after_3 = testlib.train_and_read(est, input_fn, hooks=[reported])
+  return after_1, after_3, est, reported.values
 
 
 @functools.lru_cache(maxsize=None)
@@ -303,19 +301,19 @@ def _plain(name):
 
 @functools.lru_cache(maxsize=None)
 def _plain_eval_loss(name):
-  """The plain model_fn's EVAL loss on its checkpoint of step 4, the three batches."""
+  """The plain model_fn's EVAL loss on its checkpoint of step 3, the three batches."""
   return _plain(name)[2].evaluate(_input_of(name), name='plain')['loss']
 
 
 def _check_like_plain(name, num_cpus, **settings):
-  plain_1, plain_4, plain, plain_losses = _plain(name)
-  assert plain_4['global_step'] == 4
+  plain_1, plain_3, plain, plain_losses = _plain(name)
+  assert plain_3['global_step'] == 3
   towered_fn = et.replicate_model_fn(_plain_model_fn(name), **settings)
-  towered_1, towered_4, _, towered_losses = _run(towered_fn, num_cpus, input_fn=_input_of(name))
+  towered_1, towered_3, _, towered_losses = _run(towered_fn, num_cpus, input_fn=_input_of(name))
   _assert_rule(towered_1, plain_1)
-  _assert_rule(towered_4, plain_4)
+  _assert_rule(towered_3, plain_3)
   # The loss each training step reports (logged, summarised).
-  assert len(towered_losses) == len(plain_losses) == 4
+  assert len(towered_losses) == len(plain_losses) == 3
   testlib.assert_close(towered_losses, plain_losses, err_msg='reported training loss')
   # EVAL on the plain checkpoint, over the same three batches.
   towered = testlib.make_estimator(towered_fn, num_cpus=num_cpus, model_dir=plain.model_dir)
@@ -416,16 +414,15 @@ def test_loss_denominator_needs_a_scalar():
                          [('gpu', 0), ('replicated', 0), ('cpu', 1)])
 def test_padded_tokens_with_other_strategies_and_staged_input(variable_strategy,
                                                               staging_depth):
-  plain_1, plain_4, _, _ = _plain('padded')
+  plain_1, plain_3, _, _ = _plain('padded')
   plan = et.make_plan(devices=testlib.cpu_devices(3), variable_strategy=variable_strategy,
                       staging_depth=staging_depth)
   towered_fn = et.replicate_model_fn(_plain_model_fn('padded'), plan=plan)
-  est = testlib.make_estimator(towered_fn, num_cpus=3)
+  est = testlib.stepwise_estimator(towered_fn, num_cpus=3)
   input_fn = et.staged_input_fn(_input_fn, plan) if staging_depth else _input_fn
-  est.train(input_fn, steps=1)
-  _assert_rule(testlib.variables(est), plain_1)
-  est.train(input_fn, steps=3)
-  _assert_rule(testlib.variables(est), plain_4)
+  towered_1, towered_3 = testlib.train_and_read(est, input_fn)
+  _assert_rule(towered_1, plain_1)
+  _assert_rule(towered_3, plain_3)
 
 
 def _self_normalised(labels, logits, mask, features):

@@ -79,13 +79,9 @@ def assert_close(actual: dict, expected: dict) -> None:
     assert error.max(initial=0) <= 1e-5, (name, actual[name], plain)
 
 
-def train_1_then_2(model_fn, fn, num_cpus=1):
-  """Variables after train(steps=1) and after a second train(steps=2)."""
-  est = testlib.make_estimator(model_fn, num_cpus=num_cpus)
-  est.train(fn, steps=1)
-  after_1 = testlib.variables(est)
-  est.train(fn, steps=2)
-  return after_1, testlib.variables(est)
+def train_1_and_3(model_fn, fn, num_cpus=1):
+  """Variables after steps 1 and 3 of one train(steps=3) call."""
+  return testlib.train_and_read(testlib.stepwise_estimator(model_fn, num_cpus=num_cpus), fn)
 
 
 def _input_fn(batch, static=False):
@@ -96,14 +92,14 @@ def _input_fn(batch, static=False):
 @functools.lru_cache(maxsize=None)
 def plain_reference(name, batch, static=False):
   """The plain model_fn's variables after 1 and 3 steps (shared by the layouts)."""
-  return train_1_then_2(model_fn_with(name), _input_fn(batch, static))
+  return train_1_and_3(model_fn_with(name), _input_fn(batch, static))
 
 
 def check_like_plain(name, num_devices, k, batch, static=False, variable_strategy='cpu'):
   fn = _input_fn(batch, static)
   model_fn = model_fn_with(name)
   plain = plain_reference(name, batch, static)
-  towered = train_1_then_2(
+  towered = train_1_and_3(
       replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices), micro_batches=k,
                          variable_strategy=variable_strategy),
       fn, num_cpus=num_devices)
@@ -145,7 +141,7 @@ def test_batch_smaller_than_devices_times_micro_batches(num_devices, k, batch, s
 
 def test_num_gpus_zero_the_cpu_alone():
   plain = plain_reference('Momentum', 7)
-  towered = train_1_then_2(
+  towered = train_1_and_3(
       replicate_model_fn(model_fn_with('Momentum'), num_gpus=0, micro_batches=3), _input_fn(7))
   for mine, theirs in zip(towered, plain):
     assert_close(mine, theirs)
@@ -440,12 +436,18 @@ def test_every_branch_waits_for_the_previous_backward_pass_and_sums(structure):
   assert unordered_ops(structure, 4) == []
 
 
+@functools.lru_cache(maxsize=None)
+def two_branch_plain(structure):
+  """The plain two-branch model_fn after steps 1 and 3 (shared by the layouts)."""
+  return train_1_and_3(two_branch_model_fn, two_branch_input_fn(structure))
+
+
 @pytest.mark.parametrize('structure', STRUCTURES)
 @pytest.mark.parametrize('num_devices, k', LAYOUTS)
 def test_two_branches_train_like_plain(structure, num_devices, k):
   fn = two_branch_input_fn(structure)
-  plain = train_1_then_2(two_branch_model_fn, fn)
-  towered = train_1_then_2(replicate_model_fn(
+  plain = two_branch_plain(structure)
+  towered = train_1_and_3(replicate_model_fn(
       two_branch_model_fn, devices=testlib.cpu_devices(num_devices), micro_batches=k),
       fn, num_cpus=num_devices)
   for steps, mine, theirs in zip((1, 3), towered, plain):

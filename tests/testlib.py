@@ -97,6 +97,37 @@ def variables(estimator: tf.estimator.Estimator) -> dict[str, np.ndarray]:
   return {n: estimator.get_variable_value(n) for n in estimator.get_variable_names()}
 
 
+def stepwise_estimator(model_fn, num_cpus: int = 1, model_dir: str | None = None,
+                       params=None, **config_kwargs) -> tf.estimator.Estimator:
+  """`make_estimator` that keeps a checkpoint of every step (for `train_and_read`)."""
+  return make_estimator(model_fn, num_cpus, model_dir, params, save_checkpoints_steps=1,
+                        keep_checkpoint_max=0, **config_kwargs)
+
+
+def checkpoint_variables(path: str) -> dict[str, np.ndarray]:
+  """Every value of checkpoint `path`, under the names `variables` gives."""
+  reader = tf.train.load_checkpoint(path)
+  return {n: reader.get_tensor(n) for n in reader.get_variable_to_shape_map()}
+
+
+def train_and_read(estimator: tf.estimator.Estimator, input_fn, at=(1, 3),
+                   hooks=None) -> list[dict[str, np.ndarray]]:
+  """The variables after each step of `at`, from ONE train(steps=max(at)) call.
+
+  One graph build and session instead of one per step count: the input runs
+  on (a second train() call would restart it). `estimator` must keep a
+  checkpoint of every step (`stepwise_estimator`); the reference it is
+  compared with must be read the same way.
+  """
+  config = estimator.config
+  assert config.save_checkpoints_steps == 1 and not config.keep_checkpoint_max, (
+      'train_and_read needs a stepwise_estimator (a checkpoint of every step, all kept)')
+  estimator.train(input_fn, steps=max(at), hooks=hooks)
+  # Checkpoints are named by the global step: the one of each step of `at` must be there.
+  return [checkpoint_variables(os.path.join(estimator.model_dir, f'model.ckpt-{step}'))
+          for step in at]
+
+
 def predictions(estimator, fn, key='logits') -> np.ndarray:
   return np.stack([p[key] for p in estimator.predict(fn, yield_single_examples=True)])
 
@@ -244,26 +275,44 @@ def minibatch_kmeans_steps(centres, counts, batches, reads: str | None = None):
 # --- Towered vs plain training over several train() calls ---------------------
 
 class PlainTraining:
-  """The plain model_fn's variables after steps 1, 3 and 4.
+  """The plain model_fn's variables, each way of running it computed once, when asked.
 
-  Steps are run as train(steps=1), train(steps=2), train(steps=1), each call
-  restarting the input, so any run with the same call sequence sees the same
-  batches.
+  `after`: after steps 1, 3 and 4 run as train(steps=1), train(steps=2),
+  train(steps=1), each call restarting the input, so any run with the same
+  call sequence sees the same batches (the resume checks).
+  `continuous()`: after steps 1 and 3 of one train(steps=3) call (the input
+  runs on), as `train_and_read` reads a towered run.
   """
 
   def __init__(self, model_fn, input_fn, params=None):
-    est = make_estimator(model_fn, params=params)
-    self.after = {}
-    for steps, total in ((1, 1), (2, 3), (1, 4)):
-      est.train(input_fn, steps=steps)
-      self.after[total] = variables(est)
-      assert self.after[total]['global_step'] == total, 'the plain reference must train'
-      if total == 1:  # Kept for resumes from the plain checkpoint of step 1.
-        self._step_1_dir = tempfile.mkdtemp(prefix='et_')
-        _copy_checkpoint(est.model_dir, self._step_1_dir)
+    self._model_fn, self._input_fn, self._params = model_fn, input_fn, params
+    self._after = None
+    self._continuous = None
+
+  @property
+  def after(self) -> dict[int, dict[str, np.ndarray]]:
+    if self._after is None:
+      est = make_estimator(self._model_fn, params=self._params)
+      after = {}
+      for steps, total in ((1, 1), (2, 3), (1, 4)):
+        est.train(self._input_fn, steps=steps)
+        after[total] = variables(est)
+        assert after[total]['global_step'] == total, 'the plain reference must train'
+        if total == 1:  # Kept for resumes from the plain checkpoint of step 1.
+          self._step_1_dir = tempfile.mkdtemp(prefix='et_')
+          _copy_checkpoint(est.model_dir, self._step_1_dir)
+      self._after = after
+    return self._after
+
+  def continuous(self) -> dict[int, dict[str, np.ndarray]]:
+    if self._continuous is None:
+      est = stepwise_estimator(self._model_fn, params=self._params)
+      self._continuous = dict(zip((1, 3), train_and_read(est, self._input_fn, at=(1, 3))))
+    return self._continuous
 
   def plain_checkpoint_after_step_1(self) -> str:
     """A new model_dir holding (a copy of) the plain checkpoint of step 1."""
+    self.after  # pylint: disable=pointless-statement
     model_dir = tempfile.mkdtemp(prefix='et_')
     _copy_checkpoint(self._step_1_dir, model_dir)
     return model_dir
@@ -286,16 +335,22 @@ def check_towered_training(model_fn, towered_model_fn, num_devices: int, input_f
 
   Checks: variables and optimizer slots within `tol` (assert_close's rule)
   after 1 and 3 steps, with exactly the plain checkpoint names; global_step +1
-  per step; a second train() call of the towered estimator; with `resume`, a
-  checkpoint resumed plain -> towered -> plain.
+  per step. With `resume`: steps 1 and 3 in two train() calls (the second
+  resumes the towered estimator's own checkpoint), and a checkpoint resumed
+  plain -> towered -> plain. Without: one train(steps=3) call, read at steps 1
+  and 3 (one graph build), against the plain run made the same way.
   """
+  if not resume:
+    towered = stepwise_estimator(towered_model_fn, num_cpus=num_devices, params=params)
+    after_1, after_3 = train_and_read(towered, input_fn, at=(1, 3))
+    assert_variables_close(after_1, reference.continuous()[1], tol)
+    assert_variables_close(after_3, reference.continuous()[3], tol)
+    return
   towered = make_estimator(towered_model_fn, num_cpus=num_devices, params=params)
   towered.train(input_fn, steps=1)
   assert_variables_close(variables(towered), reference.after[1], tol)
   towered.train(input_fn, steps=2)  # a second train() call resumes its own checkpoint
   assert_variables_close(variables(towered), reference.after[3], tol)
-  if not resume:
-    return
 
   # The plain checkpoint of step 1 (the reference's own; plain training is
   # deterministic, so training it again would write the same values).
