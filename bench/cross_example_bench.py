@@ -121,11 +121,11 @@ def steps_per_sec(loss, num_devices):
 def _single_head(model):
   """`model` with the single head: the row-wise split refused (a bench switch)."""
   from estimator_towers import row_wise_head  # pylint: disable=g-import-not-at-top
-  def fn(*args, **kwargs):
+  def fn(features, labels, mode, params):   # Estimator checks a model_fn's arguments' names
     original = row_wise_head.build
     row_wise_head.build = lambda *a, **k: 'the single head (--single_head)'
     try:
-      return model(*args, **kwargs)
+      return model(features, labels, mode, params)
     finally:
       row_wise_head.build = original
   return fn
