@@ -23,6 +23,8 @@ on each device (run once, its shapes at run time).
 
   python bench/cross_example_bench.py                    # B = 1024, D = 128, N = 2, 4
   python bench/cross_example_bench.py --quick            # B = 256, fewer steps
+  python bench/cross_example_bench.py --steps=200 --repeats=5 --intra_op_threads=1 \
+      --inter_op_threads=2                               # one thread per op (each device a unit)
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ flags.DEFINE_integer('steps', 30, 'timed steps per run')
 flags.DEFINE_integer('warmup', 5, 'steps before timing')
 flags.DEFINE_integer('repeats', 3, 'alternating runs per configuration')
 flags.DEFINE_bool('quick', False, 'B = 256, 10 steps, 1 repeat')
+flags.DEFINE_integer('intra_op_threads', 0, 'threads per op (0: TensorFlow\'s default)')
+flags.DEFINE_integer('inter_op_threads', 0, 'ops at once (0: TensorFlow\'s default)')
 flags.DEFINE_bool('single_head', False, 'the head once on the first tower (not row-wise)')
 FLAGS = flags.FLAGS
 FEATURES = 64
@@ -91,7 +95,10 @@ def _estimator(loss, num_devices):
   if FLAGS.single_head and num_devices > 1:
     fn = _single_head(fn)
   config = tf.estimator.RunConfig(
-      session_config=tf.compat.v1.ConfigProto(device_count={'CPU': max(num_devices, 1)}),
+      session_config=tf.compat.v1.ConfigProto(
+          device_count={'CPU': max(num_devices, 1)},
+          intra_op_parallelism_threads=FLAGS.intra_op_threads,
+          inter_op_parallelism_threads=FLAGS.inter_op_threads),
       save_checkpoints_steps=None, save_checkpoints_secs=None, save_summary_steps=None,
       log_step_count_steps=100000)
   return tf.estimator.Estimator(fn, model_dir=tempfile.mkdtemp(prefix='xb_'), config=config,
@@ -167,7 +174,8 @@ def main(argv):
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
   print(f'cross_example_bench {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, '
         f'{benchlib.machine()}, B = {FLAGS.batch}, D = {FLAGS.width}, '
-        f'{FLAGS.steps} timed steps x {FLAGS.repeats} alternating runs')
+        f'{FLAGS.steps} timed steps x {FLAGS.repeats} alternating runs, threads per op '
+        f'{FLAGS.intra_op_threads or "default"}, ops at once {FLAGS.inter_op_threads or "default"}')
   for n in [int(d) for d in FLAGS.devices]:
     rates = {key: [] for key in ('in_batch:1', 'in_batch:n', 'per_example:1', 'per_example:n')}
     for _ in range(FLAGS.repeats):
