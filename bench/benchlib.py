@@ -1,5 +1,6 @@
 """What the bench scripts share: the MLP they time, its flags, the machine they
-ran on, interleaved timing and paired-change reporting.
+ran on, interleaved timing and paired-change reporting, and fresh processes
+per configuration for peak memory.
 
 A script that times the MLP calls `define_mlp_flags(...)` with its own
 defaults at import, builds `mlp_model_fn(...)` and `synthetic_data(...)`, and
@@ -12,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import json
 import os
 import platform
 import re
 import resource
 import statistics
 import subprocess
+import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -305,3 +308,47 @@ def open_towered_session(model_fn: Callable, plan: et.DevicePlan, mode: str,
         tf.compat.v1.train.ChiefSessionCreator(config=session_config(own_threads=True)),
         hooks=hooks(spec))
     return session, step
+
+
+# --- Fresh processes per configuration (peak memory) -------------------------
+
+def baseline_rss() -> dict:
+  """The peak RSS of this process, which imported TensorFlow and estimator_towers only."""
+  return {'name': 'baseline',
+          'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def in_fresh_process(script: str, config: str, flag_names: Sequence[str]) -> dict:
+  """`script --config=config` in a new process, with this process's values of
+  `flag_names`: the JSON of its last output line."""
+  script = os.path.abspath(script)
+  root = os.path.dirname(os.path.dirname(script))
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2',
+             PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get('PYTHONPATH')] if p]))
+  args = [sys.executable, script, f'--config={config}'] + [
+      f'--{name}={getattr(FLAGS, name)}' for name in flag_names]
+  out = subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def interleaved_processes(script: str, configs: Sequence[str], repeats: int,
+                          flag_names: Sequence[str]) -> dict[str, list[dict]]:
+  """Each configuration's results, `repeats` fresh processes each, interleaved.
+
+  Peak RSS moves by some tens of MB from process to process (the C library's
+  arenas, thread timing): report the median of each configuration's runs.
+  """
+  runs = {c: [] for c in configs}
+  for _ in range(repeats):
+    for c in configs:
+      runs[c].append(in_fresh_process(script, c, flag_names))
+  return runs
+
+
+def medians(runs: list[dict]) -> dict:
+  """One configuration's runs as one: each number replaced by its median."""
+  out = dict(runs[0])
+  for key, value in runs[0].items():
+    if isinstance(value, (int, float)):
+      out[key] = statistics.median(r[key] for r in runs)
+  return out

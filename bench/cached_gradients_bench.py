@@ -49,10 +49,8 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 from absl import app
 from absl import flags
@@ -154,13 +152,6 @@ def held_by_design() -> tuple[float, float]:
   return inputs / 2**20, 2 * per_encoder * 4 / 2**20
 
 
-def baseline() -> dict:
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top,unused-import
-  import estimator_towers  # pylint: disable=g-import-not-at-top,unused-import
-  return {'name': 'baseline', 'peak_rss_mb':
-          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
 def configurations() -> dict:
   b, k = FLAGS.batch_size, FLAGS.micro_batches
   return {
@@ -170,33 +161,13 @@ def configurations() -> dict:
   }
 
 
-def _median(runs: list[dict]) -> dict:
-  out = dict(runs[0])
-  for key, value in runs[0].items():
-    if isinstance(value, (int, float)):
-      out[key] = statistics.median(r[key] for r in runs)
-  return out
-
-
-def in_subprocess(config: str) -> dict:
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2',
-             PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get('PYTHONPATH')] if p]))
-  args = [sys.executable, os.path.abspath(__file__), f'--config={config}'] + [
-      f'--{name}={getattr(FLAGS, name)}' for name in (
-          'batch_size', 'micro_batches', 'inputs', 'width', 'depth', 'dim', 'steps',
-          'warmup_steps', 'traced_steps', 'prefetch')]
-  out = subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout
-  return json.loads(out.strip().splitlines()[-1])
-
-
 def _report(runs: dict, base: float) -> None:
   import benchlib  # pylint: disable=g-import-not-at-top
   b, k, dim = FLAGS.batch_size, FLAGS.micro_batches, FLAGS.dim
   mb = 2**20
   cut = 2 * (2 * b * dim * 4) / mb   # the embeddings and their cached gradient
   head = (b * b - (b // k) ** 2) * 4 / mb   # one [B, B] float matrix, beyond (b)'s [B/k, B/k]
-  results = {c: _median(rs) for c, rs in runs.items() if c != 'baseline'}
+  results = {c: benchlib.medians(rs) for c, rs in runs.items() if c != 'baseline'}
   print(f'{"configuration":40s} {"peak RSS":>9s} {"above base":>11s} {"before steps":>13s} '
         f'{"allocator peak":>15s} {"s/step":>8s}   (MB; medians)')
   for c, r in results.items():
@@ -230,12 +201,17 @@ def _report(runs: dict, base: float) -> None:
   print(f'(c) / (a) step time: {step["c"] / step["a"]:.2f} (goal <= 1.5)')
 
 
+_FLAGS_PASSED = ('batch_size', 'micro_batches', 'inputs', 'width', 'depth', 'dim', 'steps',
+                 'warmup_steps', 'traced_steps', 'prefetch')  # to each configuration's process
+
+
 def main(argv):
   del argv
   if FLAGS.quick:
     FLAGS.batch_size, FLAGS.steps, FLAGS.repeats = 1024, 4, 1
   if FLAGS.config is not None:
-    result = baseline() if FLAGS.config == 'baseline' else run_one(
+    import benchlib  # pylint: disable=g-import-not-at-top
+    result = benchlib.baseline_rss() if FLAGS.config == 'baseline' else run_one(
         *configurations()[FLAGS.config])
     print(json.dumps(result))
     return
@@ -245,10 +221,7 @@ def main(argv):
         f'B={FLAGS.batch_size}, k={FLAGS.micro_batches}, encoders {FLAGS.depth} x {FLAGS.width} '
         f'ReLU on {FLAGS.inputs} inputs -> {FLAGS.dim}, {FLAGS.steps} steps '
         f'({FLAGS.warmup_steps} warm-up)')
-  runs = {c: [] for c in ['baseline', 'a', 'b', 'c']}
-  for _ in range(FLAGS.repeats):   # interleaved: RSS moves by tens of MB between processes
-    for c in runs:
-      runs[c].append(in_subprocess(c))
+  runs = benchlib.interleaved_processes(__file__, ['baseline', 'a', 'b', 'c'], FLAGS.repeats, _FLAGS_PASSED)
   base = statistics.median(r['peak_rss_mb'] for r in runs['baseline'])
   print(f'baseline (import TensorFlow and estimator_towers): peak RSS {base:.0f} MB '
         f'(median of {FLAGS.repeats})')

@@ -58,10 +58,8 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 from absl import app
 from absl import flags
@@ -126,7 +124,8 @@ def encoders_model_fn(features, labels, mode):
   if FLAGS.model == 'two_encoders':
     doc = _encoder(doc, 'doc', 101)
   loss = tf.reduce_mean(-tf.reduce_sum(query * doc, -1))
-  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.01).minimize(
+  # -<q, d> has no lower bound: a small rate keeps the bench's few steps finite.
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(1e-5).minimize(
       loss, tf.compat.v1.train.get_global_step())
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
@@ -206,13 +205,6 @@ def held_by_design(batch: int, k: int) -> tuple[float, float]:
   return inputs * (1 - 1 / k) / 2**20, sums / 2**20
 
 
-def baseline() -> dict:
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top,unused-import
-  import estimator_towers  # pylint: disable=g-import-not-at-top,unused-import
-  return {'name': 'baseline', 'peak_rss_mb':
-          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
 def configurations() -> dict:
   b, k, n = FLAGS.batch_size, FLAGS.micro_batches, FLAGS.num_devices
   return {
@@ -225,26 +217,8 @@ def configurations() -> dict:
   }
 
 
-def _median(runs: list[dict]) -> dict:
-  """Each number of `runs` (one configuration's) replaced by its median."""
-  out = dict(runs[0])
-  for key, value in runs[0].items():
-    if isinstance(value, (int, float)):
-      out[key] = statistics.median(r[key] for r in runs)
-  return out
-
-
-def in_subprocess(config: str) -> dict:
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2',
-             PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get('PYTHONPATH')] if p]))
-  args = [sys.executable, os.path.abspath(__file__), f'--config={config}',
-          f'--batch_size={FLAGS.batch_size}', f'--micro_batches={FLAGS.micro_batches}',
-          f'--num_devices={FLAGS.num_devices}', f'--steps={FLAGS.steps}',
-          f'--warmup_steps={FLAGS.warmup_steps}', f'--traced_steps={FLAGS.traced_steps}',
-          f'--model={FLAGS.model}']
-  out = subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout
-  return json.loads(out.strip().splitlines()[-1])
+_FLAGS_PASSED = ('batch_size', 'micro_batches', 'num_devices', 'steps', 'warmup_steps',
+                 'traced_steps', 'model')  # to each configuration's process
 
 
 def main(argv):
@@ -252,10 +226,9 @@ def main(argv):
   if FLAGS.quick:
     FLAGS.batch_size, FLAGS.steps, FLAGS.repeats = 2048, 5, 1
   if FLAGS.config is not None:
-    if FLAGS.config == 'baseline':
-      result = baseline()
-    else:
-      result = run_one(*configurations()[FLAGS.config])
+    import benchlib  # pylint: disable=g-import-not-at-top
+    result = benchlib.baseline_rss() if FLAGS.config == 'baseline' else run_one(
+        *configurations()[FLAGS.config])
     print(json.dumps(result))
     return
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -263,17 +236,11 @@ def main(argv):
   print(f'micro_batches_bench: {datetime.date.today()}, {benchlib.machine()}; '
         f'model {FLAGS.model}, B={FLAGS.batch_size}, k={FLAGS.micro_batches}, N={FLAGS.num_devices}, '
         f'{FLAGS.steps} steps ({FLAGS.warmup_steps} warm-up)')
-  # Peak RSS moves by some tens of MB from process to process (the C
-  # library's arenas, thread timing): each configuration runs --repeats times,
-  # interleaved, and each number is the median of its runs.
-  runs = {c: [] for c in ['baseline', 'a', 'b', 'c', 'd', 'e']}
-  for _ in range(FLAGS.repeats):
-    for c in runs:
-      runs[c].append(in_subprocess(c))
+  runs = benchlib.interleaved_processes(__file__, ['baseline', 'a', 'b', 'c', 'd', 'e'], FLAGS.repeats, _FLAGS_PASSED)
   base = statistics.median(r['peak_rss_mb'] for r in runs['baseline'])
   print(f'baseline (import TensorFlow and estimator_towers): peak RSS {base:.0f} MB '
         f'(median of {FLAGS.repeats})')
-  results = {c: _median(rs) for c, rs in runs.items() if c != 'baseline'}
+  results = {c: benchlib.medians(rs) for c, rs in runs.items() if c != 'baseline'}
   print(f'{"configuration":46s} {"peak RSS":>9s} {"above base":>11s} {"before steps":>13s} '
         f'{"allocator peak":>15s} {"examples/s":>11s}   (MB; medians)')
   for c, r in results.items():
