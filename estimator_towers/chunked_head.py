@@ -209,20 +209,15 @@ class _Chunks(rwh.Split):
 def _tail_gradients(forward: _Chunks, whole: tf.Tensor, grad_y: Any, values: list
                     ) -> dict | str:
   """The tail's gradient w.r.t. each chunk's per-row values and the outside values."""
-  rows = [r for parts in forward.tail for r in parts]
-  outside = [t for _, t in forward.outside.values()]
-  everything = [v for shard in values for v in shard]
-  with tf.device(forward.device), tf.name_scope('chunked_head/tail_gradients'):
-    grads = tf.compat.v1.gradients(whole, rows + outside + everything,
-                                   grad_ys=None if grad_y is None else [grad_y],
-                                   stop_gradients=rows + outside + everything,
-                                   colocate_gradients_with_ops=True)
-  if any(g is not None for g in grads[len(rows) + len(outside):]):
-    return 'the tail after the per-row values reads the frontier itself'
+  got = forward.tail_gradients(whole, grad_y, [v for shard in values for v in shard],
+                               'chunked_head/tail_gradients')
+  if isinstance(got, str):
+    return got
+  rows, outside = got
   chunks = len(forward.per_shard)
-  per_row = [grads[p * chunks:(p + 1) * chunks] for p in range(len(forward.tail))]
-  return {'rows': per_row, 'outside': dict(zip((t.name for t in outside),
-                                               grads[len(rows):len(rows) + len(outside)]))}
+  per_row = [rows[p * chunks:(p + 1) * chunks] for p in range(len(forward.tail))]
+  return {'rows': per_row, 'outside': dict(zip(
+      (t.name for _, t in forward.outside.values()), outside))}
 
 
 def _chunk_gradients(forward: _Chunks, backward: _Chunks, tail: dict

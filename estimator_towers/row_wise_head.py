@@ -94,15 +94,12 @@ def _seeds(split: Split, whole: tf.Tensor, grad_y: Any, per_shard: list
   rows = [r for parts in split.tail for r in parts]
   outside = [t for _, t in split.outside.values()]
   everything = [t for shard in per_shard for t in shard]
-  with tf.device(split.device), tf.name_scope('row_wise_head/tail_gradients'):
-    tail = tf.compat.v1.gradients(whole, rows + outside + everything,
-                                  grad_ys=None if grad_y is None else [grad_y],
-                                  stop_gradients=rows + outside + everything,
-                                  colocate_gradients_with_ops=True)
-  if any(g is not None for g in tail[len(rows) + len(outside):]):
-    return 'the tail after the per-row values reads the frontier itself'
+  tail = split.tail_gradients(whole, grad_y, everything, 'row_wise_head/tail_gradients')
+  if isinstance(tail, str):
+    return tail
+  tail_rows, tail_outside = tail
   linear = _linear_coefficients(split, whole, grad_y)
-  seeded = [(r, g) for r, g in zip(rows, linear or tail) if g is not None]
+  seeded = [(r, g) for r, g in zip(rows, linear or tail_rows) if g is not None]
   with tf.device(split.device), tf.name_scope('row_wise_head/local_gradients'):
     local = tf.compat.v1.gradients([r for r, _ in seeded], everything + outside,
                                    grad_ys=[g for _, g in seeded],
@@ -110,7 +107,7 @@ def _seeds(split: Split, whole: tf.Tensor, grad_y: Any, per_shard: list
                                    colocate_gradients_with_ops=True)
   seeds = wbh.shard_seeds(per_shard, per_shard, local)
   seed_outside(seeds, [(k, t, mine, theirs) for (k, t), mine, theirs in zip(
-      split.outside.values(), local[len(everything):], tail[len(rows):])], split.across)
+      split.outside.values(), local[len(everything):], tail_outside)], split.across)
   where = (f'row-wise: each tower its own rows against the gathered columns, the mean over '
            f'the rows on {split.device or "the first tower"}')
   return whole, seeds, [], where
@@ -220,6 +217,22 @@ class Split:
     self._tower = 0              # whose local rows are being built
     self._offset = None
     self._total = None
+
+  def tail_gradients(self, whole: tf.Tensor, grad_y: Any, everything: list, scope: str
+                     ) -> tuple[list, list] | str:
+    """The tail's gradient with respect to every tower's per-row values (in `tail`'s
+    order) and to the values of no shard (in `outside`'s), or why the head is not
+    row-wise (the tail reads the frontier tensors `everything` itself)."""
+    rows = [r for parts in self.tail for r in parts]
+    outside = [t for _, t in self.outside.values()]
+    with tf.device(self.device), tf.name_scope(scope):
+      grads = tf.compat.v1.gradients(whole, rows + outside + everything,
+                                     grad_ys=None if grad_y is None else [grad_y],
+                                     stop_gradients=rows + outside + everything,
+                                     colocate_gradients_with_ops=True)
+    if any(g is not None for g in grads[len(rows) + len(outside):]):
+      return 'the tail after the per-row values reads the frontier itself'
+    return grads[:len(rows)], grads[len(rows):len(rows) + len(outside)]
 
   def whole(self, t: tf.Tensor) -> tf.Tensor:
     if self.found.kind(t) is None:
