@@ -295,9 +295,17 @@ class Split:
       self._whole[a.name] = (b, origins)
 
   def _columns(self, t: tf.Tensor, kind: rd.Kind) -> tf.Tensor:
-    """The towers' rows of frontier tensor `t`, gathered: the columns every tower reads."""
+    """The towers' rows of frontier tensor `t`, gathered: the columns every tower reads.
+
+    One row per example: each shard's own rows, cut once on its own device
+    (`_own_rows`), concatenated; their gradients add up there before the cut's.
+    """
     j = self.frontier[t.name]
-    value = wbh.gathered([s[j] for s in self.per_shard], kind, self.sizes, self.nonempty)
+    if kind.tag == rd.ROWS and kind.blocks == 1:
+      parts = [self._own_rows(k, j) for k in range(len(self.per_shard))]
+      value = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+    else:
+      value = wbh.gathered([s[j] for s in self.per_shard], kind, self.sizes, self.nonempty)
     if self.across is not None:
       value = wbh.across_workers(value, kind, self.across, summed=True)
     return value
@@ -421,8 +429,21 @@ class Split:
     kind = self.found.kind(t)
     if kind.tag != rd.ROWS or kind.blocks != 1:
       raise NotRowWise(f'{t.name} is not one row per example')
-    part = self.per_shard[k][self.frontier[t.name]]
-    return part if isinstance(self.sizes[k], int) else part[:tf.cast(self.sizes[k], tf.int32)]
+    return self._own_rows(k, self.frontier[t.name])
+
+  def _own_rows(self, k: int, j: int) -> tf.Tensor:
+    """Shard k's rows of frontier tensor j, cut once, on shard k's device (a shard whose
+    size is a Tensor may hold a borrowed row while empty): its tower and every tower
+    that gathers the columns read this one cut."""
+    key = ('own rows', j)
+    if key not in self._rows[k]:
+      part = self.per_shard[k][j]
+      if isinstance(self.sizes[k], int):
+        self._rows[k][key] = part
+      else:
+        with tf.device(part.op.device), tf.name_scope(f'row_wise_head/tower_{k}/own_rows/'):
+          self._rows[k][key] = part[:tf.cast(self.sizes[k], tf.int32)]
+    return self._rows[k][key]
 
   def _batch_range(self, op: tf.Operation) -> bool:
     """Is `op` tf.range(B), B the whole batch's size read from a tensor of one row per example?"""

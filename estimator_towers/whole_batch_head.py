@@ -261,8 +261,8 @@ def gathered(parts: list, kind: rd.Kind, sizes: Sequence, nonempty: Sequence) ->
       else:
         pieces[0].append(part[:tf.shape(part)[0] * tf.cast(ne, tf.int32)])
       continue
-    if blocks == 1 and isinstance(size, int):
-      pieces[0].append(part)
+    if blocks == 1:   # with a borrowed row, 1 row while size is 0
+      pieces[0].append(part if isinstance(size, int) else part[:tf.cast(size, tf.int32)])
       continue
     rows = tf.shape(part)[0] // blocks   # with a borrowed row, 1 while size is 0
     for j in range(blocks):
