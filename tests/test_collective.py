@@ -338,61 +338,105 @@ def test_a_dead_worker_stops_the_chief_within_the_timeout_and_a_restart_resumes(
     np.testing.assert_array_equal(worker[name], final[name], err_msg=name)
 
 
+# The chiefs of the two tests below wait for workers that never come (a timeout's
+# seconds with nothing to compute), so one fixture starts all three clusters at once
+# and each test checks its own: their waits overlap instead of adding up.
+NEVER_STARTS_TIMEOUT = 4
+# The timeout also bounds the hung case's start (the chief's variables broadcast), which its
+# two processes reach at times that differ by their start-up: 12 s, so that a loaded
+# machine's start (4 s was once exceeded in CI) fails no start.
+HUNG_TIMEOUT = 12
+
+
+class Stopped:
+  """A chief run to its end: its exit code, log, seconds from its start to its end, and
+  whether its worker (if any) was still alive then."""
+
+  def __init__(self, cluster, started, stopped):
+    self.cluster = cluster
+    self.code = cluster.procs['chief'].returncode
+    self.log = cluster.log('chief')
+    self.seconds = stopped - started
+    self.stopped = stopped
+    worker = cluster.procs.get('worker')
+    self.worker_alive = worker is not None and worker.poll() is None
+
+
+@pytest.fixture(scope='module')
+def waiting_chiefs(tmp_path_factory):
+  """{'never_starts': {user_session_config: Stopped}, 'hung': Stopped}: the chiefs of
+  `test_a_worker_that_never_starts_...` (no worker started) and of
+  `test_a_hung_worker_...` (a worker that sleeps before its first step), side by side;
+  a chief that did not stop within 90 s: why, instead of its Stopped."""
+  clusters = {}
+  for user_session_config in (False, True):
+    tmp = tmp_path_factory.mktemp(f'never_starts_{user_session_config}')
+    _data(tmp / 'data.npz', SIZES)
+    clusters[('never_starts', user_session_config)] = (Cluster(tmp, _spec(
+        tmp, 'mean', 1, timeout=NEVER_STARTS_TIMEOUT,
+        user_session_config=user_session_config)), ['chief'])
+  tmp = tmp_path_factory.mktemp('hung')
+  _data(tmp / 'data.npz', SIZES)
+  clusters['hung'] = (Cluster(tmp, _spec(tmp, 'mean', 1, timeout=HUNG_TIMEOUT,
+                                         step_sleep={'1': 300})), ['chief', 'worker'])
+  stopped = {}
+  try:
+    started = time.time()
+    for cluster, tasks in clusters.values():
+      for task_type in tasks:
+        cluster.start(task_type)
+    deadline = started + 90
+    while len(stopped) < len(clusters) and time.time() < deadline:
+      for key, (cluster, _) in clusters.items():
+        if key not in stopped and cluster.procs['chief'].poll() is not None:
+          stopped[key] = Stopped(cluster, started, time.time())
+      time.sleep(0.1)
+  finally:
+    for cluster, _ in clusters.values():
+      cluster.kill()
+  for key, (cluster, _) in clusters.items():  # each test fails on its own chief only
+    stopped.setdefault(key, f'{key} did not finish within 90 s:\n' + cluster.log('chief')[-3000:])
+  return {'never_starts': {u: stopped[('never_starts', u)] for u in (False, True)},
+          'hung': stopped['hung']}
+
+
+def _stopped(chief):
+  assert isinstance(chief, Stopped), chief  # else why not: the chief did not stop in time
+  return chief
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize('user_session_config', [False, True])
-def test_a_worker_that_never_starts_stops_the_chief_after_the_timeout(tmp_path,
+def test_a_worker_that_never_starts_stops_the_chief_after_the_timeout(waiting_chiefs,
                                                                       user_session_config):
   """Also with the RunConfig's session_config a ConfigProto of the user's own (no
   device filters: its session would otherwise wait for the worker forever)."""
-  _data(tmp_path / 'data.npz', SIZES)
-  timeout = 4
-  cluster = Cluster(tmp_path, _spec(tmp_path, 'mean', 1, timeout=timeout,
-                                    user_session_config=user_session_config))
-  started = time.time()
-  try:
-    cluster.start('chief')
-    code = cluster.wait('chief', 90)
-  finally:
-    cluster.kill()
-  stopped = time.time() - started
-  log = cluster.log('chief')
-  assert code != 0
+  chief = _stopped(waiting_chiefs['never_starts'][user_session_config])
+  log = chief.log
+  assert chief.code != 0
   assert 'DeadlineExceededError' in log and 'broadcast_from_chief' in log, log[-3000:]
-  assert (f'has waited {timeout} s (make_plan(worker_timeout_secs=...)) at its start for '
-          'the other training tasks (/job:chief/replica:0/task:0, '
+  assert (f'has waited {NEVER_STARTS_TIMEOUT} s (make_plan(worker_timeout_secs=...)) at its '
+          'start for the other training tasks (/job:chief/replica:0/task:0, '
           '/job:worker/replica:0/task:0)' in log), log[-3000:]
-  print(f'chief stopped {stopped:.1f} s after its start')
-  assert stopped < timeout + 60, stopped  # the process's start and graph, then the timeout
+  print(f'chief stopped {chief.seconds:.1f} s after its start')
+  # the process's start and graph, then the timeout
+  assert chief.seconds < NEVER_STARTS_TIMEOUT + 60, chief.seconds
 
 
 @pytest.mark.timeout(120)
-def test_a_hung_worker_fails_the_chief_step_after_the_timeout(tmp_path):
-  """The worker is alive but never steps (it sleeps before its first step).
-
-  The timeout also bounds the start (the chief's variables broadcast), which
-  the two processes reach at times that differ by their start-up: 12 s, so
-  that a loaded machine's start (4 s was once exceeded in CI) fails no start."""
-  _data(tmp_path / 'data.npz', SIZES)
-  timeout = 12
-  cluster = Cluster(tmp_path, _spec(tmp_path, 'mean', 1, timeout=timeout,
-                                    step_sleep={'1': 300}))
-  try:
-    cluster.start('chief')
-    cluster.start('worker')
-    code = cluster.wait('chief', 90)
-    stopped = time.time()
-    assert cluster.procs['worker'].poll() is None  # still alive, hung
-  finally:
-    cluster.kill()
-  log = cluster.log('chief')
-  assert code != 0
+def test_a_hung_worker_fails_the_chief_step_after_the_timeout(waiting_chiefs):
+  """The worker is alive but never steps (it sleeps before its first step)."""
+  chief = _stopped(waiting_chiefs['hung'])
+  assert chief.worker_alive  # still alive, hung, when the chief stopped
+  log = chief.log
+  assert chief.code != 0
   assert 'DeadlineExceededError' in log, log[-3000:]
-  assert (f'has waited {timeout} s (the step timeout, make_plan(worker_timeout_secs=...)) '
+  assert (f'has waited {HUNG_TIMEOUT} s (the step timeout, make_plan(worker_timeout_secs=...)) '
           'for the other workers\' all-reduce' in log), log[-3000:]
   # The session had started (the start's broadcast met the worker): a step failed.
-  started = os.path.getmtime(tmp_path / 'dump' / 'rank0.npz.start')
-  print(f'chief stopped {stopped - started:.1f} s after its session started')
-  assert stopped - started < timeout + 15
+  started = os.path.getmtime(chief.cluster.tmp_path / 'dump' / 'rank0.npz.start')
+  print(f'chief stopped {chief.stopped - started:.1f} s after its session started')
+  assert chief.stopped - started < HUNG_TIMEOUT + 15
 
 
 # --- TF_CONFIG errors, one per message -------------------------------------------
