@@ -12,7 +12,11 @@ batch B) trained with momentum SGD by Estimator, on N virtual CPU devices:
 
 Prints, per N: steps/sec of each (the median of --repeats alternating runs
 of --steps timed steps after --warmup), their ratio towered / plain, the
-ratio of those ratios (the issue asks >= 0.95), the bytes that cross devices
+ratio of those ratios (the goal: >= 0.95), that ratio's ceiling where the
+towered head costs exactly what plain's head costs (a step of towered
+per_example plus plain's head, in_batch's plain step less per_example's: to
+beat the ceiling the towers' head must run faster than plain's own head on
+the same cores), the bytes that cross devices
 in one step (`estimator_towers.traffic`, the second step's `_Send`/`_Recv`
 pairs) and what in_batch adds to per_example's, against the gathered
 tensors' size (single head: q and d to the first tower, 2 (N-1)/N * B * D * 4
@@ -199,6 +203,10 @@ def main(argv):
           f'{med["in_batch:n"]:.2f} ({in_batch:.3f} x), per_example plain '
           f'{med["per_example:1"]:.2f} towered {med["per_example:n"]:.2f} ({per_example:.3f} x); '
           f'in_batch / per_example = {in_batch / per_example:.3f}')
+    head = 1 / med['in_batch:1'] - 1 / med['per_example:1']   # plain's head, seconds per step
+    ceiling = (1 / med['in_batch:1']) / (1 / med['per_example:n'] + head) / per_example
+    print(f'  ceiling with a towered head as fast as plain\'s ({head * 1e3:.2f} ms per step): '
+          f'in_batch / per_example = {ceiling:.3f}')
     print(f'  bytes per step: in_batch adds {extra} to per_example\'s; the gathered rows '
           f'and their gradients ({what}, both ways) are {gathered}; '
           f'largest head tensor per device: {largest}')
