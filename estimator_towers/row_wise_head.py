@@ -148,8 +148,7 @@ def _linear_coefficients(split: Split, whole: tf.Tensor, grad_y: Any) -> list | 
       shape = tf.concat([tf.reshape(tf.cast(split.total(), tf.int32), [1]),
                          tf.constant(value.shape[1:].as_list(), tf.int32)], 0)
       stand_ins[value.name] = tf.zeros(shape, value.dtype)
-    tail = {v.name for v, origins in split._whole.values()   # pylint: disable=protected-access
-            if 'tail' in origins}
+    tail = split.tail_names()
     copy = _copied(whole, stand_ins, tail, {})
     coefficients = tf.compat.v1.gradients(copy, list(stand_ins.values()),
                                           grad_ys=None if grad_y is None else [grad_y])
@@ -165,7 +164,7 @@ def _linear_coefficients(split: Split, whole: tf.Tensor, grad_y: Any) -> list | 
         per_part.append(None)
         continue
       with tf.device(split.device), tf.name_scope('row_wise_head/coefficients'):
-        start = split._offset_of(k)   # pylint: disable=protected-access
+        start = split.offset_of(k)
         per_part.append(g[start:start + tf.cast(split.sizes[k], tf.int32)])
   return per_part
 
@@ -233,6 +232,11 @@ class Split:
     if any(g is not None for g in grads[len(rows) + len(outside):]):
       return 'the tail after the per-row values reads the frontier itself'
     return grads[:len(rows)], grads[len(rows):len(rows) + len(outside)]
+
+  def tail_names(self) -> set:
+    """The names of the whole values built so far that are the tail's (computed from the
+    per-row values)."""
+    return {v.name for v, origins in self._whole.values() if 'tail' in origins}
 
   def whole(self, t: tf.Tensor) -> tf.Tensor:
     if self.found.kind(t) is None:
@@ -376,7 +380,7 @@ class Split:
       return tf.fill(tf.shape(self.rows(k, op.inputs[0].op.inputs[0]),
                               out_type=op.inputs[0].dtype), self.whole(op.inputs[1]))
     if op.type == 'Range' and self._batch_range(op):
-      offset = self._offset_of(k)
+      offset = self.offset_of(k)
       return tf.range(tf.cast(self.sizes[k], t.dtype), dtype=t.dtype) + tf.cast(offset, t.dtype)
     raise NotRowWise(f'the rows of {t.name} ({op.type}) are not the towers\' own')
 
@@ -480,7 +484,7 @@ class Split:
     self._worker_rows()
     return self._total
 
-  def _offset_of(self, k: int) -> Any:
+  def offset_of(self, k: int) -> Any:
     """The whole batch's index of tower k's first row (the worker's rows come first)."""
     self._worker_rows()
     earlier = list(self.sizes[:k])
