@@ -45,7 +45,7 @@ import tensorflow as tf
 
 import benchlib
 import estimator_towers as et
-from estimator_towers import traffic
+from estimator_towers.reporting import traffic
 
 flags.DEFINE_integer('batch', 1024, 'global batch B')
 flags.DEFINE_integer('width', 128, 'embedding width D')
@@ -131,7 +131,7 @@ def steps_per_sec(loss, num_devices):
 
 def _single_head(model):
   """`model` with the single head: the row-wise split refused (a bench switch)."""
-  from estimator_towers import row_wise_head  # pylint: disable=g-import-not-at-top
+  from estimator_towers.heads import row_wise_head  # pylint: disable=g-import-not-at-top
   def fn(features, labels, mode, params):   # Estimator checks a model_fn's arguments' names
     original = row_wise_head.build
     row_wise_head.build = lambda *a, **k: 'the single head (--single_head)'

@@ -32,7 +32,7 @@ from absl import logging
 import tensorflow as tf
 
 import estimator_towers as et
-from estimator_towers import empty_shards
+from estimator_towers.inputs import empty_shards
 import benchlib  # pylint: disable=g-import-not-at-top
 
 benchlib.define_mlp_flags(num_cpu_devices=3, batch_size=64, num_features=64, hidden=128,

@@ -46,7 +46,7 @@ from absl import flags
 from absl import logging as absl_logging
 import tensorflow as tf
 
-from estimator_towers import traffic
+from estimator_towers.reporting import traffic
 import towers_bench as bench
 
 flags.DEFINE_list('strategies', ['cpu', 'gpu', 'replicated', 'mirrored', 'mirrored_one'],

@@ -1,21 +1,21 @@
 """estimator_towers: data-parallel training of TensorFlow Estimators on several devices."""
 
-from estimator_towers.cluster import worker_index_and_count
-from estimator_towers.config import TowersConfig
-from estimator_towers.config import make_config
-from estimator_towers.config import make_run_config
-from estimator_towers.config import session_config
-from estimator_towers.flags import config_from_flags
-from estimator_towers.flags import define_flags
-from estimator_towers.loss_algebra import loss_denominator
-from estimator_towers.plan import DevicePlan
-from estimator_towers.plan import make_plan
-from estimator_towers.staging import staged_input_fn
-from estimator_towers.throughput import ThroughputHook
-from estimator_towers.tower_context import TowerContext
-from estimator_towers.tower_context import current_tower
-from estimator_towers.tower_summaries import global_mean
-from estimator_towers.towers import replicate_model_fn
+from estimator_towers.cluster.tf_config import worker_index_and_count
+from estimator_towers.inputs.staging import staged_input_fn
+from estimator_towers.loss.loss_algebra import loss_denominator
+from estimator_towers.replicate import replicate_model_fn
+from estimator_towers.reporting.throughput import ThroughputHook
+from estimator_towers.reporting.tower_summaries import global_mean
+from estimator_towers.settings.config import make_config
+from estimator_towers.settings.config import make_run_config
+from estimator_towers.settings.config import session_config
+from estimator_towers.settings.config import TowersConfig
+from estimator_towers.settings.flags import config_from_flags
+from estimator_towers.settings.flags import define_flags
+from estimator_towers.settings.plan import DevicePlan
+from estimator_towers.settings.plan import make_plan
+from estimator_towers.towers.tower_context import current_tower
+from estimator_towers.towers.tower_context import TowerContext
 
 __all__ = [
     'DevicePlan',

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import testlib  # pylint: disable=g-import-not-at-top
 import estimator_towers as et  # pylint: disable=g-import-not-at-top
-from estimator_towers.throughput import GLOBAL_BATCH_KEY  # pylint: disable=g-import-not-at-top
+from estimator_towers.reporting.throughput import GLOBAL_BATCH_KEY  # pylint: disable=g-import-not-at-top
 
 
 def _dense(x):

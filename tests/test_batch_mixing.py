@@ -20,8 +20,8 @@ import tensorflow as tf
 import cross_example_models as patterns
 import testlib
 import estimator_towers as et
-from estimator_towers import batch_mixing
-from estimator_towers import towers
+from estimator_towers import replicate as towers
+from estimator_towers.heads import batch_mixing
 
 ModeKeys = tf.estimator.ModeKeys
 BATCH = 10

@@ -24,9 +24,9 @@ import tensorflow as tf
 import collective_task
 import testlib
 import estimator_towers as et
-from estimator_towers import cluster as cluster_lib
-from estimator_towers import cross_worker
-from estimator_towers import cross_worker_servers
+from estimator_towers.cluster import cross_worker
+from estimator_towers.cluster import servers as cross_worker_servers
+from estimator_towers.cluster import tf_config as cluster_lib
 
 BATCH = 6
 SIZES = {0: 30, 1: 14}  # the worker's input ends after 3 of the chief's 5 batches

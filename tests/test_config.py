@@ -10,13 +10,13 @@ import pytest
 import tensorflow as tf
 from tensorflow_estimator.python.estimator import run_config as run_config_lib
 
-from estimator_towers import TowersConfig
 from estimator_towers import make_config
 from estimator_towers import make_plan
 from estimator_towers import make_run_config
 from estimator_towers import session_config
-from estimator_towers import devices as devices_lib
-from estimator_towers import placement
+from estimator_towers import TowersConfig
+from estimator_towers.placement import devices as devices_lib
+from estimator_towers.placement import strategies as placement
 
 
 def test_defaults():

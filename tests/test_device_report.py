@@ -20,8 +20,8 @@ from estimator_towers import make_plan
 from estimator_towers import make_run_config
 from estimator_towers import replicate_model_fn
 from estimator_towers import staged_input_fn
-from estimator_towers import devices as devices_lib
-from estimator_towers import logs
+from estimator_towers.base import logs
+from estimator_towers.placement import devices as devices_lib
 
 ModeKeys = tf.estimator.ModeKeys
 

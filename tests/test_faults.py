@@ -33,7 +33,7 @@ from estimator_graph import EstimatorGraph
 from estimator_towers import make_plan
 from estimator_towers import replicate_model_fn
 from estimator_towers import staged_input_fn
-from estimator_towers import staging
+from estimator_towers.inputs import staging
 
 ModeKeys = tf.estimator.ModeKeys
 NUM_EXAMPLES, BATCH = 29, 11  # Batches of 11, 11 and 7.

@@ -13,7 +13,6 @@ import pytest
 import tensorflow as tf
 
 import testlib
-from estimator_towers import TowersConfig
 from estimator_towers import config_from_flags
 from estimator_towers import define_flags
 from estimator_towers import make_config
@@ -21,11 +20,12 @@ from estimator_towers import make_plan
 from estimator_towers import make_run_config
 from estimator_towers import replicate_model_fn
 from estimator_towers import session_config
-from estimator_towers import config as config_lib
-from estimator_towers import devices as devices_lib
-from estimator_towers import placement
-from estimator_towers import plan as plan_lib
-from estimator_towers import staging
+from estimator_towers import TowersConfig
+from estimator_towers.inputs import staging
+from estimator_towers.placement import devices as devices_lib
+from estimator_towers.placement import strategies as placement
+from estimator_towers.settings import config as config_lib
+from estimator_towers.settings import plan as plan_lib
 
 
 def fake_gpus(monkeypatch, count: int) -> None:

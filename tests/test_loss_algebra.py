@@ -19,8 +19,8 @@ import tensorflow as tf
 
 import testlib
 import estimator_towers as et
-from estimator_towers import logs
-from estimator_towers import seeds
+from estimator_towers.base import logs
+from estimator_towers.loss import seeds
 
 ModeKeys = tf.estimator.ModeKeys
 VOCAB = 11

@@ -16,9 +16,9 @@ import tensorflow as tf
 
 import testlib
 from estimator_towers import make_plan
-from estimator_towers import micro_batches as micro_batches_lib
 from estimator_towers import replicate_model_fn
 from estimator_towers import staged_input_fn
+from estimator_towers.inputs import micro_batches as micro_batches_lib
 
 V1 = tf.compat.v1.train
 ModeKeys = tf.estimator.ModeKeys

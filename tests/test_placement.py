@@ -14,8 +14,8 @@ import pytest
 import tensorflow as tf
 
 import testlib
-from estimator_towers import placement
 from estimator_towers import replicate_model_fn
+from estimator_towers.placement import strategies as placement
 
 GPUS = [f'/gpu:{k}' for k in range(4)]
 SMALL_WIDTHS = (8, 16)  # dense 5->8->16->3: kernels of 40, 128, 48 floats.

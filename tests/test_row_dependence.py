@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import cross_example_models as models
 import testlib
-from estimator_towers import row_dependence as rd
+from estimator_towers.rows import row_dependence as rd
 
 ModeKeys = tf.estimator.ModeKeys
 F = models.F

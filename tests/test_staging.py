@@ -20,7 +20,7 @@ import testlib
 from estimator_towers import make_plan
 from estimator_towers import replicate_model_fn
 from estimator_towers import staged_input_fn
-from estimator_towers import staging
+from estimator_towers.inputs import staging
 
 NUM_IDS = 23
 BATCH = 5  # Divides neither 23 nor any device count 2..4; the last batch (3) is smaller than 4.

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import testlib
 import estimator_towers as et
-from estimator_towers import batch_norm_sync
+from estimator_towers.sync_points import batch_norm as batch_norm_sync
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 'examples', 'cifar10'))
@@ -394,7 +394,7 @@ def test_error_sync_batch_norm_with_micro_batches():
 
 def test_a_later_towers_value_takes_its_slot_of_the_join():
   """The join is built when tower 0 joins; towers 1 and 2 fill their slots when they join."""
-  from estimator_towers import sync_points  # pylint: disable=g-import-not-at-top
+  from estimator_towers.sync_points import join as sync_points  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
     exchange = sync_points.Exchange([0, 1, 2])
     values = [tf.constant([float(k + 1)]) for k in range(3)]
@@ -407,7 +407,7 @@ def test_a_later_towers_value_takes_its_slot_of_the_join():
 
 
 def test_error_a_tower_that_never_joined_fails_the_step_by_name():
-  from estimator_towers import sync_points  # pylint: disable=g-import-not-at-top
+  from estimator_towers.sync_points import join as sync_points  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
     exchange = sync_points.Exchange([0, 1])
     result = exchange.join(0, tf.constant([1.0]), lambda table: table * 10.0)

@@ -8,10 +8,10 @@ import pytest
 import tensorflow as tf
 
 import testlib
-from estimator_towers import TowerContext
 from estimator_towers import current_tower
 from estimator_towers import replicate_model_fn
-from estimator_towers import tower_context
+from estimator_towers import TowerContext
+from estimator_towers.towers import tower_context
 
 ModeKeys = tf.estimator.ModeKeys
 

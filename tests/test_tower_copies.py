@@ -13,9 +13,9 @@ import tensorflow as tf
 
 import testlib
 from estimator_towers import current_tower
+from estimator_towers import replicate as towers
 from estimator_towers import replicate_model_fn
-from estimator_towers import tower_copies
-from estimator_towers import towers
+from estimator_towers.towers import tower_copies
 
 ModeKeys = tf.estimator.ModeKeys
 

@@ -17,11 +17,11 @@ import pytest
 import tensorflow as tf
 
 import testlib
-from estimator_towers import ThroughputHook
 from estimator_towers import global_mean
 from estimator_towers import replicate_model_fn
-from estimator_towers import tower_context
-from estimator_towers import tower_summaries as summaries_lib
+from estimator_towers import ThroughputHook
+from estimator_towers.reporting import tower_summaries as summaries_lib
+from estimator_towers.towers import tower_context
 
 ModeKeys = tf.estimator.ModeKeys
 BATCH = 7

@@ -13,8 +13,8 @@ import pytest
 import tensorflow as tf
 
 import testlib
-from estimator_towers import interception
 from estimator_towers import replicate_model_fn
+from estimator_towers.base import interception
 
 ModeKeys = tf.estimator.ModeKeys
 
@@ -70,7 +70,7 @@ def test_count_forms_build_gpu_towers_and_run_with_soft_placement(form, monkeypa
   """@replicate_model_fn(2) and (num_gpus=2) mean /gpu:0, /gpu:1; with soft
   placement TensorFlow runs them on the CPU (here two GPUs are pretended to be
   visible, so that the count is accepted on a machine without GPUs)."""
-  from estimator_towers import devices as devices_lib
+  from estimator_towers.placement import devices as devices_lib
   monkeypatch.setattr(devices_lib, 'visible_gpus', lambda: ['/device:GPU:0', '/device:GPU:1'])
   decorate = replicate_model_fn(2) if form == 'positional' else replicate_model_fn(num_gpus=2)
   towered = decorate(testlib.v1_model_fn)
@@ -107,7 +107,7 @@ def test_bare_decorator_uses_every_gpu_or_the_cpu():
 
 
 def test_a_gpu_count_beyond_the_visible_gpus_fails_at_graph_construction(monkeypatch):
-  from estimator_towers import devices as devices_lib
+  from estimator_towers.placement import devices as devices_lib
   monkeypatch.setattr(devices_lib, 'visible_gpus', lambda: [])
   towered = replicate_model_fn(testlib.v1_model_fn, num_gpus=2)
   x, y = testlib.data(4)

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import testlib
 from estimator_towers import replicate_model_fn
-from estimator_towers import traffic
+from estimator_towers.reporting import traffic
 
 
 def _plain_parameter_bytes() -> int:

@@ -163,7 +163,7 @@ def assert_close(actual, expected, err_msg: str = '', tol: float = TOLERANCE) ->
 
 def logged_warnings(monkeypatch) -> list:
   """The library's warnings logged from now on in this test (each test sees its own)."""
-  from estimator_towers import logs  # pylint: disable=g-import-not-at-top
+  from estimator_towers.base import logs  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(logs, '_warned', set())
   found = []
   monkeypatch.setattr(logs.logging, 'warning', lambda fmt, *a: found.append(fmt % a))

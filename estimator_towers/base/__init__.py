@@ -1,0 +1,11 @@
+"""Base: what every stage uses, and TensorFlow's private API fenced in one module.
+
+`interception` holds the private TensorFlow hooks the library needs (the
+gradient functions it answers, control-flow and device contexts, op
+imports): a TensorFlow upgrade has this one module to check. `logs` says a
+thing once per graph or process, `spelling` names a setting as the user
+wrote it (`num_gpus=4` or `--num_gpus=4`), `updates` tells which ops change a
+variable. Nothing here knows about towers, shards or losses.
+
+May import: nothing.
+"""

@@ -1,0 +1,355 @@
+"""The few places where towering must reach into TensorFlow's private API.
+
+Everything here exists because TensorFlow 2.15 offers no public hook for it;
+it is kept in this one module so that the rest of the library reads as plain
+graph construction, and so that a TensorFlow upgrade has one file to check.
+
+- Gradient requests. Every graph-mode gradient a model_fn can ask for goes
+  through `gradients_util._GradientsHelper` (`tf.gradients`,
+  `tf.compat.v1.gradients`, `Optimizer.compute_gradients` / `minimize`, Keras
+  legacy `get_gradients`) or through `GradientTape.gradient` (Keras legacy
+  `minimize`). To hand the model_fn the gradient of the whole batch, both are
+  wrapped while a towered model_fn is built, and only then.
+- A clean building context. The other towers are built while the primary
+  tower is in the middle of its model_fn (at its gradient request), so the
+  primary's name scope, control dependencies, control-flow context, colocation,
+  device stack and tape recording are set aside meanwhile. Only the device
+  stack and tape recording lack a public way to do so.
+- The control dependencies in force where a gradient is requested
+  (`Graph._control_dependencies_stack`): the whole-batch backward pass is
+  built without them (or every op of every tower's backward pass would wait
+  for, e.g., tower 0's batch-norm updates), and they are put back on the
+  gradients handed to the model_fn.
+- Reads of a variable outside control flow (`Operation._control_flow_context`):
+  their gradients can be summed where the placement says, rather than where the
+  backward pass happens to meet (next to a parameter server's variable).
+- The device of a variable seen through a function body's captures
+  (`FuncGraph.captures`), so that an op reading a variable inside a `tf.cond`
+  follows the variable rather than its tower's device.
+- Batch statistics (`sync_batch_norm`). Every batch norm reaches TensorFlow
+  through `gen_nn_ops.fused_batch_norm_v3` (Keras and `tf.compat.v1.layers`
+  fused, `tf.compat.v1.nn.fused_batch_norm`) or `nn_impl.moments` (Keras
+  non-fused, `tf.nn.moments`, `tf.compat.v1.nn.moments`); there is no public
+  hook to replace batch statistics with global ones, so both are wrapped while
+  the towers of a TRAIN graph are built with sync on, and only then.
+- Keras batch-norm layers' moving-average updates (`add_update` of
+  `BatchNormalizationBase`, Keras' private module): the towers after the
+  first one build their model_fn only for its forward and backward pass, and
+  their updates are dropped (the moving averages follow tower 0). Building
+  them anyway cost some 14 graph ops and Keras' update bookkeeping per batch
+  norm and tower (about a tenth of building a ResNet tower), so they are not
+  built there.
+- The loss reduction. `tf.compat.v1.losses` and Keras' loss utilities record
+  the reduction of the last loss they built on the graph
+  (`Graph._last_loss_reduction`), which is how TensorFlow's own distribution
+  strategies tell a summed loss (v1 canned heads) from an averaged one.
+- An input replaced on an op that already exists (`Operation._update_input`):
+  a batch statistic of a tower built early takes the later towers' shard
+  statistics, which do not exist yet when it is built.
+- A control input added to an op that already exists
+  (`Operation._add_control_inputs`), and telling whether an op is inside v1
+  control flow (a control edge cannot cross into a v1 cond or loop).
+  TensorFlow has no public way to add an edge afterwards: a micro-batch's
+  input gates are made when the batch is split, before the previous
+  micro-batch's backward pass they must wait for exists; `ordering` makes a
+  read of a variable run before the updates created after it in a model_fn
+  that trains without gradients (k-means).
+- The branches of a functional `tf.cond` (`Graph._get_function`), which
+  `row_dependence` reads like the rest of the graph.
+- The gradient of a `tf.function` call in a graph, kept on the Python op
+  (`Operation._gradient_function`): `whole_batch_head`'s copy of an opaque
+  function of the batch is differentiated as the original.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from typing import Any, Callable, Iterator
+
+import tensorflow as tf
+from tensorflow.python.eager import backprop  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.eager import record  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.framework import importer  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.framework import random_seed  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import gen_nn_ops  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import gradients_util  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import nn_impl  # pylint: disable=g-direct-tensorflow-import
+
+# The original functions; the combined gradient is built with these.
+graph_gradients = gradients_util._GradientsHelper  # pylint: disable=protected-access
+tape_gradient = backprop.GradientTape.gradient
+
+# Handlers receive (kind, call_original, args, kwargs) and return the result.
+Handler = Callable[[str, Callable, tuple, dict], Any]
+
+
+@contextlib.contextmanager
+def gradient_requests(handler: Handler) -> Iterator[None]:
+  """While active, every graph gradient request is passed to `handler`.
+
+  `handler(kind, original, args, kwargs)` is called with kind 'graph' for
+  `_GradientsHelper(ys, xs, grad_ys, name, colocate_gradients_with_ops,
+  gate_gradients, aggregation_method, stop_gradients, unconnected_gradients,
+  src_graph)` and kind 'tape' for `GradientTape.gradient(tape, target, sources,
+  output_gradients, unconnected_gradients)`; `original(*args, **kwargs)` does
+  what TensorFlow would have done.
+  """
+
+  def graph_request(*args, **kwargs):
+    return handler('graph', graph_gradients, args, kwargs)
+
+  def tape_request(*args, **kwargs):
+    return handler('tape', tape_gradient, args, kwargs)
+
+  saved = (gradients_util._GradientsHelper, backprop.GradientTape.gradient)  # pylint: disable=protected-access
+  gradients_util._GradientsHelper = graph_request  # pylint: disable=protected-access
+  backprop.GradientTape.gradient = tape_request
+  try:
+    yield
+  finally:
+    gradients_util._GradientsHelper, backprop.GradientTape.gradient = saved  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def batch_norm_calls(fused: Callable, moments: Callable) -> Iterator[None]:
+  """While active, batch-norm statistics are built by the given handlers.
+
+  `fused(original, *args, **kwargs)` receives the calls of
+  `gen_nn_ops.fused_batch_norm_v3` and `moments(original, *args, **kwargs)`
+  those of `nn_impl.moments` (v1 signature; `tf.nn.moments` calls it);
+  `original` does what TensorFlow would have done.
+  """
+  v1_nn = tf.compat.v1.nn
+  saved = (gen_nn_ops.fused_batch_norm_v3, nn_impl.moments, v1_nn.moments)
+  original_fused, original_moments = saved[0], saved[1]
+
+  def fused_call(*args, **kwargs):
+    return fused(original_fused, *args, **kwargs)
+
+  def moments_call(*args, **kwargs):
+    return moments(original_moments, *args, **kwargs)
+
+  gen_nn_ops.fused_batch_norm_v3 = fused_call
+  nn_impl.moments = v1_nn.moments = moments_call
+  try:
+    yield
+  finally:
+    gen_nn_ops.fused_batch_norm_v3, nn_impl.moments, v1_nn.moments = saved
+
+
+_KERAS_BATCH_NORM = 'keras.src.layers.normalization.batch_normalization'
+
+
+# Which threads skip batch-norm updates (depth of nesting), and the one patch
+# of Keras' add_update shared by them (installed while any thread skips).
+_skipping = threading.local()
+_skip_patch = {'users': 0, 'base': None, 'own': None}
+_skip_lock = threading.Lock()
+
+
+def _skipping_add_update(layer, *args, **kwargs):
+  """Keras' `Layer.add_update`, which adds nothing in a thread that skips updates."""
+  if getattr(_skipping, 'depth', 0):
+    return None  # its callables are not called
+  own = _skip_patch['own']
+  if own is not None:
+    return own(layer, *args, **kwargs)
+  return super(_skip_patch['base'], layer).add_update(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def batch_norm_updates_skipped() -> Iterator[None]:
+  """While active, Keras batch-norm layers built in this thread build no moving-average updates.
+
+  `add_update` of Keras' `BatchNormalizationBase` (Keras' and
+  `tf.compat.v1.layers`' batch norms, fused or not) ignores its updates in
+  this thread; other threads building batch norms meanwhile keep theirs
+  (the patch is one, shared, and asks which thread calls). The layer's
+  outputs are unchanged (renorm's corrections, which read updated values,
+  are built outside `add_update`). Nothing happens when Keras' batch norm
+  was never imported.
+  """
+  base = getattr(sys.modules.get(_KERAS_BATCH_NORM), 'BatchNormalizationBase', None)
+  if base is None:
+    yield
+    return
+  with _skip_lock:
+    if _skip_patch['users'] == 0:
+      _skip_patch.update(base=base, own=base.__dict__.get('add_update'))
+      base.add_update = _skipping_add_update
+    _skip_patch['users'] += 1
+  depth = getattr(_skipping, 'depth', 0)
+  _skipping.depth = depth + 1
+  try:
+    yield
+  finally:
+    _skipping.depth = depth
+    with _skip_lock:
+      _skip_patch['users'] -= 1
+      if _skip_patch['users'] == 0:
+        if _skip_patch['own'] is None:
+          del base.add_update
+        else:
+          base.add_update = _skip_patch['own']
+        # base and own stay: a call that looked the patch up just before stays valid.
+
+
+def device_stack(graph: tf.Graph) -> Any:
+  """A copy of the graph's current device-function stack."""
+  return graph._device_function_stack.copy()  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def clean_context(graph: tf.Graph, devices: Any) -> Iterator[None]:
+  """The graph as it was outside any model_fn, with the device stack `devices`.
+
+  Root name scope, no control dependencies, no control-flow context, no
+  colocation, no gradient-tape recording, and the device functions that were
+  active when the towers started (e.g. Estimator's replica_device_setter).
+  """
+  # colocate_with(None) empties the device stack, so the stack is set inside it.
+  with graph.colocate_with(None, ignore_existing=True):
+    saved = graph._device_function_stack  # pylint: disable=protected-access
+    graph._device_function_stack = devices.copy()  # pylint: disable=protected-access
+    try:
+      with graph.name_scope(None), graph.control_dependencies(None), \
+          record.stop_recording():
+        yield
+    finally:
+      graph._device_function_stack = saved  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def control_dependencies_set_aside(graph: tf.Graph) -> Iterator[bool]:
+  """The caller's `tf.control_dependencies` blocks are inactive meanwhile.
+
+  Unlike `graph.control_dependencies(None)`, the control-flow context is
+  kept. Yields whether any block had control inputs: the caller then
+  re-attaches them to what it hands back (an op made after this context,
+  from tensors made inside it, gets the blocks' control inputs).
+  """
+  saved = graph._control_dependencies_stack  # pylint: disable=protected-access
+  graph._control_dependencies_stack = []  # pylint: disable=protected-access
+  try:
+    yield any(block.control_inputs for block in saved)
+  finally:
+    graph._control_dependencies_stack = saved  # pylint: disable=protected-access
+
+
+def plain_reads(variable: tf.Variable) -> list[tf.Tensor]:
+  """The values of `variable` read outside any control-flow construct."""
+  return [op.outputs[0] for op in variable.handle.consumers()
+          if op.type == 'ReadVariableOp' and op._control_flow_context is None]  # pylint: disable=protected-access
+
+
+def resource_device(tensor: tf.Tensor) -> str | None:
+  """The device of the resource (a variable) a resource-typed tensor refers to.
+
+  Followed back through the ops that pass a handle on (Identity, Switch, Enter)
+  and through a function body's captures (a `tf.cond` or `tf.while_loop`
+  branch), to the first op with a device. None if it cannot be told.
+  """
+  for _ in range(64):
+    op = tensor.op
+    if op.device:
+      return op.device
+    if op.type == 'Placeholder':
+      captures = dict((id(internal), external) for external, internal in
+                      getattr(op.graph, 'captures', ()))
+      tensor = captures.get(id(tensor))
+      if tensor is None:
+        return None
+    elif op.inputs:
+      tensor = op.inputs[0]
+    else:
+      return None
+  return None
+
+
+def last_loss_reduction(graph: tf.Graph) -> Any:
+  """The reduction of the last loss a TensorFlow loss function built, or None."""
+  return getattr(graph, '_last_loss_reduction', None)
+
+
+def reset_loss_reduction(graph: tf.Graph) -> None:
+  graph._last_loss_reduction = None  # pylint: disable=protected-access
+
+
+def op_seed_count(graph: tf.Graph) -> int:
+  """How many op seeds the graph-level seed has given out in `graph` (the next op seed)."""
+  return random_seed._graph_to_seed_dict.get(graph, 0)  # pylint: disable=protected-access
+
+
+def import_ops(graph_def: Any, input_map: dict, names: list) -> list:
+  """`graph_def`'s ops imported under their own names, in the order of `names`.
+
+  `tf.graph_util.import_graph_def` checks that every op an imported op is
+  colocated with is imported too; a tower's copy of an op colocated with a
+  variable (which is not copied) is not (`importer._import_graph_def_internal`).
+  """
+  return importer._import_graph_def_internal(  # pylint: disable=protected-access
+      graph_def, input_map=input_map, return_elements=names, name='',
+      validate_colocation_constraints=False)
+
+
+def calls_function(op: tf.Operation) -> bool:
+  """True if `op` calls a graph function (a functional If or While, a Defun's call op)."""
+  if op.graph._get_function(op.type) is not None:  # pylint: disable=protected-access
+    return True
+  return any(value.WhichOneof('value') == 'func' or value.list.func
+             for value in op.node_def.attr.values())
+
+
+def in_control_flow(op: tf.Operation) -> bool:
+  """True if `op` is inside a v1 `tf.cond` or `tf.while_loop`."""
+  return op._control_flow_context is not None  # pylint: disable=protected-access
+
+
+def add_control_inputs(op: tf.Operation, controls: list[tf.Operation]) -> None:
+  """Makes the existing `op` wait for `controls` (see the module docstring)."""
+  op._add_control_inputs(controls)  # pylint: disable=protected-access
+
+
+def replace_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
+  """Makes `tensor` op's input `index` (`Operation._update_input`).
+
+  Sync points of batch statistics (`sync_points`) join tensors of towers
+  built one after another: the table a tower built earlier holds its own
+  tensor in each later tower's slot until that tower builds its own.
+  """
+  op._update_input(index, tensor)  # pylint: disable=protected-access
+
+
+def copy_gradient_function(source: tf.Operation, target: tf.Operation) -> None:
+  """`target` (a copy of `source`) is differentiated as `source` is.
+
+  A `tf.function` called in a graph is a call op whose gradient lives on the
+  Python op (`Operation._gradient_function`), not in the registry: the
+  whole-batch head's copy of the call needs it too.
+  """
+  function = getattr(source, '_gradient_function', None)
+  if function is not None:
+    target._gradient_function = function  # pylint: disable=protected-access
+
+
+def branch_graphs(op: tf.Operation) -> list | None:
+  """The FuncGraphs of a functional `If`'s two branches (then, else), or None.
+
+  `row_dependence` reads a `tf.cond`'s branches like the rest of the graph;
+  the branch functions are found by name in the graph's function library
+  (`Graph._get_function`).
+  """
+  graphs = []
+  for attr in ('then_branch', 'else_branch'):
+    try:
+      name = op.get_attr(attr).name
+    except ValueError:
+      return None
+    function = op.graph._get_function(name)  # pylint: disable=protected-access
+    graph = getattr(function, 'graph', None)
+    if graph is None:
+      return None
+    graphs.append(graph)
+  return graphs

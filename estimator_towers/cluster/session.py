@@ -1,0 +1,165 @@
+"""How the tasks of a collective cluster start and run their steps.
+
+Rule: every training task runs the Scaffold's local init op, which sets its
+variables to the chief's (`CrossWorker.broadcast_from_chief`): the chief
+after restoring or initialising them, a worker after initialising its own (it
+does not wait for the chief to initialise variables it never sees); the
+towers' copies are set after it. Every training step runs with
+RunOptions.timeout_in_ms (`StepTimeoutHook`), so a lost worker makes the
+others fail instead of wait, and a session that MonitoredSession recreates
+after a lost worker raises instead of waiting for it again.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from absl import logging
+import numpy as np
+import tensorflow as tf
+
+from estimator_towers.base import interception
+from estimator_towers.cluster import cross_worker
+from estimator_towers.cluster import tf_config as cluster_lib
+
+
+def attach(spec: tf.estimator.EstimatorSpec, across: cross_worker.CrossWorker
+           ) -> tf.estimator.EstimatorSpec:
+  """`spec` with the cluster's session start (`scaffold`) and the step timeout hook."""
+  progress = _Progress()
+  hook = StepTimeoutHook(across.timeout_secs, across.cluster, progress)
+  return spec._replace(scaffold=scaffold(spec.scaffold, across, progress),
+                       training_hooks=tuple(spec.training_hooks) + (hook,))
+
+
+def scaffold(base: tf.compat.v1.train.Scaffold | None, across: cross_worker.CrossWorker,
+             progress: '_Progress') -> tf.compat.v1.train.Scaffold:
+  """A Scaffold whose local init sets every task's variables to the chief's.
+
+  Every task runs the local init op: the chief after restoring or
+  initialising its variables, a worker after initialising its own (it does
+  not wait for the chief to initialise them, which it never sees).
+  """
+  base = base or tf.compat.v1.train.Scaffold()
+  variables = tf.compat.v1.global_variables()
+  first = [] if across.rank == 0 else [tf.compat.v1.variables_initializer(variables)]
+  with tf.control_dependencies(first):
+    broadcast = across.broadcast_from_chief(variables)
+  # Local variables (the towers' copies of the variables) start from the
+  # chief's values: their initial values are read after the broadcast.
+  for v in tf.compat.v1.local_variables():
+    initial = getattr(v, 'initial_value', None)
+    for op in [v.initializer] + ([initial.op] if initial is not None else []) + [
+        t.op for t in (initial.op.inputs if initial is not None else [])
+        if t.op.type == 'ReadVariableOp']:
+      if op.type != 'Const' and broadcast not in op.control_inputs:
+        interception.add_control_inputs(op, [broadcast])
+  local = (base.local_init_op if base.local_init_op is not None
+           else tf.compat.v1.train.Scaffold.default_local_init_op())
+  return tf.compat.v1.train.Scaffold(
+      init_op=base.init_op, init_feed_dict=base.init_feed_dict,
+      init_fn=base._init_fn,  # pylint: disable=protected-access
+      ready_op=base.ready_op,
+      ready_for_local_init_op=_first_session(across, progress),
+      local_init_op=tf.group(broadcast, local, name='local_init_from_chief'),
+      summary_op=base.summary_op, saver=base.saver,
+      local_init_feed_dict=base.local_init_feed_dict)
+
+
+def _first_session(across: cross_worker.CrossWorker, progress: '_Progress') -> tf.Tensor:
+  """The Scaffold's ready_for_local_init_op: ready, unless training already started.
+
+  A peer that dies makes a step fail with UnavailableError, on which
+  MonitoredSession recreates the session and runs the local init again,
+  whose broadcast would wait for the lost peer, again and again. This op
+  raises instead, once a step has run in this process.
+  """
+  cluster = across.cluster
+
+  def check():
+    if progress.steps:
+      raise RuntimeError(
+          f'estimator_towers: a training step of {cluster.device} (rank '
+          f'{cluster.rank} of {cluster.num_workers} training tasks: '
+          f'{", ".join(cluster.training_tasks)}) failed after {progress.steps} '
+          f'step(s) because another worker is lost (see the error above), and '
+          f'variable_strategy=\'collective\' cannot continue without it. Restart '
+          f'the job: it resumes from the chief\'s last checkpoint.')
+    return np.zeros([0], dtype=object)
+
+  with tf.device(across.device):
+    ready = tf.compat.v1.py_func(check, [], tf.string, stateful=True,
+                                 name='ready_for_broadcast')
+  ready.set_shape([0])
+  return ready
+
+
+class _Progress:
+  """Training steps run in this process (shared by the hook and the scaffold)."""
+
+  def __init__(self):
+    self.steps = 0
+
+
+class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
+  """Every training step fails after `timeout_secs` instead of waiting for a lost worker.
+
+  When a worker dies, the others' all-reduces would wait for it forever; the
+  step's RunOptions.timeout_in_ms makes them fail with DeadlineExceededError,
+  and this hook logs which cluster and bound it was. At the session's start
+  (the chief's variables broadcast, whose all-reduce has the same time limit),
+  it logs the training tasks the start waits for once it has waited as long.
+  """
+
+  def __init__(self, timeout_secs: float, cluster: cluster_lib.Cluster,
+               progress: '_Progress'):
+    self._timeout_secs = timeout_secs
+    self._cluster = cluster
+    self._progress = progress
+    self._timer = None
+
+  def begin(self):
+    self._timer = threading.Timer(self._timeout_secs, self._report_start)
+    self._timer.daemon = True
+    self._timer.start()
+
+  def after_create_session(self, session, coord):
+    del session, coord
+    self._timer.cancel()
+
+  def before_run(self, run_context):
+    self._timer = threading.Timer(self._timeout_secs, self._report)
+    self._timer.daemon = True
+    self._timer.start()
+    return tf.compat.v1.train.SessionRunArgs(
+        fetches=None, options=tf.compat.v1.RunOptions(
+            timeout_in_ms=int(self._timeout_secs * 1000)))
+
+  def after_run(self, run_context, run_values):
+    self._timer.cancel()
+    self._progress.steps += 1
+
+  def end(self, session):
+    if self._timer is not None:
+      self._timer.cancel()
+
+  def _report_start(self):
+    logging.error(
+        'estimator_towers: %s (rank %d of %d training tasks) has waited %.0f s '
+        '(make_plan(worker_timeout_secs=...)) at its start for the other training '
+        'tasks (%s) to take the chief\'s variables: one of them has not started, or '
+        'cannot reach this one (check TF_CONFIG\'s addresses). If it does not '
+        'answer, the start fails with DeadlineExceededError; start every task of '
+        'the cluster.', self._cluster.device, self._cluster.rank,
+        self._cluster.num_workers, self._timeout_secs,
+        ', '.join(self._cluster.training_tasks))
+
+  def _report(self):
+    logging.error(
+        'estimator_towers: %s (rank %d of %d training tasks: %s) has waited %.0f s '
+        '(the step timeout, make_plan(worker_timeout_secs=...)) for the other '
+        'workers\' all-reduce: a worker has died or stopped. This step fails '
+        'with DeadlineExceededError; restart the job, which resumes from the '
+        'chief\'s last checkpoint.', self._cluster.device, self._cluster.rank,
+        self._cluster.num_workers, ', '.join(self._cluster.training_tasks),
+        self._timeout_secs)

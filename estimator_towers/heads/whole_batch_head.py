@@ -1,0 +1,347 @@
+"""The whole-batch head: the ops that mix the batch's rows, run on the whole batch.
+
+The rule. Where tower 0's loss depends on ops that mix the batch's rows
+(`row_dependence`: an in-batch softmax's similarity matrix, a batch top-k, an
+opaque function of the batch's embeddings, attention over the batch), the
+*head* is everything from the last per-example tensors (the frontier) to the
+loss: the mixing ops, every op after them, and the statistics and batch-size
+values they read. The head is built once more, on the whole batch:
+
+- each frontier tensor is the towers' counterparts gathered in input order,
+  on the first tower's device (a stacked layout's blocks kept apart: the
+  first views of every tower, then the second views; an empty shard's
+  borrowed row left out), so a `tf.range(batch)` label or a 2B-wide one-hot
+  is the global one, and a shape read of a per-example tensor is the whole
+  batch's shape (computed, not gathered);
+- the head's ops are copies of tower 0's (same types and attributes) on those
+  values; the head's variables (a trained temperature) are tower 0's reads.
+
+Its loss is the whole batch's loss, reported as the step's loss. Its
+gradient with respect to each gathered tensor is cut back into the towers'
+rows, and each tower's backward pass starts there (a seed per frontier
+tensor, as `seeds` seeds a statistic); the head's own variables get their
+gradient once, from the head's backward pass stopped at the towers' frontier
+tensors. Nothing else changes: every op before the frontier runs on its
+tower, on its rows, and the gradient each row receives is the sum over every
+consumer of that row in the whole batch's head.
+
+Across workers the frontier rows are all-gathered from the workers in rank
+order and every worker runs the same head (`across_workers`).
+
+Where the head is made of rows (a softmax per row over the whole batch's
+columns, then a mean), `row_wise_head` splits it instead: each tower
+computes its own rows against the gathered columns, so that no device holds
+a B x B tensor; this module's single head is the fallback.
+
+With micro-batches the head reads each micro-batch's frontier rows from a
+first pass that keeps no activations (`cached_gradients`, the `cached`
+argument of `build`), and the seeds go to the micro-batches' own tensors; a
+head made of rows then runs in row chunks, one at a time per device
+(`chunked_head`).
+
+What it does not do (the warning of `row_dependence` stays): a frontier
+tensor some tower has no counterpart of, a gradient request of several
+tensors, and a static batch size whose shape reads are constants of the graph
+the head reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from estimator_towers.base import interception
+from estimator_towers.rows import row_dependence as rd
+
+_HEAD_KINDS = (rd.MIXED, rd.STAT, rd.SIZE, rd.SHAPE, rd.COLS, rd.UNIQUE)
+
+
+def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
+          sizes: Sequence, nonempty: Sequence, batch: Any, across: Any = None,
+          split: Callable | None = None, cached: Callable | None = None
+          ) -> tuple[tf.Tensor, list, list, str] | str:
+  """The whole batch's head of tower 0's `loss`, or why it cannot be built.
+
+  Args:
+    found: `row_dependence.classify` of the loss (with mixing ops).
+    loss: tower 0's loss.
+    grad_y: the request's initial gradient of the loss, or None.
+    find: `find(i, t)`, shard i's counterpart of tower 0's `t` (None: unknown).
+    sizes, nonempty: per shard, its examples (int or scalar Tensor) and
+      whether it has any (bool or Tensor).
+    batch: the whole batch's examples (the cluster's, across workers).
+    across: a `cross_worker.CrossWorker` when the batch spans workers: each
+      frontier tensor is then all-gathered from the workers in rank order, and
+      every worker runs the same head on the cluster's rows.
+    split: `split(found, loss, grad_y, find, frontier, shapes, per_shard,
+      sizes, nonempty, batch, across)`, the head made of rows computed per
+      tower (`row_wise_head`; with `cached`, per_shard the cached values and
+      `own=` the shards' own frontier tensors: `chunked_head`), tried first:
+      what it returns, or a sentence saying why not (then the head runs
+      once, here).
+    cached: `cached(i, t)`, the value the head reads for shard i's rows of
+      tower 0's per-example `t`, where it is not the towers' own (micro-batches:
+      `cached_gradients`' first pass); None: the towers' own.
+
+  Returns:
+    (whole-batch loss, per shard (frontier tensors, their initial
+    gradients), every shard's frontier tensors: where the head's own
+    backward pass stops, where the head runs), or a sentence saying why
+    there is none.
+  """
+  head, frontier, shapes = _head(found, loss)
+  if head is None:
+    return f'the loss {loss.name} is not computed from the mixing ops alone'
+  per_shard = []
+  for i in range(len(sizes)):
+    mine = [t if i == 0 else find(i, t) for t in frontier]
+    missing = [f.name for f, t in zip(frontier, mine) if t is None]
+    if missing:
+      return f'shard {i} built no counterpart of {missing[0]}'
+    per_shard.append(mine)
+  values = per_shard if cached is None else [[cached(i, t) for t in frontier]
+                                             for i in range(len(sizes))]
+  static = static_size(head, found, frontier)
+  if static is not None:
+    return static
+  if split is not None:   # micro-batches: on the first pass's rows, seeds at their own
+    extra = {} if cached is None else {'own': per_shard, 'cached': cached}
+    try:
+      built = split(found, loss, grad_y, find, frontier, shapes, values, sizes, nonempty,
+                    batch, across, **extra)
+    except (ValueError, TypeError) as error:   # not row-wise after all: the single head
+      built = str(error)
+    if not isinstance(built, str):
+      return built
+  try:
+    return _build(found, loss, grad_y, head, frontier, shapes, (per_shard, values), sizes,
+                  nonempty, batch, across, cached or (lambda i, t: t)) + (
+                      f'on {loss.op.device or "the first tower"}',)
+  except (ValueError, TypeError) as error:
+    return f'building it on the whole batch failed ({error})'
+
+
+def static_size(head: list, found: rd.RowDependence, frontier: list) -> str | None:
+  """Why not, if a constant the head reads may hold the shard's static size.
+
+  With a static batch size, `tf.shape(x)` of a shard tensor is a constant of
+  the graph (`tf.range(tf.shape(q)[0])` is tower 0's range), which the head
+  on the whole batch cannot tell from a hyper-parameter.
+  """
+  rows = {t.shape[0] for t in frontier if t.shape.rank and t.shape[0] is not None}
+  rows |= {t.shape[0] for op in head for t in op.inputs
+           if t.shape.rank and t.shape[0] is not None and found.kind(t) is not None
+           and found.kind(t).tag in (rd.ROWS, rd.FLAT)}
+  rows.discard(1)
+  if not rows:
+    return None
+  for op in head:
+    for t in op.inputs:
+      if found.kind(t) is not None:
+        continue
+      const = _constant_with(t, rows)
+      if const is not None:
+        return (f'the batch size is static, so shape reads of the shard are constants of '
+                f'the graph, and the head reads {t.name}, made from the constant '
+                f'{const.name} that holds the shard\'s size ({sorted(rows)[0]}); leave the '
+                f'batch dimension unknown (batch without drop_remainder) for the whole '
+                f'batch\'s head')
+  return None
+
+
+_VARIABLE_READS = frozenset(('ReadVariableOp', 'VarHandleOp', 'VariableV2', 'Variable',
+                             'ResourceGather'))
+
+
+def _constant_with(t: tf.Tensor, values: set, limit: int = 200) -> tf.Tensor | None:
+  """A constant `t` is computed from (not through a variable) whose value holds one of `values`."""
+  pending, seen = [t], set()
+  while pending and len(seen) < limit:
+    x = pending.pop()
+    if x.op.name in seen or x.op.type in _VARIABLE_READS:
+      continue
+    seen.add(x.op.name)
+    if x.op.type == 'Const':
+      value = tf.get_static_value(x)
+      if value is not None and np.isin(np.asarray(value), list(values)).any():
+        return x
+      continue
+    pending.extend(x.op.inputs)
+  return None
+
+
+def _build(found, loss, grad_y, head, frontier, shapes, shards, sizes, nonempty, batch,
+           across, value):
+  """The head's copy on the gathered rows, and the seeds (see `build`)."""
+  per_shard, values = shards
+  device = loss.op.device
+  with tf.device(device), tf.name_scope('whole_batch_head'):
+    mapped = {}
+    for j, t in enumerate(frontier):
+      kind = found.kind(t)
+      mapped[t.name] = gathered([s[j] for s in values], kind, sizes, nonempty)
+      if across is not None:
+        mapped[t.name] = across_workers(mapped[t.name], kind, across)
+    for t in shapes:
+      mapped[t.name] = whole_shape(t, found.kind(t.op.inputs[0]), batch,
+                                   value(0, t.op.inputs[0]))
+    for op in head:
+      copy = copy_op(op, [mapped.get(t.name, t) for t in op.inputs])
+      for a, b in zip(op.outputs, copy.outputs):
+        mapped[a.name] = b
+    whole = mapped[loss.name]
+    everything = [t for shard in values for t in shard]
+    grads = tf.gradients(whole, everything, grad_ys=None if grad_y is None else [grad_y],
+                         stop_gradients=everything)
+  return whole, shard_seeds(per_shard, values, grads, device), everything
+
+
+def shard_seeds(per_shard: list, values: list, grads: list, device: str | None = None) -> list:
+  """Per shard, (its tensors, their initial gradients) from `grads`, one per tensor of
+  `values` in order (zeros where a tensor has none: on `device`, else on its own)."""
+  seeds, position = [], 0
+  for shard, shard_values in zip(per_shard, values):
+    shard_grads = []
+    for v in shard_values:
+      g = grads[position]
+      position += 1
+      if g is None:
+        with tf.device(v.device if device is None else device):
+          g = tf.zeros_like(v)
+      shard_grads.append(tf.convert_to_tensor(g))
+    seeds.append((list(shard), shard_grads))
+  return seeds
+
+
+def _head(found: rd.RowDependence, loss: tf.Tensor):
+  """(head ops in graph order, frontier tensors, per-example tensors whose shape it reads)."""
+  kind = found.kind(loss)
+  if kind is None or kind.tag != rd.MIXED:
+    return None, None, None
+  ops, frontier, shapes, seen = {}, {}, {}, set()
+  pending = [loss]
+  while pending:
+    t = pending.pop()
+    if t.name in seen:
+      continue
+    seen.add(t.name)
+    k = found.kind(t)
+    if k is None:
+      continue   # no input of the shard: tower 0's value (a variable's read)
+    if k.tag in (rd.ROWS, rd.FLAT):
+      frontier[t.name] = t
+      continue
+    if k.tag not in _HEAD_KINDS:
+      return None, None, None
+    op = t.op
+    source = found.kind(op.inputs[0]) if op.inputs else None
+    if op.type in ('Shape', 'Size') and source is not None and source.tag == rd.ROWS:
+      shapes[t.name] = t
+      continue
+    if op.type in ('Shape', 'Size') and source is not None and source.tag == rd.FLAT:
+      frontier[op.inputs[0].name] = op.inputs[0]
+    ops[op.name] = op
+    pending.extend(op.inputs)
+  order = {op.name: i for i, op in enumerate(loss.graph.get_operations())}
+  return (sorted(ops.values(), key=lambda op: order[op.name]),
+          sorted(frontier.values(), key=lambda t: (order[t.op.name], t.value_index)),
+          list(shapes.values()))
+
+
+def gathered(parts: list, kind: rd.Kind, sizes: Sequence, nonempty: Sequence) -> tf.Tensor:
+  """The shards' rows of one frontier tensor, in input order (blocks kept apart)."""
+  blocks = kind.blocks if kind.tag == rd.ROWS else 1
+  pieces = [[] for _ in range(blocks)]
+  for part, size, ne in zip(parts, sizes, nonempty):
+    if kind.tag == rd.FLAT:   # entries of the shard's examples: all, or none if empty
+      if ne is True:
+        pieces[0].append(part)
+      else:
+        pieces[0].append(part[:tf.shape(part)[0] * tf.cast(ne, tf.int32)])
+      continue
+    if blocks == 1:   # with a borrowed row, 1 row while size is 0
+      pieces[0].append(part if isinstance(size, int) else part[:tf.cast(size, tf.int32)])
+      continue
+    rows = tf.shape(part)[0] // blocks   # with a borrowed row, 1 while size is 0
+    for j in range(blocks):
+      pieces[j].append(part[j * rows:j * rows + tf.cast(size, tf.int32)])
+  flat = [p for block in pieces for p in block]
+  return flat[0] if len(flat) == 1 else tf.concat(flat, 0)
+
+
+def across_workers(mine: tf.Tensor, kind: rd.Kind, across: Any, summed: bool = False
+                   ) -> tf.Tensor:
+  """Every worker's rows of a gathered frontier tensor, in rank order (uneven counts too).
+
+  Each worker pads its rows to the largest count, one all-reduce sums the
+  workers' slots, and the padding is dropped. Every worker then runs the
+  same head on the same rows, so the gradient with respect to a worker's
+  rows is its own slice of its own head's gradient: no all-reduce backward.
+  With `summed` (each worker's consumers are its own rows' only, as in
+  `row_wise_head`) the workers' gradients are summed before the slice.
+  A stacked layout's blocks stay apart (each worker's first views, then the
+  second views).
+  """
+  blocks = kind.blocks if kind.tag == rd.ROWS else 1
+  if blocks > 1:
+    return tf.concat([across_workers(part, rd.Kind(rd.ROWS), across, summed)
+                      for part in tf.split(mine, blocks, 0)], 0)
+
+  @tf.custom_gradient
+  def all_rows(rows):
+    result, offset = cluster_rows(rows, across)
+
+    def grad(upstream):
+      if summed:
+        (upstream,) = across.sum([upstream])
+      with tf.device(across.device):
+        return upstream[offset:offset + tf.shape(rows)[0]]
+    return result, grad
+
+  with tf.name_scope('across_workers'):
+    out = all_rows(mine)
+  out.set_shape(tf.TensorShape([None]).concatenate(mine.shape[1:]))
+  return out
+
+
+def cluster_rows(rows: tf.Tensor, across: Any) -> tuple[tf.Tensor, tf.Tensor]:
+  """(every worker's `rows` in rank order, where this worker's begin), uneven counts too.
+
+  Each worker pads its rows to the largest count, one all-reduce sums the
+  workers' slots, and the padding is dropped. Not differentiable.
+  """
+  with tf.device(across.device):
+    count = tf.shape(rows)[0]
+    (counts,) = across.sum([tf.one_hot(across.rank, across.size, dtype=tf.int32) * count])
+    top = tf.reduce_max(counts)
+    padding = [[0, top - count]] + [[0, 0]] * (rows.shape.rank - 1)
+    padded = tf.pad(rows, padding)
+    slots = tf.scatter_nd([[across.rank]], padded[None],
+                          tf.concat([[across.size], tf.shape(padded)], 0))
+  (total,) = across.sum([slots])
+  with tf.device(across.device):
+    return (tf.boolean_mask(total, tf.sequence_mask(counts, top)),
+            tf.reduce_sum(counts[:across.rank]))
+
+
+def whole_shape(t: tf.Tensor, kind: rd.Kind, batch: Any, x: tf.Tensor | None = None
+                ) -> tf.Tensor:
+  """The whole batch's value of Shape(x) or Size(x), for per-example rows x (`t`'s input)."""
+  x = t.op.inputs[0] if x is None else x
+  rows = tf.cast(batch, t.dtype) * kind.blocks
+  rest = tf.shape(x, out_type=t.dtype)[1:]
+  if t.op.type == 'Size':
+    return rows * tf.reduce_prod(rest)
+  return tf.concat([tf.reshape(rows, [1]), rest], 0)
+
+
+def copy_op(op: tf.Operation, inputs: list) -> tf.Operation:
+  """`op` again on `inputs`: its type and attributes (its gradient override too)."""
+  attrs = {k: v for k, v in op.node_def.attr.items()
+           if not k.startswith('_') or k == '_gradient_op_type'}
+  copy = op.graph.create_op(op.type, list(inputs), [o.dtype for o in op.outputs],
+                            attrs=attrs, name=op.name.split('/')[-1])
+  interception.copy_gradient_function(op, copy)
+  return copy

@@ -1,0 +1,9 @@
+"""Loss: the whole batch's loss from the shards' statistics, and the backward passes' seeds.
+
+The loss read as a function of the batch's additive statistics (sums, means,
+counts, `loss_denominator` declarations) and shard-independent terms
+(`loss_algebra`); what each shard's backward pass starts from (`seeds`);
+the loss Estimator reports (`reported`).
+
+May import: base, cluster, placement, settings, inputs, towers, sync_points, rows, heads.
+"""

@@ -1,0 +1,251 @@
+"""Variable placement strategies: where variables live and where gradients meet.
+
+Each strategy is a small class behind one interface; `STRATEGIES` maps the
+`variable_strategy` name (a flag value) to its class. Tower compute always stays
+on the tower's own device; a strategy only decides where each new variable is
+created, on which device a variable's per-tower gradients are summed, and
+whether the other towers read copies of the variables on their own devices.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import tensorflow as tf
+
+from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
+
+from estimator_towers.base import interception
+from estimator_towers.cluster import cross_worker
+from estimator_towers.placement import devices as devices_lib
+
+
+class Placement:
+  """Interface of a variable placement strategy.
+
+  Args:
+    tower_devices: canonical device strings, one per tower.
+  """
+
+  name = ''
+
+  def __init__(self, tower_devices: Sequence[str]):
+    self.tower_devices = tuple(tower_devices)
+
+  def variable_device(self, shape: tf.TensorShape | None, dtype: tf.DType | None,
+                      name: str) -> str:
+    """The device a new variable is created on."""
+    raise NotImplementedError
+
+  def aggregation_device(self, variable: tf.Variable) -> str:
+    """The device on which `variable`'s gradients are combined.
+
+    The variable's own device, unless the variable lives on another task than
+    the towers (a parameter server under TF_CONFIG): then the towers' gradients
+    are summed on the towers' host CPU and only the sum crosses the network.
+    """
+    home = tf.DeviceSpec.from_string(variable.device)
+    towers = tf.DeviceSpec.from_string(self.tower_devices[0])
+    if home.job is not None and (home.job, home.task) != (towers.job, towers.task):
+      return devices_lib.host_device(self.tower_devices[0])
+    return variable.device
+
+  def replica_device(self, tower: int) -> str | None:  # pylint: disable=unused-argument
+    """The device of tower `tower`'s copies of the variables, or None.
+
+    None (the default) means that the tower uses the shared variables
+    themselves; a device means that it reads its own copies there, which are
+    refreshed from the shared variables after every update.
+    """
+    return None
+
+  def describe(self) -> str:
+    """One line for the placement log."""
+    raise NotImplementedError
+
+
+class CpuPlacement(Placement):
+  """Variables on one parameter device: the host CPU of the first tower's
+  worker when there are several towers, the single device otherwise."""
+
+  name = 'cpu'
+
+  def __init__(self, tower_devices: Sequence[str]):
+    super().__init__(tower_devices)
+    first = self.tower_devices[0]
+    self.parameter_device = (first if len(self.tower_devices) == 1
+                             else devices_lib.host_device(first))
+
+  def variable_device(self, shape, dtype, name):
+    return self.parameter_device
+
+  def describe(self):
+    return f'variables on {self.parameter_device}'
+
+
+def variable_bytes(shape: tf.TensorShape | None, dtype: tf.DType | None) -> int:
+  """Bytes a new variable is counted for when balancing devices.
+
+  Unknown dimensions (and an unknown rank) count as 1, and every variable counts
+  for at least one element; an unknown dtype counts as float32, and a dtype with no
+  fixed element size (string, resource, variant) as 1 byte per element.
+  """
+  shape = tf.TensorShape(shape)
+  dims = shape.as_list() if shape.rank is not None else []
+  elements = max(math.prod(d for d in dims if d is not None), 1)
+  item = tf.as_dtype(dtype).base_dtype.size if dtype is not None else tf.float32.size
+  return elements * max(item, 1)
+
+
+class GpuPlacement(Placement):
+  """Variables spread over the tower devices, greedily balanced by byte size.
+
+  The rule of TensorFlow's `GreedyLoadBalancingStrategy` with a byte-size load
+  function, and of tf_cnn_benchmarks' `ParamServerDeviceSetter`: each new
+  variable goes, in creation order, to the tower device holding the fewest
+  bytes so far (the lowest-indexed one on a tie). Each variable's gradients are
+  combined on its own device, so the reduction work is spread as well.
+  """
+
+  name = 'gpu'
+
+  def __init__(self, tower_devices: Sequence[str]):
+    super().__init__(tower_devices)
+    self.loads = [0] * len(self.tower_devices)  # bytes placed on each device
+
+  def variable_device(self, shape, dtype, name):
+    k = min(range(len(self.loads)), key=self.loads.__getitem__)
+    self.loads[k] += variable_bytes(shape, dtype)
+    return self.tower_devices[k]
+
+  def describe(self):
+    return (f'variables spread over {", ".join(self.tower_devices)}, each on the '
+            f'device with the fewest bytes so far')
+
+
+class ReplicatedPlacement(Placement):
+  """Every tower reads its own copy of the variables, on its own device.
+
+  The variables themselves (the ones the checkpoint holds, and the optimizer's
+  slots) live on the first tower's device, and tower 0 uses them directly;
+  tower k > 0 gets copies on its device. All towers' gradients are combined on
+  the first device, the optimizer updates the variables there once, and then
+  the new values are copied to every tower's device (reduce, update,
+  broadcast; no all-reduce).
+  """
+
+  name = 'replicated'
+
+  def variable_device(self, shape, dtype, name):
+    return self.tower_devices[0]
+
+  def replica_device(self, tower):
+    return self.tower_devices[tower]
+
+  def describe(self):
+    return (f'variables on {self.tower_devices[0]}, copied to each other tower\'s '
+            f'device and refreshed after every update')
+
+
+def tower_device(device: str, pinned: set | None = None):
+  """The device function of a tower: its ops on `device`, except resource users.
+
+  An op that takes a variable's handle (a read, a sparse lookup, a read inside
+  a `tf.cond` branch) goes where the variable is, so that the session can
+  place the graph without soft placement: a resource and its users must share
+  a device. A control-flow op that passes a handle into its branches (a
+  `tf.cond` reading a variable) is left unpinned for the same reason, while
+  the ops inside its branches are placed by this rule. An op a device scope
+  inside the tower placed keeps that device (its name is added to `pinned`).
+  """
+  def device_fn(op: tf.Operation) -> str:
+    chosen = device
+    for tensor in op.inputs:
+      if tensor.dtype == tf.resource:
+        chosen = '' if op.type in CALL_OPS else (
+            interception.resource_device(tensor) or device)
+        break
+    if op.device:  # set by a device scope inside the tower: it takes precedence
+      if pinned is not None:
+        pinned.add(op.name)
+      return (tf.DeviceSpec.from_string(chosen)
+              .make_merged_spec(tf.DeviceSpec.from_string(op.device)).to_string())
+    return chosen
+  return device_fn
+
+
+# Ops that call a function (the lowered form of tf.cond and tf.while_loop).
+CALL_OPS = ('If', 'StatelessIf', 'While', 'StatelessWhile', 'Case', 'StatelessCase',
+             'PartitionedCall', 'StatefulPartitionedCall')
+
+
+class CollectivePlacement(ReplicatedPlacement):
+  """A copy of the variables per device, gradients all-reduced by collective ops, on 1 to W machines.
+
+  On one machine: placed as 'replicated' (the variables on tower 0's device,
+  a copy on every other tower's), but each variable's per-device gradients
+  are summed by one collective all-reduce over the tower devices
+  (`combine`: TensorFlow runs it on NCCL between GPUs, as a ring on CPUs),
+  tower 0's result updating the variable. Across the workers of a TF_CONFIG
+  cluster (chief and workers, no ps), each worker's sum is all-reduced again
+  with the same collective ops (`cross_worker`), and every worker applies the
+  same update to its own variables, which start from the chief's values.
+  """
+
+  name = 'collective'
+
+  def describe(self):
+    return (super().describe() + '; gradients all-reduced between the devices and '
+            'across the workers of a TF_CONFIG cluster, if any, by collective ops')
+
+  @property
+  def communication_hint(self) -> str:
+    gpus = all(tf.DeviceSpec.from_string(d).device_type == 'GPU' for d in self.tower_devices)
+    return 'nccl' if gpus else 'ring'
+
+  def combine(self, parts: Sequence) -> tf.Tensor | None:
+    """One variable's gradient from its parts, one per tower device in order; None: cannot.
+
+    An all-reduce over the tower devices; tower 0's result is returned and
+    waits for the other devices' (so that all of them run).
+    """
+    if len(parts) != len(self.tower_devices) or len(parts) < 2 or any(p is None for p in parts):
+      return None
+    graph = tf.compat.v1.get_default_graph()
+    key = cross_worker.instance_key(graph)
+    group = cross_worker.local_group_key()
+    outputs = []
+    with tf.name_scope('all_reduce_between_devices'):
+      for device, part in zip(self.tower_devices, parts):
+        with tf.device(device):
+          outputs.append(collective_ops.all_reduce(
+              tf.convert_to_tensor(part), len(parts), group, key, 'Add', 'Id',
+              communication_hint=self.communication_hint))
+      with tf.device(self.tower_devices[0]), tf.control_dependencies(outputs[1:]):
+        return tf.identity(outputs[0])
+
+
+STRATEGIES: dict[str, type[Placement]] = {
+    CpuPlacement.name: CpuPlacement,
+    GpuPlacement.name: GpuPlacement,
+    ReplicatedPlacement.name: ReplicatedPlacement,
+    CollectivePlacement.name: CollectivePlacement,
+}
+
+
+def validate_strategy(name: object) -> str:
+  """Checks a `variable_strategy` name.
+
+  Raises:
+    ValueError: if `name` is not one of `STRATEGIES`.
+  """
+  if name not in STRATEGIES:
+    raise ValueError(
+        f'variable_strategy must be one of {sorted(STRATEGIES)}, got '
+        f'{name!r}.')
+  return name
+
+
+def make_placement(name: str, tower_devices: Sequence[str]) -> Placement:
+  return STRATEGIES[validate_strategy(name)](tower_devices)

@@ -1,0 +1,8 @@
+"""Reporting: what a run tells the user.
+
+Examples/sec and an ETA (`throughput`), the bytes that cross devices in a
+step (`traffic`), the per-tower summaries and `global_mean`
+(`tower_summaries`).
+
+May import: base, cluster, placement, settings, inputs, towers, sync_points, rows, heads, loss, gradients.
+"""

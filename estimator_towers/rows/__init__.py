@@ -1,0 +1,10 @@
+"""Rows: how each tensor of a tower relates to the shard's examples.
+
+The row reader: for each tensor of tower 0's graph, whether it holds one row
+per example, stacked or flat rows, a statistic, the batch size, or values
+that mix the batch's rows; which ops mix rows and the frontier before them;
+the warning or error for a mixing op the library does not compute on the
+whole batch.
+
+May import: base, cluster, placement, settings, inputs, towers, sync_points.
+"""

@@ -1,0 +1,216 @@
+"""DevicePlan: the one value that says which devices host towers, and how.
+
+The towered model_fn and the staged input_fn take the same plan, so the two
+sides can never disagree on the devices or on how a batch is split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from estimator_towers.base import spelling
+from estimator_towers.cluster import servers as cross_worker_servers
+from estimator_towers.placement import devices as devices_lib
+from estimator_towers.placement import strategies as placement
+from estimator_towers.settings import staging_backends
+
+LOSS_REDUCTIONS = ('auto', 'exact', 'mean', 'sum')
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+  """Immutable description of a towered setup; build it with `make_plan`.
+
+  The one value both sides of a towered Estimator take: the towered model_fn
+  (`replicate_model_fn(model_fn, plan=plan)`) and the staged input_fn
+  (`staged_input_fn(input_fn, plan)`), so that they cannot disagree on the
+  devices. Frozen: change a field with `dataclasses.replace`, which does not
+  validate; prefer a new `make_plan`.
+
+  Attributes:
+    devices: canonical tower devices, or None for "every visible GPU (the CPU
+      when there is none)", resolved at graph construction.
+    num_gpus: the GPU count asked for, when given as a count; 0 means one
+      tower on the host CPU.
+    variable_strategy: where variables live and gradients are combined:
+      'cpu' (default), 'gpu', 'replicated' or 'collective' (see the
+      placement page).
+    loss_reduction: 'auto' (default: the whole batch's loss is rebuilt from
+      the shards' statistics (see the losses page); a loss it cannot
+      rebuild gets one warning naming the op and the reduction the model_fn's
+      TensorFlow loss function recorded, else a mean), 'exact' ('auto', with
+      that warning an error), 'mean' (the loss is a mean over the batch:
+      towers are weighted by their share of the batch) or 'sum' (towers add
+      up).
+    staging_depth: shards kept in flight per device by the staged input_fn.
+    staging_backend: how the staged input_fn prefetches shards:
+      'staging_area' (a StagingArea per device; the only value).
+    allow_cpu_fallback: when num_gpus asks for more GPUs than are visible, run
+      the missing towers on the host CPU (with one warning) instead of raising.
+    sync_batch_norm: in TRAIN, every batch normalisation uses the statistics
+      of the global batch (all towers' shards) instead of its tower's shard.
+      Off by default.
+    micro_batches: k, the micro-batches each device splits its shard into and
+      runs one after another within a step (1: none).
+    worker_timeout_secs: under variable_strategy='collective' across workers,
+      how long a training step (and the start, for the variables' broadcast)
+      waits for the other workers before failing with DeadlineExceededError.
+
+  Example:
+      ```python
+      plan = estimator_towers.make_plan(num_gpus=8, variable_strategy='replicated')
+      model_fn = estimator_towers.replicate_model_fn(my_model_fn, plan=plan)
+      input_fn = estimator_towers.staged_input_fn(my_input_fn, plan)
+      ```
+  """
+  devices: tuple[str, ...] | None = None
+  num_gpus: int | None = None
+  variable_strategy: str = 'cpu'
+  loss_reduction: str = 'auto'
+  staging_depth: int = 1
+  staging_backend: str = 'staging_area'
+  allow_cpu_fallback: bool = False
+  sync_batch_norm: bool = False
+  micro_batches: int = 1
+  worker_timeout_secs: float = 120.0
+
+  def resolve(self) -> tuple[str, ...]:
+    """The devices the towers really get on this machine.
+
+    Explicit devices are taken as given (a warning says when they name GPUs
+    that are not visible here); num_gpus=0 is the host CPU; num_gpus=N needs N
+    visible GPUs, or allow_cpu_fallback; no choice means every visible GPU, or
+    the host CPU when there is none.
+
+    Raises:
+      ValueError: when num_gpus asks for more GPUs than are visible and
+        allow_cpu_fallback is off.
+    """
+    if self.devices is not None:
+      devices_lib.warn_invisible_gpus(self.devices)
+      return self.devices
+    if self.num_gpus is None:
+      return devices_lib.default_devices()
+    return devices_lib.resolve_gpu_count(self.num_gpus, self.allow_cpu_fallback)
+
+
+def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
+              variable_strategy: str = 'cpu', loss_reduction: str = 'auto',
+              staging_depth: int = 1,
+              staging_backend: str = 'staging_area',
+              allow_cpu_fallback: bool = False,
+              sync_batch_norm: bool = False,
+              micro_batches: int = 1,
+              worker_timeout_secs: float = 120.0) -> DevicePlan:
+  """Validates arguments and returns a DevicePlan.
+
+  Give the plan to `replicate_model_fn(model_fn, plan=plan)` and, for staged
+  input, to `staged_input_fn(input_fn, plan)`. With neither num_gpus nor
+  devices, the towers are every visible GPU (the CPU when there is none),
+  resolved when the graph is built.
+
+  Args:
+    num_gpus: towers on /gpu:0 .. /gpu:N-1; 0 trains on the host CPU.
+    devices: explicit tower devices, instead of num_gpus, e.g.
+      ['/gpu:0', '/gpu:2'] or ['/cpu:0', '/cpu:1'].
+    variable_strategy: 'cpu' (default: variables on the host CPU), 'gpu'
+      (spread over the tower devices), 'replicated' (a copy per tower) or
+      'collective' (a copy per tower, all-reduced; also across a chief and
+      workers). See the placement page.
+    loss_reduction: 'auto' (default: the whole batch's loss rebuilt from the
+      shards' statistics, one warning for a loss it cannot rebuild), 'exact'
+      ('auto' with that warning an error), 'mean' or 'sum' (the towers'
+      losses weighted by that rule, without analysis).
+    staging_depth: shards kept in flight per device by `staged_input_fn`;
+      0 turns staging off.
+    staging_backend: 'staging_area' (the only value).
+    allow_cpu_fallback: run towers on the host CPU when num_gpus asks for
+      more GPUs than are visible, instead of raising at graph construction.
+    sync_batch_norm: batch norms in TRAIN use the global batch's statistics.
+    micro_batches: k >= 1: each device's shard is split into k micro-batches
+      that run one after another on that device, within one step.
+    worker_timeout_secs: variable_strategy='collective' across workers: a
+      step waits this long for the other workers before failing.
+
+  Raises:
+    ValueError: for a count together with devices, a negative count,
+      duplicate or malformed devices, an unknown strategy or reduction, or a
+      negative staging depth, an unknown or removed staging backend, or
+      micro_batches that is not a positive integer.
+
+  Example:
+      ```python
+      plan = estimator_towers.make_plan(num_gpus=4, sync_batch_norm=True)
+      estimator = tf.estimator.Estimator(
+          estimator_towers.replicate_model_fn(model_fn, plan=plan))
+      ```
+  """
+  if num_gpus is not None and devices is not None:
+    raise ValueError(
+        f'Give either num_gpus or devices, not both (got num_gpus={num_gpus!r} '
+        f'and devices={devices!r}). devices=[...] names the towers exactly; '
+        f'num_gpus=N means devices=["/gpu:0", ..., "/gpu:N-1"].')
+  if num_gpus is not None:
+    devices_lib.validate_gpu_count(num_gpus)
+  canonical = devices_lib.validate_devices(devices) if devices is not None else None
+  placement.validate_strategy(variable_strategy)
+  if loss_reduction not in LOSS_REDUCTIONS:
+    raise ValueError(
+        f'{spelling.name("loss_reduction")} must be one of {LOSS_REDUCTIONS}, '
+        f'got {spelling.value("loss_reduction", loss_reduction)}: use "auto" to '
+        f'rebuild the whole batch\'s loss from the shards\' statistics, "exact" '
+        f'for "auto" that raises where it cannot, "mean" '
+        f'when your loss averages over the batch (tf.compat.v1.losses and Keras '
+        f'losses do) and "sum" when it adds up per-example losses.')
+  if isinstance(staging_depth, bool) or not isinstance(staging_depth, int) or staging_depth < 0:
+    raise ValueError(
+        f'{spelling.name("staging_depth")} must be a non-negative integer '
+        f'(shards kept in flight per device; 0 turns staging off), got '
+        f'{spelling.value("staging_depth", staging_depth)}.')
+  for option, value in (('allow_cpu_fallback', allow_cpu_fallback),
+                        ('sync_batch_norm', sync_batch_norm)):
+    if not isinstance(value, bool):
+      raise ValueError(f'{spelling.name(option)} must be True or False, got '
+                       f'{spelling.value(option, value)}.')
+  staging_backends.validate_backend(staging_backend, what=spelling.name('staging_backend'))
+  _validate_micro_batches(micro_batches)
+  if sync_batch_norm and micro_batches > 1:
+    raise ValueError(
+        f'{spelling.name("sync_batch_norm")} and {spelling.name("micro_batches")}='
+        f'{micro_batches} cannot be combined: global batch-norm statistics need '
+        f'every micro-batch\'s forward pass before any of them is normalised, '
+        f'which is what micro-batches avoid. Use one of the two (with micro-'
+        f'batches alone, each micro-batch uses its own statistics).')
+  if (isinstance(worker_timeout_secs, bool) or not isinstance(worker_timeout_secs, (int, float))
+      or not worker_timeout_secs > 0):
+    raise ValueError(
+        f'worker_timeout_secs must be a positive number of seconds (how long a '
+        f'step waits for the other workers), got {worker_timeout_secs!r}.')
+  if variable_strategy == 'collective':
+    cross_worker_servers.install()
+  return DevicePlan(devices=canonical, num_gpus=num_gpus,
+                    variable_strategy=variable_strategy,
+                    loss_reduction=loss_reduction, staging_depth=staging_depth,
+                    staging_backend=staging_backend,
+                    allow_cpu_fallback=allow_cpu_fallback,
+                    sync_batch_norm=sync_batch_norm,
+                    micro_batches=micro_batches,
+                    worker_timeout_secs=float(worker_timeout_secs))
+
+
+def _validate_micro_batches(value: object) -> int:
+  """Checks a `micro_batches` setting.
+
+  Raises:
+    ValueError: unless `value` is an integer >= 1 (not a bool).
+  """
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(
+        f'{spelling.name("micro_batches")} must be a positive integer (the '
+        f'number of micro-batches each device splits its shard into and runs '
+        f'one after another; 1 turns micro-batches off), got '
+        f'{spelling.value("micro_batches", value)}. Use '
+        f'{spelling.setting("micro_batches", 1)} for none, or e.g. '
+        f'{spelling.setting("micro_batches", 4)} for a device shard in 4 parts.')
+  return value

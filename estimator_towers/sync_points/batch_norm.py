@@ -1,0 +1,637 @@
+"""Synchronised batch norm: batch statistics of the global batch, in every tower.
+
+With `sync_batch_norm=True`, each batch normalisation a TRAIN model_fn builds
+normalises its tower's shard with the mean and variance of the whole global
+batch, so that a towered step equals the plain step for models whose only
+cross-example operation is batch norm. A batch statistic is a sync point of
+the towers, like a gradient request:
+
+- Which computations: `tf.compat.v1.nn.fused_batch_norm(..., is_training=True)`
+  (what Keras `BatchNormalization` and `tf.compat.v1.layers` use when fused,
+  and tf_slim-style code calls directly) and `tf.nn.moments(x, axes)` with the
+  batch axis 0 among `axes` (Keras' non-fused path and hand-written batch
+  norm). Moments over other axes (layer norm) are per example and stay per
+  tower.
+- How: each tower's shard statistics (count, per-channel mean and M2; an
+  empty shard, which borrows a row in training, counts 0) are joined once per
+  sync point, on the device of the first tower to reach it, and combined by
+  Chan et al.'s parallel formula (no E[x^2] - E[x]^2); every tower uses the
+  result. The exchange is ordinary graph edges between the towers' devices
+  (`sync_points`: the towers are built one after another, so the first
+  tower's join holds its own statistics in the later towers' slots until
+  they are built). The fused path normalises with TensorFlow's fused kernel
+  (inference mode, on the global statistics) and has a gradient of its own
+  that joins the two per-channel sums sum(dy) and sum(dy * x^) the same way;
+  `tf.nn.moments` is differentiated through the join.
+- What it returns is what the plain call returns on the whole batch: the
+  fused call's batch variance carries Bessel's correction over the global
+  count, as TensorFlow's kernel does, so Keras' moving averages (updated once
+  per step from tower 0) follow the global statistics.
+
+Across workers (`variable_strategy='collective'`, `across`), a sync point's
+table of rows is every worker's, gathered by one all-reduce
+(`CrossWorker.gather`), and the backward sums are summed across workers, so
+the statistics are the cluster's global batch's and every worker combines
+the same table.
+
+Options whose result cannot equal the plain batch norm on the whole batch
+(`renorm`, `virtual_batch_size`, `adjustment` of a Keras layer) are errors when
+sync is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import weakref
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from estimator_towers.base import interception
+from estimator_towers.sync_points import join as sync_points
+from estimator_towers.towers import tower_context
+
+# Layer options that make a batch norm's result depend on how the batch is
+# split; the value that turns each off.
+_UNSYNCABLE = (('renorm', False), ('virtual_batch_size', None), ('adjustment', None))
+
+# The gradient of a synchronised fused batch norm: an IdentityN of (y, x, scale,
+# offset) carries it; the function is looked up by graph and op name.
+_GRADIENT = 'EstimatorTowersSyncBatchNorm'
+_pending_gradients: 'weakref.WeakKeyDictionary[tf.Graph, dict]' = weakref.WeakKeyDictionary()
+_registered = []
+
+
+def _register_gradient() -> None:
+  if not _registered:
+    tf.RegisterGradient(_GRADIENT)(_sync_gradient)
+    _registered.append(_GRADIENT)
+
+
+def _sync_gradient(op: tf.Operation, dy: tf.Tensor, *unused) -> list:
+  grad = _pending_gradients.get(op.graph, {}).get(op.name)
+  if grad is None:
+    raise LookupError(
+        f'{op.name} is a synchronised batch norm that estimator_towers built in another '
+        f'graph (this one was copied or imported); its gradient exists only in the graph '
+        f'the towers were built in. Differentiate that graph, or build the towered '
+        f'model_fn again in this one.')
+  return grad(dy)
+
+
+class BatchNormSyncError(ValueError):
+  """A batch norm that cannot be synchronised across towers."""
+
+
+class BatchNormSync:
+  """The sync points of one towered TRAIN graph.
+
+  Args:
+    graph: the graph being built.
+    devices: by tower index, the device of every tower that is built.
+    present: by tower index, 1.0 (a Python float) or a float32 scalar Tensor
+      that is 0 when the tower's shard is empty at run time.
+    across: the all-reduces across workers (a `cross_worker.CrossWorker`), or None.
+  """
+
+  def __init__(self, graph: tf.Graph, devices: dict[int, str], present: dict[int, Any],
+               across: Any = None):
+    if len(set(devices.values())) != len(devices):
+      raise BatchNormSyncError(
+          f'sync_batch_norm=True needs every tower on its own device, but the '
+          f'towers run on {sorted(devices.values())}: statistics are exchanged '
+          f'between the towers\' devices. Give distinct devices (e.g. '
+          f'--num_cpu_devices=N on a machine without GPUs instead of '
+          f'--allow_cpu_fallback), or turn sync_batch_norm off.')
+    self._graph = graph
+    self._devices = devices
+    self._present = present
+    self._across = across
+    self._points: list[sync_points.SyncPoint] = []   # by index: the towers' i-th sync point
+    self._calls: dict[int, int] = {}      # per tower: sync points made so far
+    self._arithmetics: dict[int, _Arithmetic] = {}  # per tower
+    self._builds: dict[int, int] = {}     # per tower: the build that made them
+    self._presents_column = None
+    self._moments_used = False
+
+  @contextlib.contextmanager
+  def syncing(self) -> Iterator[None]:
+    """While active, batch statistics built by a tower are global."""
+    with interception.batch_norm_calls(self._fused, self._moments):
+      yield
+
+  def check_complete(self) -> None:
+    """Raises if the towers did not all reach the same sync points; a join's slot that
+    no tower filled gets a placeholder (`sync_points.Exchange.finish`)."""
+    for point in self._points:
+      point.finish()
+    counts = {k: self._calls.get(k, 0) for k in self._devices}
+    if len(set(counts.values())) > 1:
+      raise BatchNormSyncError(
+          f'With sync_batch_norm=True every tower must build the same batch '
+          f'norms, but the towers built {counts} (tower: count). Do not branch '
+          f'on the tower or shard around batch normalisation.')
+
+  # -- Towers copied from the first (`tower_copies`) ---------------------------
+
+  def copy_reason(self) -> str | None:
+    """Why the towers' forward passes cannot be copied, or None."""
+    if self._moments_used:
+      return ('sync_batch_norm synchronises a tf.nn.moments (differentiated through '
+              'its join)')
+    return None
+
+  def shared_ops(self) -> set:
+    """The ops of every join built so far (shared by the towers, never copied)."""
+    shared = set()
+    for point in self._points:
+      for exchange in [point.forward] + point.backward_exchanges:
+        shared.update(exchange.made)
+    return shared
+
+  def joined_by(self, primary: int, tower: int) -> dict:
+    """Per tensor `primary`'s backward joins returned it (by `ref()`), tower `tower`'s."""
+    found = {}
+    for point in self._points:
+      for exchange in point.backward_exchanges:
+        mine, theirs = exchange.result(primary), exchange.result(tower)
+        if mine is not None and exchange.value(primary) is not None:
+          found.update((a.ref(), b) for a, b in zip(tf.nest.flatten(mine), tf.nest.flatten(theirs))
+                       if a is not b)
+    return found
+
+  def copied_pass(self, primary: int, tower: int, counterpart: Callable, ops: set) -> None:
+    """Tower `tower`'s copy of `primary`'s backward pass (made `ops`) joins its exchanges."""
+    for point in self._points:
+      for exchange in point.backward_exchanges:
+        value = exchange.value(primary)
+        if value is not None and value.op in ops and exchange.value(tower) is None:
+          point.backward(tower)  # counts the tower's use, as its gradient would
+          exchange.join(tower, counterpart(value), None)
+
+  def copied(self, primary: int, tower: int, counterpart: Callable) -> None:
+    """Tower `tower` is a copy of `primary`'s forward pass: it joins its sync points.
+
+    Its statistics (the copies of the primary's) join each sync point the
+    primary joined, and each copied normalisation gets the gradient of its own
+    tower (`_fused_normalise`).
+    """
+    points = self._points[:self._calls.get(primary, 0)]
+    for point in points:
+      point.forward.join(tower, counterpart(point.forward.value(primary)), None)
+    self._calls[tower] = len(points)
+    pending = _pending_gradients.get(self._graph, {})
+    for name, grad in list(pending.items()):
+      if grad.keywords['tower'] != primary:
+        continue
+      copy = counterpart(self._graph.get_operation_by_name(name).outputs[0])
+      if copy is None:
+        continue
+      theirs = {key: value if not isinstance(value, tf.Tensor) or counterpart(value) is None
+                else counterpart(value) for key, value in grad.keywords.items()}
+      pending[copy.op.name] = functools.partial(grad.func, **dict(theirs, tower=tower))
+
+  # -- The intercepted calls ---------------------------------------------------
+
+  def _tower(self) -> int | None:
+    """The tower being built in this graph, or None (nothing to sync)."""
+    if tf.compat.v1.get_default_graph() is not self._graph:
+      return None
+    context, build = tower_context.peek()
+    return context.index if context.index in self._devices and build else None
+
+  def _fused(self, original, x, scale, offset, mean, variance, epsilon=0.0001,
+             exponential_avg_factor=1, data_format='NHWC', is_training=True,
+             name=None):
+    tower = self._tower() if is_training else None
+    if tower is None or not _is_batch_norm(_calling_layer()):
+      return original(x, scale, offset, mean, variance, epsilon=epsilon,
+                      exponential_avg_factor=exponential_avg_factor,
+                      data_format=data_format, is_training=is_training, name=name)
+    with tf.name_scope(name or 'SyncBatchNorm'):
+      kernel = _FusedKernel(original, epsilon, data_format)
+      point = self._sync_point(tower)
+      arithmetic = self._arithmetic(tower, original)
+      moments, corrected, total = point.forward.join(
+          tower, arithmetic.local_statistics(x, scale, epsilon, data_format),
+          lambda table: self._fused_statistics(arithmetic, table, x.shape.rank,
+                                               _channel_axis(x, data_format)))
+      batch_mean, batch_var = tf.unstack(moments)  # on this tower's device: one transfer
+      new_mean, new_variance = batch_mean, corrected
+      if exponential_avg_factor not in (None, 1, 1.0):
+        f = float(exponential_avg_factor)
+        new_mean = (1.0 - f) * mean + f * batch_mean
+        new_variance = (1.0 - f) * variance + f * corrected
+      y = self._fused_normalise(kernel, tower, point, x, scale, offset, batch_mean, batch_var,
+                                total)
+      return y, new_mean, new_variance, new_mean, new_variance, new_variance
+
+  def _fused_statistics(self, arithmetic: '_Arithmetic', table: tf.Tensor, rank: int,
+                        axis: int):
+    """The global statistics from the towers' rows (shape, mean, variance), once per sync point.
+
+    An empty shard's borrowed row counts 0 (its presence factor); its mean
+    and variance are then weighted by 0 in Chan's combination. Across
+    workers, every worker's towers are combined to one row first, and the
+    workers' rows (rank order) combined the same way.
+    """
+    statistics = arithmetic.counted(tf.stop_gradient(table), rank, axis, self._presents())
+    if self._across is not None:
+      row = _fused_row(arithmetic.combined(*statistics))
+      statistics = arithmetic.split_table(self._across.gather(row[None]))
+    return arithmetic.global_statistics(*statistics)
+
+  def _fused_normalise(self, kernel: '_FusedKernel', tower: int,
+                       point: sync_points.SyncPoint, x, scale, offset, mean, variance, count):
+    """TensorFlow's fused kernel on the global statistics; the global batch's gradient.
+
+    Forward, the inference kernel normalises the shard with the global mean
+    and variance. Backward, with s = sqrt(variance + epsilon), n the global
+    count and x^ = (x - mean) / s, plain batch norm's input gradient is
+
+        dx = scale / s * (dy - sum(dy) / n - x^ * sum(dy * x^) / n)
+
+    with the sums over the global batch. The inference kernel's gradient gives
+    scale / s * dy and the shard's sum(dy * x^) and sum(dy), which are the
+    shard's share of the scale's and offset's gradients (the towers' backward
+    passes add the shares up on the variables); one exchange of those 2C
+    floats gives the global sums, and the inference kernel applied to x with
+    scale / (s n) * (sum(dy * x^), sum(dy)) as its scale and offset gives the
+    last two terms. An empty shard's borrowed row is not in the statistics:
+    its gradient is scale / s * dy alone.
+
+    The gradient is attached to an IdentityN of (y, x, scale, offset) whose
+    gradient is this function's (`_register_gradient`), not by
+    `tf.custom_gradient`, which scans the graph's variables and the ops
+    between its inputs and outputs on every call.
+    """
+    x, scale, offset = (tf.convert_to_tensor(t) for t in (x, scale, offset))
+    y, reserve = kernel.apply(x, scale, offset, mean, variance)
+    _register_gradient()
+    with self._graph.gradient_override_map({'IdentityN': _GRADIENT}):
+      outputs = tf.raw_ops.IdentityN(input=[y, x, scale, offset])
+    _pending_gradients.setdefault(self._graph, {})[outputs[0].op.name] = functools.partial(
+        self._gradient, tower=tower, kernel=kernel, point=point, x=x, scale=scale, mean=mean,
+        variance=variance, count=count, reserve=reserve)
+    return outputs[0]
+
+  def _gradient(self, dy, *, tower: int, kernel: '_FusedKernel', point: sync_points.SyncPoint,
+                x, scale, mean, variance, count, reserve) -> list:
+    """`_fused_normalise`'s gradient for tower `tower` (its tensors `x` and `reserve`)."""
+    dx, dscale, doffset = kernel.gradient(dy, x, scale, mean, variance, reserve)
+    coefficients = point.backward(tower).join(
+        tower, tf.stack([dscale, doffset]),
+        lambda sums: self._correction_scales(
+            self._arithmetic(tower), sums, scale, variance, count, kernel.epsilon),
+        per_tower=True)
+    correction_scale, correction_offset = tf.unstack(coefficients)  # one transfer
+    correction, _ = kernel.apply(x, correction_scale, correction_offset, mean, variance)
+    return None, dx - correction, dscale, doffset
+
+  def _correction_scales(self, arithmetic: '_Arithmetic', sums: tf.Tensor, scale, variance,
+                         count, epsilon: float) -> list:
+    """Per tower, the correction kernel's [scale, offset], from the towers' [dscale, doffset]
+    (`sums`, stacked).
+
+    scale / (s n) * (sum(dy * x^), sum(dy)) over the global batch; zero for
+    a tower whose shard is empty (its borrowed row is not in the statistics).
+    Only the sums wait for the backward pass: the factor scale / (s n) is
+    the forward's, so after the last tower's sums the join is a sum and a
+    product (and the presence factors).
+    """
+    factor = arithmetic.correction_factor(scale, variance, count, epsilon)
+    presents = self._presents(rank=3)
+    zero = arithmetic.const(0, tf.int32)
+    if presents is None:
+      return [self._total(tf.reduce_sum(sums, zero)) * factor] * len(self._devices)
+    totals = self._total(tf.reduce_sum(sums * presents, zero))
+    return tf.unstack(presents * (totals * factor))
+
+  def _presents(self, rank: int = 2):
+    """The towers' presence factors as a [towers, 1] (or [towers, 1, 1]) column, or None
+    when all are 1."""
+    if all(isinstance(p, float) and p == 1.0 for p in self._present.values()):
+      return None
+    if self._presents_column is None:
+      with self._graph.control_dependencies(None), tf.name_scope('sync_batch_norm_presents'):
+        column = tf.stack([tf.cast(self._present[k], tf.float32) for k in sorted(self._devices)])
+        self._presents_column = {2: tf.reshape(column, [-1, 1]), 3: tf.reshape(column, [-1, 1, 1])}
+    return self._presents_column[rank]
+
+  def _moments(self, original, x, axes, shift=None, name=None, keep_dims=None,
+               keepdims=None):
+    keep = bool(keep_dims if keepdims is None else keepdims)
+    tower = self._tower()
+    x = tf.convert_to_tensor(x)
+    rank = x.shape.rank
+    batch_axis = rank is not None and 0 in [int(a) % rank for a in np.ravel(axes)]
+    if tower is None or not batch_axis:
+      return original(x, axes, shift=shift, name=name, keep_dims=keep)
+    _is_batch_norm(_calling_layer())  # options that cannot be synchronised
+    self._moments_used = True
+    with tf.name_scope(name or 'sync_moments'):
+      y = tf.cast(x, tf.float32) if x.dtype == tf.float16 else x
+      axes = sorted(int(a) % rank for a in np.ravel(axes))
+      mean, squares, count = self._combine(tower, self._sync_point(tower),
+                                           *_local_moments(y, axes))
+      variance = squares / tf.maximum(count, 1.0)
+      shape = _dims(y, [a for a in range(rank) if keep or a not in axes], ones=axes)
+      mean, variance = tf.reshape(mean, shape), tf.reshape(variance, shape)
+      if x.dtype == tf.float16:
+        return tf.cast(mean, tf.float16), tf.cast(variance, tf.float16)
+      return mean, variance
+
+  # -- The statistics ----------------------------------------------------------
+
+  def _combine(self, tower: int, point: sync_points.SyncPoint, count, mean: tf.Tensor,
+               m2: tf.Tensor):
+    """The global batch's mean, M2 and count from every shard's count, mean and M2.
+
+    Differentiable: the gradient flows through the exchange to every tower's
+    statistics. An empty shard (its borrowed row) counts 0.
+    """
+    row = tf.concat([tf.reshape(tf.cast(count, mean.dtype), [1]), mean, m2], 0)
+    return point.forward.join(
+        tower, _times(row, self._present[tower]),
+        lambda table: _chan(self._table(table, lambda t: _chan_row(_chan(t)))))
+
+  def _table(self, table: tf.Tensor, combine: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
+    """The towers' rows; across workers, every worker's towers combined to one row (rank order)."""
+    return table if self._across is None else self._across.gather(combine(table)[None])
+
+  def _total(self, sums: tf.Tensor) -> tf.Tensor:
+    """The towers' sums, and across workers the cluster's."""
+    return sums if self._across is None else self._across.sum([sums])[0]
+
+  def _arithmetic(self, tower: int, original=None) -> '_Arithmetic':
+    if tower not in self._arithmetics:
+      self._arithmetics[tower] = _Arithmetic(original)
+    return self._arithmetics[tower]
+
+  def _sync_point(self, tower: int) -> sync_points.SyncPoint:
+    """This tower's next sync point (shared by the towers)."""
+    build = tower_context.peek()[1]
+    if self._builds.setdefault(tower, build) != build:
+      raise BatchNormSyncError(
+          f'With sync_batch_norm=True each tower\'s model_fn is built once, '
+          f'but tower {tower} was built again (a second gradient request, or '
+          f'an EstimatorSpec loss other than the tensor gradients were asked '
+          f'of, makes the library rebuild a tower). Return as the spec\'s loss '
+          f'the tensor you pass to the optimizer, or turn sync_batch_norm off.')
+    i = self._calls.get(tower, 0)
+    self._calls[tower] = i + 1
+    while len(self._points) <= i:
+      self._points.append(sync_points.SyncPoint(sorted(self._devices)))
+    return self._points[i]
+
+
+def _chan_row(statistics) -> tf.Tensor:
+  """`_chan`'s (mean, M2, count) as a row (count, mean, M2) of a table."""
+  mean, m2, total = statistics
+  return tf.concat([tf.reshape(total, [1]), mean, m2], 0)
+
+
+def _fused_row(statistics) -> tf.Tensor:
+  """`combined`'s result as a row (count, mean, Bessel-corrected variance)."""
+  mean, _, corrected, total = statistics
+  return tf.concat([tf.reshape(total, [1]), mean, corrected], 0)
+
+
+def _chan(table: tf.Tensor):
+  """Global mean, M2 and count from a gather table's rows (count, mean, M2): Chan et al."""
+  counts, means, m2s = _split_table(table)
+  total = tf.reduce_sum(counts)
+  mean = tf.reduce_sum(counts * means, 0) / tf.maximum(total, 1.0)
+  m2 = tf.reduce_sum(m2s + counts * tf.math.squared_difference(means, mean), 0)
+  return mean, m2, total
+
+
+def _split_table(table: tf.Tensor, const: Callable = tf.constant) -> list:
+  """A table's rows (count, C values, C values) as [rows, 1], [rows, C] and [rows, C]."""
+  if table.shape[1] is None:
+    channels = (tf.shape(table)[1] - 1) // 2
+    sizes = tf.stack([1, channels, channels])
+  else:
+    channels = (table.shape[1] - 1) // 2
+    sizes = const([1, channels, channels], tf.int32)
+  return tf.split(table, sizes, const(1, tf.int32), num=3)
+
+
+class _Arithmetic:
+  """One tower's per-channel arithmetic of the fused path, in few graph ops.
+
+  Per layer and tower a sync point computes a few dozen small things (the
+  shard's row, the combination, Bessel's correction, the backward scales).
+  Graph construction and TensorFlow's graph optimisation take time per op,
+  and the first version of this path doubled the towered graph (67 ops per
+  layer and tower, 7,542 ops for ResNet-8 at N = 8 against 3,782 unsynced),
+  so constants are made once per tower and the combination works on the
+  whole gathered table at once. (Graph functions, one call op each, made
+  construction cheaper but optimisation dearer: inlined, each call adds some
+  30 nodes.)
+  """
+
+  def __init__(self, original):
+    self._original = original
+    self._constants: dict[Any, tf.Tensor] = {}
+
+  def const(self, value, dtype=tf.float32) -> tf.Tensor:
+    key = (repr(value), dtype)
+    if key not in self._constants:
+      self._constants[key] = tf.constant(value, dtype)
+    return self._constants[key]
+
+  def local_statistics(self, x, scale, epsilon, data_format):
+    """The shard's row of the statistics' table: its shape, per-channel mean and variance.
+
+    By the training kernel: its variance has Bessel's correction over the
+    shard's count. The shape is given as floats (a constant where static).
+    """
+    channels = x.shape[_channel_axis(x, data_format)]
+    if channels is None:  # known at run time only
+      ones = tf.ones_like(scale, tf.float32)
+      ones_zeros = (ones, ones * 0.0)
+    else:
+      ones_zeros = (self.const([1.0] * channels), self.const([0.0] * channels))
+    empty = self.const([])
+    _, mean, variance, _, _, _ = self._original(
+        x, *ones_zeros, empty, empty, epsilon=epsilon, exponential_avg_factor=1,
+        data_format=data_format, is_training=True)
+    shape = (self.const([float(d) for d in x.shape.as_list()]) if x.shape.is_fully_defined()
+             else tf.cast(tf.shape(x), tf.float32))
+    return tf.concat([shape, mean, variance], self.const(0, tf.int32))
+
+  def counted(self, rows: tf.Tensor, rank: int, axis: int, presents):
+    """The towers' rows (shape, mean, variance) as counts [towers, 1], means and variances.
+
+    A count is the product of the shape's dimensions but the channels' (at
+    `axis`; in float32, exact up to 2^24 values per channel and shard, rounded
+    like the statistics beyond), times the tower's presence factor (0 for an
+    empty shard) when `presents` is given.
+    """
+    one = self.const(1, tf.int32)
+    channels = rows.shape[1] - rank if rows.shape[1] is not None else None
+    pieces = [axis, 1, rank - axis - 1] + ([channels // 2] * 2 if channels else [-1])
+    parts = tf.split(rows, self.const([n for n in pieces if n], tf.int32), one,
+                     num=len([n for n in pieces if n]))
+    before = parts.pop(0) if axis else None
+    parts.pop(0)  # the channel count
+    after = parts.pop(0) if rank - axis - 1 else None
+    means, variances = parts if channels else tf.split(parts[0], 2, one)
+    others = [t for t in (before, after) if t is not None]
+    others = others[0] if len(others) == 1 else tf.concat(others, one)
+    counts = tf.reduce_prod(others, one, keepdims=True)
+    if presents is not None:
+      counts = counts * presents
+    return counts, means, variances
+
+  def split_table(self, table: tf.Tensor):
+    """A table's rows (count, mean, variance) as counts [rows, 1], means and variances."""
+    return _split_table(table, self.const)
+
+  def combined(self, counts, means, variances):
+    """Global mean, variance and Bessel-corrected variance, and count: Chan et al.
+
+    With n_i, mean_i and M2_i = variance_i * max(n_i - 1, 0) the rows', n the
+    global count and mu the global mean: mu = sum(n_i mean_i) / n and
+    M2 = sum(M2_i + n_i (mean_i - mu)^2), without cancellation.
+    """
+    one, zero = self.const(1.0), self.const(0, tf.int32)
+    total = tf.reduce_sum(counts, self.const([0, 1], tf.int32))
+    safe = tf.maximum(total, one)
+    mean = tf.reduce_sum(counts / safe * means, zero)
+    m2 = tf.reduce_sum(variances * tf.maximum(counts - one, self.const(0.0)) + counts *
+                       tf.math.squared_difference(means, mean), zero)
+    return mean, m2 / safe, m2 / tf.maximum(total - one, one), total
+
+  def global_statistics(self, counts, means, variances):
+    """[global mean, variance] (one tensor: one transfer to each tower), the
+    Bessel-corrected variance and the count."""
+    mean, variance, corrected, total = self.combined(counts, means, variances)
+    return tf.stack([mean, variance]), corrected, total
+
+  def correction_factor(self, scale, variance, count, epsilon):
+    """scale / (s n), s = sqrt(variance + epsilon): the forward's part of the correction."""
+    inverse = tf.math.rsqrt(variance + self.const(epsilon)) / tf.maximum(count, self.const(1.0))
+    return scale * inverse
+
+
+class _FusedKernel:
+  """TensorFlow's fused batch-norm kernels, with one call's epsilon and data format."""
+
+  def __init__(self, original, epsilon: float, data_format: str):
+    self._original, self.epsilon, self._format = original, epsilon, data_format
+
+  def apply(self, x, scale, offset, mean, variance):
+    """scale * (x - mean) / sqrt(variance + epsilon) + offset per channel; reserve space 3."""
+    y, _, _, _, _, reserve = self._original(
+        x, scale, offset, mean, variance, epsilon=self.epsilon, exponential_avg_factor=1,
+        data_format=self._format, is_training=False)
+    return y, reserve
+
+  def gradient(self, dy, x, scale, mean, variance, reserve):
+    """scale / s * dy, sum(dy * (x - mean) / s) and sum(dy), s = sqrt(variance + epsilon)."""
+    dx, dscale, doffset, _, _ = tf.raw_ops.FusedBatchNormGradV3(
+        y_backprop=dy, x=x, scale=scale, reserve_space_1=mean, reserve_space_2=variance,
+        reserve_space_3=reserve, epsilon=self.epsilon, data_format=self._format,
+        is_training=False)
+    return dx, dscale, doffset
+
+
+def _times(t: tf.Tensor, factor) -> tf.Tensor:
+  """t * factor, without an op when factor is the Python float 1.0."""
+  return t if isinstance(factor, float) and factor == 1.0 else t * tf.cast(factor, t.dtype)
+
+
+def _channel_axis(x: tf.Tensor, data_format: str) -> int:
+  """The channel axis of a fused batch norm's input."""
+  return 1 if data_format.startswith('NC') else x.shape.rank - 1
+
+
+def _local_moments(x: tf.Tensor, axes: Sequence[int]):
+  """The shard's count, mean and M2 over `axes` (two passes), flattened per the rest."""
+  flat = _rows(x, axes)
+  count = tf.cast(tf.shape(flat)[0], x.dtype)
+  mean = tf.reduce_mean(flat, 0)
+  m2 = tf.reduce_sum(tf.math.squared_difference(flat, tf.stop_gradient(mean)), 0)
+  return count, mean, m2
+
+
+def _dims(x: tf.Tensor, axes: Sequence[int], ones: Sequence[int] = ()) -> list:
+  """The sizes of `x` along `axes` (Python ints where static), 1 for `ones`."""
+  return [1 if a in ones else (x.shape[a] if x.shape[a] is not None else tf.shape(x)[a])
+          for a in axes]
+
+
+def _rows(x: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
+  """`x` as a matrix: one row per element of the reduced `axes`, a column per rest."""
+  rest = [a for a in range(x.shape.rank) if a not in axes]
+  width = 1
+  for size in _dims(x, rest):
+    width = width * size
+  perm = list(axes) + rest
+  if perm != list(range(x.shape.rank)):
+    x = tf.transpose(x, perm)
+  return tf.reshape(x, [-1, width])
+
+
+def _calling_layer() -> Any:
+  """The nearest Keras layer (or tf.compat.v1.layers layer) on the call stack."""
+  frame = sys._getframe(3)  # pylint: disable=protected-access
+  for _ in range(24):
+    if frame is None:
+      return None
+    candidate = frame.f_locals.get('self')
+    if hasattr(candidate, 'call') and hasattr(candidate, 'trainable_weights'):
+      return candidate
+    frame = frame.f_back
+  return None
+
+
+def _is_batch_norm(layer: Any) -> bool:
+  """Whether the layer that asks for statistics is a batch norm.
+
+  Keras' LayerNormalization computes per-example statistics with TensorFlow's
+  fused batch-norm kernel (each example a channel): not a batch statistic.
+  """
+  if layer is None:
+    return True
+  if not all(hasattr(layer, name) for name in ('moving_mean', 'moving_variance')):
+    return False
+  for option, off in _UNSYNCABLE:
+    value = getattr(layer, option, off)
+    if value is not off and value != off:
+      raise BatchNormSyncError(
+          f'Batch-norm layer {getattr(layer, "name", layer)!r} has '
+          f'{option}={value!r}, which cannot be synchronised across towers '
+          f'exactly (its result depends on how the batch is split). Remove '
+          f'{option} ({option}={off!r}) or turn sync_batch_norm off.')
+  return True
+
+
+class Unsynced:
+  """Per-tower batch statistics: nothing to synchronise."""
+
+  def syncing(self) -> Any:
+    return contextlib.nullcontext()
+
+  def check_complete(self) -> None:
+    pass
+
+  def copy_reason(self) -> None:
+    return None
+
+  def shared_ops(self) -> set:
+    return set()
+
+  def copied(self, primary: int, tower: int, counterpart: Callable) -> None:
+    pass
+
+  def joined_by(self, primary: int, tower: int) -> dict:
+    return {}
+
+  def copied_pass(self, primary: int, tower: int, counterpart: Callable, ops: set) -> None:
+    pass
