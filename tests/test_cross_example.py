@@ -28,8 +28,8 @@ import tensorflow as tf
 import cross_example_models as patterns
 import testlib
 import estimator_towers as et
-from estimator_towers import replicate as towers
 from estimator_towers.base import logs
+from estimator_towers.towers import unsplit as towers
 
 ModeKeys = tf.estimator.ModeKeys
 BATCH = 10

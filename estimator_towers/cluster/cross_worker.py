@@ -45,8 +45,8 @@ from typing import Any, Sequence
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
-from estimator_towers.base import updates
 from estimator_towers.base import interception
+from estimator_towers.base import updates
 from estimator_towers.cluster import tf_config as cluster_lib
 
 GROUP_KEY = 0x2400
@@ -319,3 +319,33 @@ def live_inputs(features: Any, labels: Any) -> tuple[Any, Any, tf.Tensor]:
   replaced = tf.nest.map_structure(lambda t: None if t is None else by_output[t.ref()],
                                    structure, expand_composites=True)
   return replaced[0], replaced[1], has_data
+
+
+def for_train_graph(config: Any, variable_strategy: str, timeout_secs: float,
+                    staged: bool) -> CrossWorker | None:
+  """The all-reduces across workers of a TRAIN graph under a collective cluster, or None.
+
+  Args:
+    config: the RunConfig Estimator passed the model_fn (its cluster).
+    variable_strategy: the plan's variable strategy.
+    timeout_secs: how long a step waits for the other workers.
+    staged: whether the features came from `staged_input_fn`.
+
+  Raises:
+    ValueError: for a TF_CONFIG cluster the strategy cannot train on
+      (`tf_config.check`), or what the collective strategy does not support
+      across workers.
+  """
+  cluster = cluster_lib.from_run_config(config)
+  if cluster is None or not cluster.trains:
+    return None
+  cluster_lib.check(cluster, variable_strategy)
+  if variable_strategy != 'collective' or cluster.num_workers < 2:
+    return None
+  if staged:
+    raise ValueError(
+        f'variable_strategy=\'collective\' across {cluster.num_workers} workers '
+        f'does not support staged_input_fn (read the dataset in the input_fn '
+        f'instead): it would not give the single-device update. '
+        f'Train without it, or on one machine.')
+  return CrossWorker(cluster, timeout_secs=timeout_secs)

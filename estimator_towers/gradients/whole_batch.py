@@ -56,19 +56,12 @@ from estimator_towers.gradients.request import Request
 from estimator_towers.heads import batch_mixing
 from estimator_towers.loss import loss_algebra
 from estimator_towers.loss import seeds as seeds_lib
+from estimator_towers.towers import builder as builder_lib
 from estimator_towers.towers import counterparts
 
 
 class DivergentTowersError(ValueError):
   """Towers asked for different gradients."""
-
-
-class TowerStop(BaseException):
-  """Raised inside a non-primary tower at the request it was built for.
-
-  A BaseException, so that a model_fn's own `except Exception` cannot swallow
-  it.
-  """
 
 
 def _identity(grad: Any) -> Any:
@@ -248,7 +241,7 @@ class WholeBatchGradients:
       self.others[tower][i] = request
       if i == 0:
         self._segments.close(tower)
-      raise TowerStop()
+      raise builder_lib.TowerStop()
     return self.answers[i]
 
   def _check_same_variables(self, tower: int, i: int, request: Request) -> None:

@@ -168,3 +168,9 @@ def tower_summaries(losses: Sequence[tf.Tensor | None], sizes: Sequence) -> None
     _scalar_summary(f'towers/{k}/shard_size', size)
   _complete(graph, dict(enumerate(sizes)),
             [k for k, loss in enumerate(losses) if loss is not None])
+
+
+def of_built_towers(built: Sequence[int], losses: Sequence, sizes: Sequence) -> None:
+  """`tower_summaries` for the built shards `built` (their `losses`) of all `sizes`."""
+  by_tower = dict(zip(built, losses))
+  tower_summaries([by_tower.get(k) for k in range(len(sizes))], sizes)

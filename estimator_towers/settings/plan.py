@@ -199,6 +199,41 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
                     worker_timeout_secs=float(worker_timeout_secs))
 
 
+def plan_from_arguments(plan: DevicePlan | None, num_gpus: int | None,
+                        devices: Sequence[str] | None, variable_strategy: str,
+                        loss_reduction: str, sync_batch_norm: bool,
+                        micro_batches: int) -> DevicePlan:
+  """`replicate_model_fn`'s plan: the one it was given, or one made from its arguments.
+
+  Raises:
+    ValueError: for a plan together with devices or settings of its own
+      (each differing from its default), or invalid arguments (`make_plan`).
+    TypeError: if `plan` is not a DevicePlan.
+  """
+  if plan is None:
+    return make_plan(num_gpus=num_gpus, devices=devices,
+                     variable_strategy=variable_strategy,
+                     loss_reduction=loss_reduction,
+                     sync_batch_norm=sync_batch_norm,
+                     micro_batches=micro_batches)
+  if num_gpus is not None or devices is not None:
+    raise ValueError('Give either plan or num_gpus/devices, not both; the '
+                     'plan already names the devices.')
+  if not isinstance(plan, DevicePlan):
+    raise TypeError(f'plan must be a DevicePlan from make_plan, got {plan!r}.')
+  overridden = {name: value for name, value, default in (
+      ('variable_strategy', variable_strategy, 'cpu'),
+      ('loss_reduction', loss_reduction, 'auto'),
+      ('sync_batch_norm', sync_batch_norm, False),
+      ('micro_batches', micro_batches, 1)) if value != default}
+  if overridden:
+    settings = ', '.join(f'{name}={value!r}' for name, value in overridden.items())
+    raise ValueError(
+        f'Give either plan or {settings}, not both: the plan already holds '
+        f'these settings. Pass them to make_plan(...) (or make_config(...)) '
+        f'instead.')
+  return plan
+
 def _validate_micro_batches(value: object) -> int:
   """Checks a `micro_batches` setting.
 

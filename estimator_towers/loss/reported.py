@@ -1,0 +1,64 @@
+"""The loss Estimator reports: the whole batch's, from the towers' losses, by the loss's rule.
+
+In TRAIN and EVAL the EstimatorSpec's loss is the single-device loss of the
+global batch: rebuilt from the shards' statistics where the loss algebra
+reads the loss as a function of them (`loss_algebra`: a token-weighted mean
+is the sum of the numerators over the sum of the denominators, never a mean
+of ratios), else the towers' losses weighted by the rule (a mean: each
+tower by its share of the examples; a sum: 1). Across workers the loss is
+the cluster's. In EVAL a shard that may be empty at run time adds nothing
+(its statistics through `empty_shards.live`, 0 when it is empty).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import tensorflow as tf
+
+from estimator_towers.inputs import empty_shards
+from estimator_towers.inputs import shards as shards_lib
+from estimator_towers.loss import loss_algebra
+from estimator_towers.loss import seeds as seeds_lib
+from estimator_towers.towers import counterparts
+from estimator_towers.towers import specs as specs_lib
+
+
+def reported_loss(built: Sequence, losses: Sequence, shards: shards_lib.Shards,
+                  loss_reduction: str, graph: tf.Graph,
+                  gated: dict | None = None, batch: Any = None, across: Any = None
+                  ) -> tf.Tensor:
+  """The whole batch's loss from the towers' `losses`, by `loss_algebra`'s rule.
+
+  `built`: the losses as the towers built them (`losses` may be their gated
+  stand-ins). `gated` (EVAL): shards that may be empty at run time; their
+  statistics are taken through `empty_shards.live`, 0 when the shard is empty.
+  `batch` and `across`: the cluster's batch size and all-reduces, across
+  workers (the loss is then the cluster's).
+  """
+  batch = shards.batch if batch is None else batch
+  find = counterparts.in_losses(built)
+
+  def counterpart(i, tensor):
+    found = find(i, tensor)
+    k = shards.active[i]
+    if found is None or not gated or k not in gated:
+      return found
+    return empty_shards.live(found, gated[k])
+
+  with tf.name_scope('tower_loss'):
+    analysis = loss_algebra.analyse(
+        built[0], shards.flat(shards.active[0]), (), loss_reduction,
+        lambda: seeds_lib.fallback_reduction(graph, built[0]),
+        micro_batches=shards.layout.micro_batches > 1,
+        static_count=seeds_lib.static_counts(
+            graph, find, [shards.sizes[k] for k in shards.active]))
+    if analysis.rule == 'rebuild':
+      statistics = seeds_lib.shard_statistics(analysis.expression, counterpart, len(built))
+      if statistics is not None:
+        return seeds_lib.whole_batch_loss(analysis.expression, statistics, shards.nonempty,
+                                          across)
+    rule = analysis.rule if analysis.rule != 'rebuild' else 'mean'
+    weights = seeds_lib.tower_weights(rule, shards.sizes, batch, shards.active)
+    loss = specs_lib.weighted_sum(losses, weights, shards.nonempty)
+    return loss if across is None else across.sum([loss])[0]
