@@ -292,3 +292,50 @@ def test_glob_follows_bazel_rules(tmp_path):
   assert glob(['*.py']) == ['a.py']
   assert glob(['**/*.py']) == ['a.py', 'x/b.py', 'x/y/c.py']  # Not into the subpackage.
   assert glob(['x/**'], exclude=['x/y/*.txt']) == ['x/b.py', 'x/y/c.py']
+
+
+# --- The library's stages: a py_library each, depending on what it imports. ---
+
+def stage_library_problems(root: str) -> list[str]:
+  """Where BUILD's stage libraries differ from the package's folders and imports."""
+  import test_layering  # pylint: disable=g-import-not-at-top  (tests/ is on sys.path)
+  rules = {r.attrs['name']: r for r in evaluate_build(root)
+           if r.kind == 'py_library' and 'name' in r.attrs}
+  modules = test_layering.read_modules(root)
+  problems = []
+  for stage in test_layering.LAYERS:
+    name = f'estimator_towers_{stage}'
+    rule = rules.get(name)
+    files = sorted(os.path.relpath(m.path, root).replace(os.sep, '/') for n, m in modules.items()
+                   if test_layering.stage_of(n) == stage)
+    if rule is None:
+      problems.append(f'BUILD: no py_library {name} for estimator_towers/{stage}/.')
+      continue
+    if sorted(rule.attrs.get('srcs', [])) != files:
+      problems.append(f'BUILD: {name} srcs are not the files of estimator_towers/{stage}/.')
+    imported = set()
+    for n, m in modules.items():
+      if test_layering.stage_of(n) == stage:
+        imported |= {test_layering.stage_of(t) for t, _, _ in
+                     test_layering.imports_of(m, modules)} - {stage, None}
+    deps = {_label_to_path(d)[len('estimator_towers_'):] for d in rule.attrs.get('deps', [])}
+    if deps != imported:
+      problems.append(f'BUILD: {name} deps {sorted(deps)}, but its modules import the '
+                      f'stages {sorted(imported)}.')
+  return problems
+
+
+def test_build_has_a_library_per_stage_with_the_stages_it_imports():
+  assert stage_library_problems(ROOT) == []
+
+
+def test_a_stage_library_missing_an_import_fails(tmp_path):
+  root = copy_tree(tmp_path)
+  shutil.copytree(os.path.join(ROOT, 'estimator_towers'), os.path.join(root, 'estimator_towers'),
+                  ignore=shutil.ignore_patterns('__pycache__'))
+  assert stage_library_problems(root) == []
+  edit_build(root, '"gradients": ["base", "towers", "heads", "loss"]',
+             '"gradients": ["base", "towers", "heads"]')
+  assert stage_library_problems(root) == [
+      "BUILD: estimator_towers_gradients deps ['base', 'heads', 'towers'], but its modules "
+      "import the stages ['base', 'heads', 'loss', 'towers']."]
