@@ -22,7 +22,6 @@ import inspect
 from typing import Any, Callable, Sequence
 
 import tensorflow as tf
-from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers.base import interception
 from estimator_towers.base import logs
@@ -199,7 +198,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
 
 
 def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
-  accepted = set(function_utils.fn_args(model_fn))
+  accepted = set(interception.fn_args(model_fn))
   if 'features' not in accepted:
     raise ValueError(f'model_fn {model_fn} must take a features argument.')
 

@@ -10,6 +10,9 @@ source with `ast` (no TensorFlow import):
 - no circle of imports between modules, within a stage or across;
 - a stage's private names (`_name`) stay in their module: no other stage
   imports or reads them;
+- TensorFlow's private API (`tensorflow.python`, `tensorflow_estimator.python`)
+  is imported by one module only, `base/interception.py` (`FENCE`): a
+  TensorFlow upgrade has one file to check;
 - every stage's `__init__.py` states its rule in its docstring, with a line
   `May import: ...` naming exactly the stages below it, and imports nothing
   (the public surface is re-exported once, by the package's `__init__`).
@@ -33,6 +36,9 @@ PACKAGE = 'estimator_towers'
 LAYERS = ('base', 'cluster', 'placement', 'settings', 'inputs', 'towers', 'sync_points',
           'rows', 'heads', 'loss', 'gradients', 'reporting')
 TOP = len(LAYERS)  # replicate.py and __init__.py
+# The one module that may import TensorFlow's private API, and what that API is.
+FENCE = f'{PACKAGE}.base.interception'
+PRIVATE_TF = ('tensorflow.python', 'tensorflow_estimator.python', 'keras.src')
 
 
 @dataclasses.dataclass
@@ -146,8 +152,25 @@ def problems(root: str, package: str = PACKAGE) -> list[str]:
             and not node.attr.startswith('__')):
           found.append(f'{module.path}:{node.lineno}: {name} reads private '
                        f'{target}.{node.attr} of another stage; make it public there.')
+  found += _private_tensorflow(modules)
   found += [f'import circle: {" -> ".join(cycle)}' for cycle in _cycles(graph)]
   found += _stage_docstrings(modules, package)
+  return found
+
+
+def _private_tensorflow(modules: dict) -> list[str]:
+  found = []
+  for name, module in modules.items():
+    if name == FENCE:
+      continue
+    for node in ast.walk(module.tree):
+      names = ([node.module or ''] if isinstance(node, ast.ImportFrom) else
+               [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+      for imported in names:
+        if imported.startswith(PRIVATE_TF):
+          found.append(f'{module.path}:{node.lineno}: {name} imports {imported}, '
+                       f'TensorFlow\'s private API, which only {FENCE} may: add what '
+                       f'you need there.')
   return found
 
 
@@ -285,6 +308,14 @@ def test_a_folder_outside_the_layers_is_caught(tmp_path):
   root = _write(tmp_path, _tree({'extras/__init__.py': '"""x."""\n', 'extras/e.py': ''}))
   found = problems(root)
   assert found and all('is not a stage of LAYERS' in f for f in found)
+
+
+def test_private_tensorflow_outside_the_fence_is_caught(tmp_path):
+  root = _write(tmp_path, _tree({
+      'base/interception.py': 'from tensorflow.python.ops import gen_nn_ops\n',
+      'towers/t.py': 'def f():\n  from tensorflow.python.util import function_utils\n'}))
+  (found,) = problems(root)
+  assert 'estimator_towers.towers.t imports tensorflow.python.util' in found
 
 
 @pytest.mark.parametrize('init, message', [

@@ -59,6 +59,16 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
 - The gradient of a `tf.function` call in a graph, kept on the Python op
   (`Operation._gradient_function`): `whole_batch_head`'s copy of an opaque
   function of the batch is differentiated as the original.
+- A fresh variable store (`variable_scope`'s store and scope-name counters):
+  a tower after the first asks `get_variable` and `tf.compat.v1.layers` for
+  exactly the names tower 0 asked for (`sharing`).
+- Graph-mode building blocks with no public TF2 counterpart: the argument
+  names Estimator reads off a model_fn or input_fn (`fn_args`), the v1
+  collective all-reduce with explicit group and instance keys (`all_reduce`)
+  and per-device prefetch buffers (`StagingArea`).
+- Estimator's server start under `train_and_evaluate`
+  (`_TrainingExecutor._start_std_server`), replaced so that a collective
+  task's server names the chief as its group leader (`cluster.servers`).
 """
 
 from __future__ import annotations
@@ -75,7 +85,11 @@ from tensorflow.python.framework import importer  # pylint: disable=g-direct-ten
 from tensorflow.python.framework import random_seed  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import gen_nn_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import gradients_util  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import data_flow_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import nn_impl  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import variable_scope  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
 # The original functions; the combined gradient is built with these.
 graph_gradients = gradients_util._GradientsHelper  # pylint: disable=protected-access
@@ -353,3 +367,35 @@ def branch_graphs(op: tf.Operation) -> list | None:
       return None
     graphs.append(graph)
   return graphs
+
+
+# Graph-mode building blocks TensorFlow 2.15 keeps private, used as they are.
+fn_args = function_utils.fn_args            # a model_fn's / input_fn's argument names
+all_reduce = collective_ops.all_reduce      # v1 all-reduce with group and instance keys
+StagingArea = data_flow_ops.StagingArea     # a device's prefetch buffer
+VariableScope = variable_scope.VariableScope
+
+
+@contextlib.contextmanager
+def fresh_variable_store(scope: Any = None) -> Iterator[None]:
+  """Inside, `get_variable` sees no variables and fresh scope-name counters.
+
+  Args:
+    scope: the variable scope to start from (default: the current one).
+  """
+  scope_stores = tf.compat.v1.get_collection_ref(variable_scope._VARSCOPESTORE_KEY)  # pylint: disable=protected-access
+  saved_scope_stores = list(scope_stores)
+  fresh = variable_scope._VariableScopeStore()  # pylint: disable=protected-access
+  fresh.current_scope = scope if scope is not None else variable_scope.get_variable_scope()
+  scope_stores[:] = [fresh]
+  try:
+    with variable_scope.with_variable_store(variable_scope._VariableStore()):  # pylint: disable=protected-access
+      yield
+  finally:
+    scope_stores[:] = saved_scope_stores
+
+
+def training_executor() -> type:
+  """Estimator's `_TrainingExecutor`, which starts a task's server in `train_and_evaluate`."""
+  from tensorflow_estimator.python.estimator import training  # pylint: disable=g-import-not-at-top
+  return training._TrainingExecutor  # pylint: disable=protected-access

@@ -2,7 +2,7 @@
 
 Rule: under `variable_strategy='collective'` with a TF_CONFIG cluster, the W
 training tasks (the chief and the workers, `cluster.Cluster`) each build the
-same TRAIN graph and meet at all-reduces (`collective_ops.all_reduce`, merge
+same TRAIN graph and meet at all-reduces (`interception.all_reduce`, merge
 'Add', final 'Id', on each task's host CPU; TensorFlow runs them as a ring on
 CPUs and NCCL between GPUs). A step's all-reduces are made in graph-construction
 order and keyed by that order (one group key, instance keys counted per
@@ -43,7 +43,6 @@ import weakref
 from typing import Any, Sequence
 
 import tensorflow as tf
-from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers.base import interception
 from estimator_towers.base import updates
@@ -97,7 +96,7 @@ class CrossWorker:
   def _all_reduce(self, value: tf.Tensor, gated: bool) -> tf.Tensor:
     controls = [self.gate] if gated and self.gate is not None else []
     with tf.device(self.device), tf.control_dependencies(controls):
-      return collective_ops.all_reduce(
+      return interception.all_reduce(
           tf.identity(value), self.size, GROUP_KEY, instance_key(self.graph), 'Add', 'Id',
           communication_hint=self.communication_hint,
           timeout=self._timeout)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from estimator_towers.base import interception
 from estimator_towers.cluster import tf_config as cluster_lib
 
 
@@ -79,8 +80,7 @@ def own_devices_only(session_config: tf.compat.v1.ConfigProto, cluster_spec, tas
 
 def install() -> None:
   """Makes Estimator's train_and_evaluate start servers by `server_config` (idempotent)."""
-  from tensorflow_estimator.python.estimator import training  # pylint: disable=g-import-not-at-top
-  executor = training._TrainingExecutor  # pylint: disable=protected-access
+  executor = interception.training_executor()
   original = executor._start_std_server  # pylint: disable=protected-access
   if getattr(original, 'estimator_towers', False):
     return

@@ -45,9 +45,8 @@ import inspect
 from typing import Any, Callable, Sequence
 
 import tensorflow as tf
-from tensorflow.python.ops import data_flow_ops  # pylint: disable=g-direct-tensorflow-import
-from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
+from estimator_towers.base import interception
 from estimator_towers.inputs import sharding
 from estimator_towers.settings import plan as plan_lib
 from estimator_towers.settings import staging_backends
@@ -158,7 +157,7 @@ def staged_input_fn(input_fn: Callable, plan: plan_lib.DevicePlan,
   if plan.staging_depth == 0:
     return input_fn
   # Estimator passes only the arguments an input_fn's signature names.
-  accepted = [n for n in _INPUT_FN_ARGS if n in function_utils.fn_args(input_fn)]
+  accepted = [n for n in _INPUT_FN_ARGS if n in interception.fn_args(input_fn)]
   signature = inspect.Signature(
       [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in accepted])
 
@@ -310,7 +309,7 @@ def _stage(host_batch: _HostBatch, with_labels: bool, tower_devices: Sequence[st
   areas = []
   for device in tower_devices:
     with tf.device(device):
-      areas.append(data_flow_ops.StagingArea(
+      areas.append(interception.StagingArea(
           dtypes, shared_name=graph.unique_name('staging_area')))
 
   shard_specs = []

@@ -14,7 +14,6 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 
 from estimator_towers.base import interception
 from estimator_towers.cluster import cross_worker
@@ -219,7 +218,7 @@ class CollectivePlacement(ReplicatedPlacement):
     with tf.name_scope('all_reduce_between_devices'):
       for device, part in zip(self.tower_devices, parts):
         with tf.device(device):
-          outputs.append(collective_ops.all_reduce(
+          outputs.append(interception.all_reduce(
               tf.convert_to_tensor(part), len(parts), group, key, 'Add', 'Id',
               communication_hint=self.communication_hint))
       with tf.device(self.tower_devices[0]), tf.control_dependencies(outputs[1:]):

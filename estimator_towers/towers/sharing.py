@@ -25,7 +25,8 @@ import contextlib
 from typing import Callable, Iterator
 
 import tensorflow as tf
-from tensorflow.python.ops import variable_scope as vs  # pylint: disable=g-direct-tensorflow-import
+
+from estimator_towers.base import interception
 
 GraphKeys = tf.compat.v1.GraphKeys
 
@@ -217,7 +218,7 @@ class VariableSharing:
       yield
 
   @contextlib.contextmanager
-  def reusing(self, tower: int, scope: vs.VariableScope | None = None,
+  def reusing(self, tower: int, scope: interception.VariableScope | None = None,
               expected: int | None = None, copies: bool = True) -> Iterator[None]:
     """Scope of tower `tower` > 0: creation requests return tower 0's variables.
 
@@ -277,17 +278,11 @@ class VariableSharing:
       made[id(copy)] = variable
       return copy
 
-    scope_stores = tf.compat.v1.get_collection_ref(vs._VARSCOPESTORE_KEY)  # pylint: disable=protected-access
-    saved_scope_stores = list(scope_stores)
-    fresh = vs._VariableScopeStore()  # pylint: disable=protected-access
-    fresh.current_scope = scope if scope is not None else vs.get_variable_scope()
-    scope_stores[:] = [fresh]
     try:
-      with vs.with_variable_store(vs._VariableStore()), \
-          tf.compat.v1.variable_creator_scope(creator):  # pylint: disable=protected-access
+      with interception.fresh_variable_store(scope), \
+          tf.compat.v1.variable_creator_scope(creator):
         yield
     finally:
-      scope_stores[:] = saved_scope_stores
       trainable = graph.get_collection_ref(GraphKeys.TRAINABLE_VARIABLES)
       trainable[:] = [made.get(id(v), v) for v in trainable]
     if position[0] != (len(self.variables) if expected is None else expected):
