@@ -1,0 +1,87 @@
+"""Elementwise: ops within each row, and rows combined with other values.
+
+The rule. An elementwise op (with broadcasting) or one applied within each
+row (a softmax, a layer: `op_tables`) keeps its operands' rows: rows with
+rows of the same stacked layout, or with values that depend on no input of
+the shard, are rows; flat with flat is flat; statistics and batch-size
+values combined stay such. Rows combined with a statistic of the batch
+(but a batch norm's: `sync_batch_norm`'s choice), with a batch-size value,
+with rows of another layout, or with a constant as long as a static batch
+mix the batch's rows. A layer mixes where its weights depend on the batch.
+"""
+
+from __future__ import annotations
+
+from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, FLAT_KIND, MIXED_KIND, NORM_KIND,
+                                         ROWS, SHAPE, SHAPE_KIND, SIZE, SIZE_KIND, STAT, STAT_KIND,
+                                         UNIQUE, UNIQUE_KIND, Kind, stat_of)
+from estimator_towers.rows.op_tables import ELEMENTWISE, LAYERS
+
+
+def not_rows(op, kind: Kind):
+  """A statistic's or batch size's kind through an op of rows; else why it mixes."""
+  if kind.tag in (STAT, SIZE, SHAPE):
+    return kind if kind.tag != SHAPE else SIZE_KIND
+  return f'an op on values that are not one row per example ({kind.tag})'
+
+
+def elementwise(reader, op, kinds: list):
+  """The kind of an elementwise combination of `kinds` (a Kind or why it mixes)."""
+  present = [k for k in kinds if k is not None]
+  tags = {k.tag for k in present}
+  if COLS in tags:
+    return COLS_KIND if tags == {COLS} else 'values with the batch on axis 1 combined with rows'
+  if UNIQUE in tags:
+    return UNIQUE_KIND if tags == {UNIQUE} else 'the batch\'s distinct values combined with rows'
+  if tags <= {ROWS}:
+    blocks = {k.blocks for k in present}
+    if len(blocks) > 1:
+      return 'rows of different stacked layouts combined'
+    return _rows_with_constants(reader, op, kinds, present[0])
+  if tags <= {FLAT}:
+    return FLAT_KIND
+  if tags <= {STAT}:
+    return NORM_KIND if all(k.norm for k in present) else STAT_KIND
+  if tags == {SHAPE}:
+    return SHAPE_KIND   # still the batch size first
+  if tags <= {SIZE, SHAPE}:
+    return SIZE_KIND
+  if tags <= {STAT, SIZE, SHAPE}:
+    return stat_of(present)
+  rows = [k for k in present if k.tag in (ROWS, FLAT)]
+  others = [k for k in present if k.tag not in (ROWS, FLAT)]
+  if {k.tag for k in rows} == {ROWS, FLAT}:
+    return 'rows combined with values of another row layout'
+  if all(k.tag == STAT and k.norm for k in others):
+    return rows[0]   # a batch norm: sync_batch_norm's
+  if any(k.tag == STAT for k in others):
+    return 'rows combined with a statistic of the batch'
+  return 'rows combined with a value of the batch size'
+
+
+def _rows_with_constants(reader, op, kinds, kind):
+  """Rows and values independent of the shard; a constant as long as a static batch is a batch-size value."""
+  if reader.examples is not None and reader.examples > 1 and op.type != 'IdentityN':
+    for t, k in zip(op.inputs, kinds):
+      rank = t.shape.rank
+      if (k is None and rank and t.op.type == 'Const' and t.shape[0] == reader.examples * kind.blocks
+          and any(i.shape.rank == rank for i, j in zip(op.inputs, kinds) if j is not None)):
+        return ('rows combined with a constant as long as the batch (a static batch '
+                'size made it a constant)')
+  return kind
+
+
+def _within_rows(reader, op, kinds):
+  if op.type == 'IdentityN':
+    return [k if k is not None else MIXED_KIND for k in kinds]
+  return elementwise(reader, op, kinds)
+
+
+def _layer(reader, op, kinds):
+  if any(k is not None for k in kinds[1:]):
+    return 'a layer whose weights depend on the batch'
+  return kinds[0] if kinds[0].tag in (ROWS, FLAT) else not_rows(op, kinds[0])
+
+
+# Op type -> the reader of its kinds (reader, op, kinds): the dispatch of `reader`.
+RULES = {**dict.fromkeys(ELEMENTWISE, _within_rows), **dict.fromkeys(LAYERS, _layer)}

@@ -1,0 +1,75 @@
+"""Kinds: what a tensor's rows are, and what `classify` gives back.
+
+The rule. Every tensor between the shard's inputs and a target that depends
+on the shard has one `Kind`: its `tag` (rows, flat, columns, statistic,
+batch size, shape, distinct values, row splits, mixed: `row_dependence`'s
+module doc says what each means), for rows how many copies of the examples
+are stacked on axis 0, for a statistic whether it is a batch norm's. A
+tensor that depends on no input of the shard has none. The readers return
+one of the shared kinds below (`ROWS_KIND`, ...) or a `Kind` they build.
+This module owns the kinds and the result types (`Mixing`, `RowDependence`)
+and reads no graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import tensorflow as tf
+
+ROWS, FLAT, COLS, STAT, SIZE, SHAPE, UNIQUE, SPLITS, MIXED = (
+    'rows', 'flat', 'columns', 'statistic', 'batch size', 'shape', 'distinct values',
+    'row splits', 'mixed')
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """A tensor's rows: `tag` one of the kinds above.
+
+  `blocks`: for rows, how many copies of the shard's examples are stacked on
+  axis 0 (1: one row per example). `norm`: for a statistic, a batch norm's.
+  """
+  tag: str
+  blocks: int = 1
+  norm: bool = False
+
+
+ROWS_KIND, FLAT_KIND, COLS_KIND = Kind(ROWS), Kind(FLAT), Kind(COLS)
+SIZE_KIND, SHAPE_KIND, UNIQUE_KIND, MIXED_KIND = Kind(SIZE), Kind(SHAPE), Kind(UNIQUE), Kind(MIXED)
+SPLITS_KIND = Kind(SPLITS)
+STAT_KIND, NORM_KIND = Kind(STAT), Kind(STAT, norm=True)
+
+
+def stat_of(kinds: Sequence) -> Kind:
+  """A statistic made from `kinds`: a batch norm's if every statistic among them is."""
+  stats = [k for k in kinds if k is not None and k.tag == STAT]
+  return NORM_KIND if stats and all(k.norm for k in stats) else STAT_KIND
+
+
+@dataclasses.dataclass
+class Mixing:
+  """An op that makes rows depend on other examples of the batch."""
+  op: tf.Operation
+  why: str
+
+  def describe(self) -> str:
+    return f'{self.op.type} op {self.op.name!r} ({self.why})'
+
+
+@dataclasses.dataclass
+class RowDependence:
+  """What `classify` found on tower 0's graph.
+
+  Attributes:
+    kinds: tensor name -> Kind, for every tensor between the inputs and the
+      targets that depends on the shard.
+    mixing: the mixing ops, in graph order (empty: every row per-example).
+    frontier: the per-example tensors (rows or flat) that mixing ops read.
+  """
+  kinds: dict
+  mixing: list
+  frontier: list
+
+  def kind(self, tensor: tf.Tensor) -> Kind | None:
+    return self.kinds.get(tensor.name)

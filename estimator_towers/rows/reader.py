@@ -1,0 +1,171 @@
+"""The reader: tower 0's graph from the shard's inputs to the targets, op by op.
+
+The rule. `read` walks back from the targets to the shard's inputs (not
+into what computes a declared statistic, nor into another shard's inputs)
+and visits the ops in between in graph order, each after its inputs. An op
+that depends on no input of the shard gives no kind; one fed by a mixed
+tensor is mixed; otherwise its op type picks the family that reads it
+(`sizes`, `elementwise`, `statistics`, `flat`, `stacked`; a tf.cond's
+branches are read like the rest when the choice is not the batch's), and
+an op no family knows, a function call, a `py_func` or functional control
+flow fed by the batch mixes its rows: never per-example by default. A
+mixing op is recorded with why, and the rows or flat rows it reads (through
+the transposes that made them columns) are the frontier, each once.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import tensorflow as tf
+
+from estimator_towers.base import interception
+from estimator_towers.rows import elementwise
+from estimator_towers.rows import flat
+from estimator_towers.rows import sizes
+from estimator_towers.rows import stacked
+from estimator_towers.rows import statistics
+from estimator_towers.rows.kinds import (COLS, FLAT, FLAT_KIND, MIXED, MIXED_KIND, ROWS, SPLITS,
+                                         STAT_KIND, UNIQUE, UNIQUE_KIND, Kind, Mixing)
+from estimator_towers.rows.op_tables import FUNCTIONS, SEGMENT_SUMS, SPARSE_SEGMENTS
+
+_SEARCH_LIMIT = 200000
+_FAMILIES = (sizes, elementwise, statistics, flat, stacked)
+# Op type -> its family's reader: (reader, op, kinds) -> a Kind, a list of Kinds (per
+# output), or a str (a mixing op: why). No type is read by two families.
+_RULES = {t: rule for family in _FAMILIES for t, rule in family.RULES.items()}
+assert len(_RULES) == sum(len(family.RULES) for family in _FAMILIES)
+
+
+def read(targets: Sequence[tf.Tensor], input_kinds: dict, examples: int | None,
+         declared: Callable[[tf.Tensor], bool]) -> Reader:
+  """The reader after visiting, in graph order, the ops between the inputs and `targets`."""
+  graph = targets[0].graph
+  declared_stats = {}
+  ops, seen, pending = [], set(), [t.op for t in targets if not declared(t)]
+  while pending and len(seen) < _SEARCH_LIMIT:
+    op = pending.pop()
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    ops.append(op)
+    for t in op.inputs:
+      if t.name in input_kinds:
+        continue
+      if declared(t):   # a declared statistic: what computes it is not read
+        declared_stats[t.name] = STAT_KIND
+        continue
+      if t.op.name.startswith('shard_inputs'):
+        continue   # another shard's inputs (a row borrowed from this one): not this shard's
+      pending.append(t.op)
+  order = {op.name: i for i, op in enumerate(graph.get_operations())}
+  ops.sort(key=lambda op: order.get(op.name, -1))
+  reader = Reader(examples, declared)
+  reader.kinds.update(input_kinds)
+  reader.kinds.update(declared_stats)
+  reader.kinds.update({t.name: STAT_KIND for t in targets if declared(t)})
+  for op in ops:
+    reader.visit(op)
+  return reader
+
+
+class Reader:
+  """Visits ops in graph order, each after its inputs; fills `kinds`."""
+
+  def __init__(self, examples: int | None, declared: Callable[[tf.Tensor], bool]):
+    self.examples = examples
+    self.declared = declared
+    self.kinds: dict = {}
+    self.mixing: list = []
+    self.frontier: list = []
+    self._frontier_names: set = set()
+
+  def kind(self, t: tf.Tensor) -> Kind | None:
+    return self.kinds.get(t.name)
+
+  def visit(self, op: tf.Operation) -> None:
+    if not op.outputs or all(o.name in self.kinds for o in op.outputs):
+      return
+    kinds = [self.kind(t) for t in op.inputs]
+    if all(k is None for k in kinds):
+      return   # depends on no input of the shard
+    if any(k is not None and k.tag == MIXED for k in kinds):
+      self._set(op, MIXED_KIND)
+      return
+    if any(self.declared(o) for o in op.outputs):
+      self._set(op, STAT_KIND)
+      return
+    found = _rule(self, op, kinds)
+    if isinstance(found, str):   # a mixing op: why
+      self.mixing.append(Mixing(op, found))
+      for t, k in zip(op.inputs, kinds):
+        while k is not None and k.tag == COLS and t.op.type in ('Transpose', 'Reshape'):
+          t = t.op.inputs[0]   # the rows a transpose made columns of
+          k = self.kind(t)
+        if k is not None and k.tag in (ROWS, FLAT) and t.name not in self._frontier_names:
+          self._frontier_names.add(t.name)
+          self.frontier.append(t)
+      self._set(op, MIXED_KIND)
+    elif isinstance(found, list):
+      for o, k in zip(op.outputs, found):
+        self.kinds[o.name] = k
+    else:
+      self._set(op, found)
+
+  def _set(self, op: tf.Operation, kind: Kind) -> None:
+    for o in op.outputs:
+      self.kinds[o.name] = kind
+
+
+def _rule(reader: Reader, op: tf.Operation, kinds: list):
+  """The kinds of `op`'s outputs: a Kind, a list of Kinds (per output), or a str (mixing: why)."""
+  t = op.type
+  present = [k for k in kinds if k is not None]
+  if 'RaggedSplitsToSegmentIds/' in op.name and all(k.tag != MIXED for k in present):
+    return FLAT_KIND   # which example each entry of a RaggedTensor belongs to
+  if any(k.tag == SPLITS for k in present):
+    return flat.splits(op, kinds)
+  if t.startswith('Collective') or t in ('ScatterNd', 'TensorScatterUpdate',
+                                         'TensorScatterAdd'):
+    return statistics.across_workers(op, present)
+  if t in SEGMENT_SUMS:
+    return flat.segment_sum(op, kinds)
+  if present and all(k.tag == UNIQUE for k in present) and t not in SPARSE_SEGMENTS and (
+      t not in ('GatherV2', 'Gather', 'ResourceGather') or kinds[0] is not None):
+    return UNIQUE_KIND   # values per distinct id, whatever computes them
+  if t in _RULES:
+    return _RULES[t](reader, op, kinds)
+  if t == 'Where' and len(op.inputs) == 1:
+    return flat.where(op, kinds)
+  if t in ('If', 'StatelessIf'):
+    return _cond(reader, op, kinds)
+  if t in FUNCTIONS:
+    return (f'a {"function call" if "Call" in t else "Python function" if "Py" in t else "functional control flow op"}'
+            f' the library cannot see inside, fed by the batch\'s rows')
+  return f'an op the library does not know how it treats the batch\'s rows ({t})'
+
+
+def _cond(reader: Reader, op: tf.Operation, kinds: list):
+  """A functional tf.cond: its branches read like the rest, when the choice is not the batch's."""
+  if kinds[0] is not None:
+    return 'a tf.cond whose branch is chosen by a value of the batch'
+  graphs = interception.branch_graphs(op)
+  if graphs is None:
+    return 'a functional control flow op the library cannot see inside, fed by the batch\'s rows'
+  results = []
+  for graph in graphs:
+    inner = {t.name: k for t, k in zip(graph.inputs, kinds[1:]) if k is not None}
+    outputs = [t for t in graph.outputs if t is not None]
+    if len(outputs) != len(op.outputs):
+      return 'a tf.cond whose branches the library cannot read'
+    branch = read(outputs, inner, reader.examples, reader.declared) if outputs else None
+    if branch is not None and branch.mixing:
+      return f'a tf.cond whose branch has {branch.mixing[0].describe()}'
+    results.append([None if branch is None else branch.kind(t) for t in outputs])
+  found = []
+  for a, b in zip(*results):
+    if a is None or b is None or a == b:
+      found.append(a if b is None else b)
+    else:
+      return 'a tf.cond whose branches give rows of different kinds'
+  return found

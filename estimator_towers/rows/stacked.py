@@ -1,0 +1,336 @@
+"""Stacked layouts: where an op puts the batch axis and the copies stacked on it.
+
+The rule. Rows are one row per example on axis 0, or `blocks` copies of the
+shard's examples stacked there: two views of each example concatenated on
+axis 0 (SimCLR's `concat(split(x, 2, -1), 0)`) are rows in 2 blocks, and a
+split of them back into 2 is rows again. A reshape, transpose, tile,
+expand_dims, squeeze, concat, stack, unstack, split, slice or pad that
+leaves axis 0 alone (or changes only the axes after it) keeps the rows; a
+transpose of [n, d] puts the batch on axis 1 (columns) and back; a reshape
+that merges the batch axis with the next ones makes flat rows (`flat`).
+Whatever moves values between the batch's rows (a slice, reverse, top-k,
+cumulative sum or pad across axis 0, a stack before it, a concat on
+it of rows with other values) mixes them, and so does an axis the graph
+does not say when it is built.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from estimator_towers.rows.elementwise import elementwise
+from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, FLAT_KIND, ROWS, ROWS_KIND, SHAPE,
+                                         SHAPE_KIND, SIZE, SIZE_KIND, STAT, Kind, stat_of)
+from estimator_towers.rows.static_values import axes_of, product, static_value
+
+
+def _reshape(reader, op, kinds):
+  x, shape = kinds
+  if x is None:
+    return ('a reshape of a constant to the batch\'s size' if shape is not None
+            else None)
+  if x.tag in (STAT, SIZE, SHAPE):
+    return x if x.tag == STAT else SIZE_KIND
+  if shape is not None and shape.tag == SHAPE:
+    return Kind(ROWS, x.blocks) if x.tag == ROWS else ROWS_KIND
+  out, in_shape = op.outputs[0].shape, op.inputs[0].shape
+  value = static_value(op.inputs[1]) if shape is None else None
+  if value is not None and value.ndim == 1 and out.rank == len(value):
+    out = out.merge_with([None if d < 0 else int(d) for d in value])
+  if shape is not None and op.inputs[1].op.type == 'Pack' and x.tag in (ROWS, FLAT) and (
+      [reader.kind(e) is not None for e in op.inputs[1].op.inputs][:2] == [False, True]) and (
+          static_value(op.inputs[1].op.inputs[0]) == 1):
+    return COLS_KIND   # [1, n * ..., ...]: layer norm's fused batch norm over the examples
+  if shape is not None and op.inputs[1].op.type == 'Pack':   # [n, -1], [1, n], ...
+    elements = op.inputs[1].op.inputs
+    sized = [i for i, e in enumerate(elements) if reader.kind(e) is not None]
+    first = static_value(elements[0]) if len(elements) > 1 else None
+    if sized == [0] and all(reader.kind(e) is None or reader.kind(e).tag == SIZE
+                            for e in elements):
+      return Kind(ROWS, x.blocks) if x.tag == ROWS else ROWS_KIND
+    if sized == [1] and len(elements) == 2 and first is not None and first == 1 and (
+        in_shape.rank == 1):
+      return COLS_KIND
+    if sized == [0] and len(elements) == 2 and static_value(elements[1]) is not None and (
+        static_value(elements[1]) == 1) and in_shape.rank == 1:
+      return x
+  if x.tag == COLS:
+    if shape is not None and in_shape.rank and in_shape[0] == 1 and (
+        op.inputs[1].op.type == 'Shape' or shape.tag == SHAPE):
+      return ROWS_KIND   # [1, n, ...] back to the rows' shape
+    return 'a reshape of values with the batch on axis 1'
+  if out.rank == 0:
+    return 'a reshape of the batch to one value'
+  if out.rank is None:
+    return 'a reshape to an unknown rank'
+  if in_shape.rank == 1 and out.rank == 2 and out[0] == 1:
+    return COLS_KIND   # [n] -> [1, n]
+  if reader.examples is not None and out[0] == reader.examples * x.blocks and x.tag == ROWS:
+    return Kind(ROWS, x.blocks)
+  inner_in = product(in_shape[1:]) if in_shape.rank else None
+  inner_out = product(out[1:])
+  if inner_in is not None and inner_out is not None:
+    if inner_in == inner_out and x.tag == ROWS:
+      return x
+    if inner_out and inner_in % inner_out == 0:
+      return FLAT_KIND   # the batch axis merged with the next ones
+    return 'a reshape that moves values between the batch\'s rows'
+  if out.rank == 1:
+    return FLAT_KIND
+  return 'a reshape whose rows cannot be told from the graph'
+
+
+def _tile(reader, op, kinds):
+  x, multiples = kinds
+  value = static_value(op.inputs[1])
+  if multiples is None and x is not None and x.tag in (ROWS, FLAT) and value is not None and (
+      value[0] == 1):
+    return x
+  if multiples is None and x is not None and x.tag == COLS and value is not None and (
+      len(value) == 2 and value[1] == 1):
+    return x   # more rows of the same columns (tf.metrics.auc's thresholds)
+  elements = op.inputs[1].op.inputs if op.inputs[1].op.type == 'Pack' else ()
+  sized = [i for i, e in enumerate(elements) if reader.kind(e) is not None]
+  if x is None and multiples is not None and op.inputs[0].shape.rank == len(elements):
+    if sized == [0] and op.inputs[0].shape[0] == 1:
+      return ROWS_KIND
+    if sized == [1] and len(elements) == 2 and op.inputs[0].shape[1] == 1:
+      return COLS_KIND   # a constant column repeated for every example
+  if multiples is not None and multiples.tag == SHAPE and (x is None) and (
+      op.inputs[0].shape.rank and op.inputs[0].shape[0] == 1):
+    return ROWS_KIND
+  if x is not None and x.tag in (STAT, SIZE) and multiples is None:
+    return x
+  return 'a tile of the batch axis'
+
+
+def _transpose(reader, op, kinds):
+  x, perm = kinds
+  value = static_value(op.inputs[1])
+  if perm is None and x.tag in (STAT, SIZE):
+    return x
+  if perm is None and value is not None and (len(value) == 0 or value[0] == 0):
+    return x if x.tag != SHAPE else SIZE_KIND
+  if perm is None and value is not None and list(value) == [1, 0] and x.tag in (ROWS, COLS):
+    return COLS_KIND if x.tag == ROWS else ROWS_KIND
+  return 'a transpose that moves the batch axis'
+
+
+def _expand_dims(reader, op, kinds):
+  x, axis = kinds
+  value = static_value(op.inputs[1])
+  if axis is None and x.tag in (STAT, SIZE):
+    return x
+  if axis is None and value is not None:
+    a = int(np.reshape(value, [-1])[0])
+    rank = op.inputs[0].shape.rank
+    if a > 0 or (a < 0 and rank is not None and a + rank + 1 > 0):
+      return x if x.tag != SHAPE else SIZE_KIND
+    if x.tag == SHAPE or x.tag == SIZE:
+      return SIZE_KIND
+  return 'a new axis before the batch axis'
+
+
+def _squeeze(reader, op, kinds):
+  x = kinds[0]
+  if x.tag in (STAT, SIZE):
+    return x
+  dims = list(op.get_attr('squeeze_dims'))
+  rank = op.inputs[0].shape.rank
+  dims = [d + rank if d < 0 and rank is not None else d for d in dims]
+  if (dims and 0 not in dims and (rank is None or all(d >= 0 for d in dims))) or (
+      not dims and op.inputs[0].shape.rank and op.inputs[0].shape[0] != 1):
+    return x if x.tag != SHAPE else SIZE_KIND
+  return 'a squeeze of the batch axis'
+
+
+def _concat(reader, op, kinds):
+  kinds, axis_kind, axis_tensor = kinds[:-1], kinds[-1], op.inputs[-1]
+  if axis_kind is not None:
+    return 'a concat along an axis computed from the batch'
+  rank = op.outputs[0].shape.rank
+  axes = axes_of(axis_tensor, rank)
+  if axes is None:
+    return 'a concat along an axis unknown when the graph is built'
+  present = [k for k in kinds if k is not None]
+  if axes[0] != 0:
+    return elementwise(reader, op, kinds[:])
+  tags = {k.tag for k in present}
+  if tags == {ROWS} and len(present) == len(kinds):
+    return Kind(ROWS, sum(k.blocks for k in present))
+  if tags == {FLAT} and len(present) == len(kinds):
+    return FLAT_KIND
+  if kinds[0] is not None and kinds[0].tag == SHAPE and tags == {SHAPE}:
+    return SHAPE_KIND
+  if kinds[0] is not None and kinds[0].tag == SHAPE and len(present) == 1:
+    return SHAPE_KIND   # the batch size first, then sizes that do not depend on it
+  if tags <= {STAT, SIZE, SHAPE}:
+    return stat_of(present) if STAT in tags else SIZE_KIND
+  return 'a concat on the batch axis of rows with other values'
+
+
+def _pack(reader, op, kinds):
+  axis = op.get_attr('axis')
+  present = [k for k in kinds if k is not None]
+  tags = {k.tag for k in present}
+  if axis != 0 and (axis > 0 or op.outputs[0].shape.rank is not None) and (
+      axis > 0 or axis + op.outputs[0].shape.rank > 0):
+    return elementwise(reader, op, kinds)
+  if tags <= {SIZE} and kinds[0] is not None and all(
+      t.shape.rank == 0 for t in op.inputs):
+    return SHAPE_KIND
+  if tags <= {STAT, SIZE}:
+    return stat_of(present) if STAT in tags else SIZE_KIND
+  if tags == {ROWS} and len(present) == len(kinds) and len({k.blocks for k in present}) == 1:
+    return COLS_KIND   # [n] values stacked: the batch on axis 1
+  return 'a stack of rows on a new axis before the batch axis'
+
+
+def _unpack(reader, op, kinds):
+  kind = kinds[0]
+  axis = op.get_attr('axis')
+  if kind.tag == SHAPE and axis == 0:
+    return [SIZE_KIND] + [None] * (len(op.outputs) - 1)
+  if kind.tag in (STAT, SIZE):
+    return [kind] * len(op.outputs)
+  rank = op.inputs[0].shape.rank
+  if axis > 0 or (axis < 0 and rank is not None and axis + rank > 0):
+    return [kind] * len(op.outputs)
+  return 'an unstack of the batch axis'
+
+
+def _split(op, kind, axis_tensor, num_split, sizes_kind=None):
+  if kind is not None and kind.tag in (STAT, SIZE) and (
+      sizes_kind is None or sizes_kind.tag in (STAT, SIZE, SHAPE)):
+    return [kind] * len(op.outputs)
+  if sizes_kind is not None:
+    return 'a split whose sizes depend on the batch'
+  axes = axes_of(axis_tensor, op.outputs[0].shape.rank)
+  if axes is None:
+    return 'a split along an axis unknown when the graph is built'
+  if kind.tag in (STAT, SIZE):
+    return [kind] * len(op.outputs)
+  if axes[0] != 0:
+    return [kind] * len(op.outputs)
+  count = len(op.outputs)
+  if kind.tag == ROWS and num_split is not None and kind.blocks % count == 0:
+    return [Kind(ROWS, kind.blocks // count)] * count
+  return 'a split of the batch axis'
+
+
+def _split_even(reader, op, kinds):
+  return _split(op, kinds[1], op.inputs[0], op.get_attr('num_split'))
+
+
+def _split_v(reader, op, kinds):
+  return _split(op, kinds[0], op.inputs[2], None, kinds[1])
+
+
+def _strided_slice(reader, op, kinds):
+  x = kinds[0]
+  if any(k is not None for k in kinds[1:]):
+    return _slice_by_batch(op, x)
+  begin, end, strides = (static_value(t) for t in op.inputs[1:4])
+  begin_mask, end_mask = op.get_attr('begin_mask'), op.get_attr('end_mask')
+  ellipsis, new_axis = op.get_attr('ellipsis_mask'), op.get_attr('new_axis_mask')
+  shrink = op.get_attr('shrink_axis_mask')
+  if x.tag == SHAPE:
+    if begin is None:
+      return SIZE_KIND
+    if ellipsis & 1 or new_axis & 1:
+      return SIZE_KIND
+    length = op.inputs[0].shape[0] if op.inputs[0].shape.rank else None
+    start = 0 if begin_mask & 1 else int(begin[0])
+    if start < 0:
+      start = start + length if length is not None else -1
+    if start < 0:
+      return SIZE_KIND
+    if shrink & 1:
+      return SIZE_KIND if start == 0 else None
+    return SHAPE_KIND if start == 0 else None
+  if x.tag in (STAT, SIZE):
+    return x
+  if ellipsis & 1:
+    return x
+  if new_axis & 1 or shrink & 1:
+    return 'a slice that picks rows of the batch'
+  whole = (begin_mask & 1 or (begin is not None and begin[0] == 0)) and (end_mask & 1) and (
+      strides is not None and strides[0] == 1)
+  return x if whole else 'a slice of the batch axis'
+
+
+def _slice_by_batch(op, x):
+  if x.tag in (ROWS, FLAT):
+    return 'a slice of the batch axis at positions computed from the batch'
+  return SIZE_KIND if x.tag in (SIZE, SHAPE) else x
+
+
+def _slice(reader, op, kinds):
+  x = kinds[0]
+  if any(k is not None for k in kinds[1:]):
+    return _slice_by_batch(op, x)
+  begin, size = static_value(op.inputs[1]), static_value(op.inputs[2])
+  if x.tag in (STAT, SIZE):
+    return x
+  if x.tag == SHAPE:
+    if begin is not None and begin[0] > 0 and static_value(op.outputs[0]) is not None:
+      return None   # static sizes after the batch's: the same on every shard
+    return SHAPE_KIND if begin is not None and begin[0] == 0 else SIZE_KIND
+  if begin is not None and size is not None and begin[0] == 0 and size[0] == -1:
+    return x
+  return 'a slice of the batch axis'
+
+
+def _pad(reader, op, kinds):
+  x = kinds[0]
+  if any(k is not None for k in kinds[1:]):
+    return 'padding computed from the batch'
+  paddings = static_value(op.inputs[1])
+  if x.tag in (STAT, SIZE):
+    return x
+  if paddings is not None and not np.any(paddings[0]):
+    return x
+  return 'padding of the batch axis'
+
+
+def _top_k(reader, op, kinds):
+  why = 'a top-k across the batch axis'
+  x = kinds[0]
+  rank = op.inputs[0].shape.rank
+  if x.tag not in (STAT, SIZE) and not (x.tag == ROWS and rank is not None and rank >= 2):
+    return why
+  if any(k is not None for k in kinds[1:]):
+    return 'an op whose size depends on the batch'
+  return [x] * len(op.outputs)
+
+
+def _reverse(reader, op, kinds):
+  x = kinds[0]
+  if kinds[1] is not None:
+    return 'a reverse along axes computed from the batch'
+  if x.tag in (STAT, SIZE):
+    return x
+  axes = axes_of(op.inputs[1], op.inputs[0].shape.rank)
+  if axes is not None and 0 not in axes:
+    return x
+  return 'a reverse across the batch axis'
+
+
+def _cumulative(reader, op, kinds):
+  x, axis_tensor, why = kinds[0], op.inputs[1], 'a cumulative sum across the batch axis'
+  if x.tag in (STAT, SIZE):
+    return x
+  axes = axes_of(axis_tensor, op.inputs[0].shape.rank)
+  if axes is not None and 0 not in axes:
+    return x
+  return why
+
+
+# Op type -> the reader of its kinds (reader, op, kinds): the dispatch of `reader`.
+RULES = {'Reshape': _reshape, 'Tile': _tile, 'Transpose': _transpose,
+         'ExpandDims': _expand_dims, 'Squeeze': _squeeze, 'ConcatV2': _concat, 'Pack': _pack,
+         'Unpack': _unpack, 'Split': _split_even, 'SplitV': _split_v,
+         'StridedSlice': _strided_slice, 'Slice': _slice,
+         **dict.fromkeys(('Pad', 'PadV2', 'MirrorPad'), _pad), 'TopKV2': _top_k,
+         'ReverseV2': _reverse,
+         **dict.fromkeys(('Cumsum', 'Cumprod', 'CumulativeLogsumexp'), _cumulative)}
