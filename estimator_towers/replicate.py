@@ -26,7 +26,7 @@ from estimator_towers.inputs import micro_batches as micro_batches_lib
 from estimator_towers.inputs import sharding
 from estimator_towers.inputs import staging
 from estimator_towers.loss import loss_algebra
-from estimator_towers.loss import seeds as seeds_lib
+from estimator_towers.loss import statistics as stats_lib
 from estimator_towers.placement import strategies as placement_lib
 from estimator_towers.reporting import throughput
 from estimator_towers.reporting import tower_summaries
@@ -760,16 +760,16 @@ def _reported_loss(built: Sequence, losses: Sequence, shards: _Shards,
   with tf.name_scope('tower_loss'):
     analysis = loss_algebra.analyse(
         built[0], _flat_shard(shards, shards.active[0]), (), plan.loss_reduction,
-        lambda: seeds_lib.fallback_reduction(graph, built[0]), micro_batches=plan.micro_batches > 1,
-        static_count=seeds_lib.static_counts(
+        lambda: stats_lib.fallback_reduction(graph, built[0]), micro_batches=plan.micro_batches > 1,
+        static_count=stats_lib.static_counts(
             graph, find, [shards.sizes[k] for k in shards.active]))
     if analysis.rule == 'rebuild':
-      statistics = seeds_lib.shard_statistics(analysis.expression, counterpart, len(built))
+      statistics = stats_lib.shard_statistics(analysis.expression, counterpart, len(built))
       if statistics is not None:
-        return seeds_lib.whole_batch_loss(analysis.expression, statistics, shards.nonempty,
+        return stats_lib.whole_batch_loss(analysis.expression, statistics, shards.nonempty,
                                           across)
     rule = analysis.rule if analysis.rule != 'rebuild' else 'mean'
-    weights = seeds_lib.tower_weights(rule, shards.sizes, batch, shards.active)
+    weights = stats_lib.tower_weights(rule, shards.sizes, batch, shards.active)
     loss = specs_lib.weighted_sum(losses, weights, shards.nonempty)
     return loss if across is None else across.sum([loss])[0]
 
