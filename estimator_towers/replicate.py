@@ -312,7 +312,8 @@ def _build_train(builder: builder_lib.TowerBuilder, plan: plan_lib.DevicePlan, f
     throughput.record_global_batch(batch)
   sync = gradient_sync.GradientSync(builder.placement.aggregation_device,
                                     getattr(builder.placement, 'combine', None), across)
-  statistics = _batch_norm_statistics(plan, builder, across)
+  statistics = batch_norm_sync.for_train(plan.sync_batch_norm, graph, shards,
+                                         builder.tower_devices, across)
   copies = _tower_copies(builder, statistics, across, lambda: broker.variables_at[0])
   others = other_towers.OtherTowers(builder, copies)
   passes = backward_passes.BackwardPasses(
@@ -389,23 +390,3 @@ def _tower_copies(builder: builder_lib.TowerBuilder, statistics: Any,
       shards.flat, builder.primary, sharing.creation_spans,
       builder.pinned, statistics, lambda k: sharing.replicas(k, created()))
 
-
-def _batch_norm_statistics(plan: plan_lib.DevicePlan, builder: builder_lib.TowerBuilder,
-                           across: cross_worker.CrossWorker | None = None) -> Any:
-  """The sync points of batch statistics for a TRAIN graph (sync_batch_norm).
-
-  make_plan refuses sync_batch_norm with micro-batches, so a shard is a device.
-  Across workers the statistics are the cluster's (`across`), even with one tower.
-  """
-  shards = builder.shards
-  if not plan.sync_batch_norm or (len(shards.active) < 2 and across is None):
-    return batch_norm_sync.Unsynced()
-  present = {}
-  for k, ne in zip(shards.active, shards.nonempty):
-    if isinstance(ne, bool):
-      present[k] = 1.0
-    else:
-      with tf.compat.v1.colocate_with(ne), tf.name_scope('shard_inputs'):
-        present[k] = tf.cast(ne, tf.float32)
-  return batch_norm_sync.BatchNormSync(
-      builder.graph, {k: builder.tower_devices[k] for k in shards.active}, present, across)

@@ -329,3 +329,19 @@ def test_a_stage_states_its_rule(tmp_path, init, message):
   root = _write(tmp_path, _tree({'base/a.py': '', 'rows/__init__.py': init}))
   (found,) = problems(root)
   assert message in found
+
+
+def test_the_design_page_maps_every_module_in_its_folders_table():
+  with open(os.path.join(ROOT, 'docs', 'contributing', 'design.md'), encoding='utf-8') as f:
+    page = f.read()
+  sections = dict(re.findall(r'^### `(\w+)/`.*?\n(.*?)(?=^### |^## |\Z)', page, re.M | re.S))
+  assert sorted(sections) == sorted(LAYERS)
+  unmapped = {}
+  for name, module in read_modules(ROOT).items():
+    stage = stage_of(name)
+    filename = os.path.basename(module.path)
+    if stage is None or filename == '__init__.py':
+      continue
+    if f'`{filename}`' not in sections[stage]:
+      unmapped[name] = f'not in the table of `{stage}/` in docs/contributing/design.md'
+  assert unmapped == {}

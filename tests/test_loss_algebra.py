@@ -20,7 +20,7 @@ import tensorflow as tf
 import testlib
 import estimator_towers as et
 from estimator_towers.base import logs
-from estimator_towers.loss import seeds
+from estimator_towers.loss import micro_batch_seeds as seeds
 
 ModeKeys = tf.estimator.ModeKeys
 VOCAB = 11

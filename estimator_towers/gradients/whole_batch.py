@@ -55,6 +55,7 @@ from estimator_towers.gradients.request import parse
 from estimator_towers.gradients.request import Request
 from estimator_towers.heads import batch_mixing
 from estimator_towers.loss import loss_algebra
+from estimator_towers.loss import request_seeds
 from estimator_towers.loss import seeds as seeds_lib
 from estimator_towers.towers import builder as builder_lib
 from estimator_towers.towers import counterparts
@@ -201,7 +202,7 @@ class WholeBatchGradients:
           [self._sizes[k] for k in self.towers], [self._nonempty[k] for k in self.towers],
           self._passes.sync.across, lambda i, pairs: self._passes.adopt(self.towers[i], pairs)),
           loss_algebra.is_declared)
-    found = seeds_lib.for_request(
+    found = request_seeds.for_request(
         self._graph, self._loss_reduction, self._inputs,
         [x for x in primary.xs if isinstance(x, tf.Variable)],
         [q.ys for q in tower_requests], [q.grad_ys for q in tower_requests],

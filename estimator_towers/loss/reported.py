@@ -19,7 +19,7 @@ import tensorflow as tf
 from estimator_towers.inputs import empty_shards
 from estimator_towers.inputs import shards as shards_lib
 from estimator_towers.loss import loss_algebra
-from estimator_towers.loss import seeds as seeds_lib
+from estimator_towers.loss import statistics as statistics_lib
 from estimator_towers.towers import counterparts
 from estimator_towers.towers import specs as specs_lib
 
@@ -49,16 +49,16 @@ def reported_loss(built: Sequence, losses: Sequence, shards: shards_lib.Shards,
   with tf.name_scope('tower_loss'):
     analysis = loss_algebra.analyse(
         built[0], shards.flat(shards.active[0]), (), loss_reduction,
-        lambda: seeds_lib.fallback_reduction(graph, built[0]),
+        lambda: statistics_lib.fallback_reduction(graph, built[0]),
         micro_batches=shards.layout.micro_batches > 1,
-        static_count=seeds_lib.static_counts(
+        static_count=statistics_lib.static_counts(
             graph, find, [shards.sizes[k] for k in shards.active]))
     if analysis.rule == 'rebuild':
-      statistics = seeds_lib.shard_statistics(analysis.expression, counterpart, len(built))
+      statistics = statistics_lib.shard_statistics(analysis.expression, counterpart, len(built))
       if statistics is not None:
-        return seeds_lib.whole_batch_loss(analysis.expression, statistics, shards.nonempty,
-                                          across)
+        return statistics_lib.whole_batch_loss(analysis.expression, statistics,
+                                               shards.nonempty, across)
     rule = analysis.rule if analysis.rule != 'rebuild' else 'mean'
-    weights = seeds_lib.tower_weights(rule, shards.sizes, batch, shards.active)
+    weights = statistics_lib.tower_weights(rule, shards.sizes, batch, shards.active)
     loss = specs_lib.weighted_sum(losses, weights, shards.nonempty)
     return loss if across is None else across.sum([loss])[0]

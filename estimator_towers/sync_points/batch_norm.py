@@ -37,6 +37,11 @@ the same table.
 Options whose result cannot equal the plain batch norm on the whole batch
 (`renorm`, `virtual_batch_size`, `adjustment` of a Keras layer) are errors when
 sync is on.
+
+This module intercepts the calls and builds their sync points
+(`BatchNormSync`; `Unsynced` when sync is off). The arithmetic of the
+towers' moments (Chan's combination) is in `moments`; TensorFlow's fused
+kernels and the registered gradient are in `batch_norm_kernels`.
 """
 
 from __future__ import annotations
@@ -44,42 +49,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import tensorflow as tf
 
 from estimator_towers.base import interception
+from estimator_towers.sync_points import batch_norm_kernels as kernels
 from estimator_towers.sync_points import join as sync_points
+from estimator_towers.sync_points import moments as moments_lib
 from estimator_towers.towers import tower_context
 
 # Layer options that make a batch norm's result depend on how the batch is
 # split; the value that turns each off.
 _UNSYNCABLE = (('renorm', False), ('virtual_batch_size', None), ('adjustment', None))
-
-# The gradient of a synchronised fused batch norm: an IdentityN of (y, x, scale,
-# offset) carries it; the function is looked up by graph and op name.
-_GRADIENT = 'EstimatorTowersSyncBatchNorm'
-_pending_gradients: 'weakref.WeakKeyDictionary[tf.Graph, dict]' = weakref.WeakKeyDictionary()
-_registered = []
-
-
-def _register_gradient() -> None:
-  if not _registered:
-    tf.RegisterGradient(_GRADIENT)(_sync_gradient)
-    _registered.append(_GRADIENT)
-
-
-def _sync_gradient(op: tf.Operation, dy: tf.Tensor, *unused) -> list:
-  grad = _pending_gradients.get(op.graph, {}).get(op.name)
-  if grad is None:
-    raise LookupError(
-        f'{op.name} is a synchronised batch norm that estimator_towers built in another '
-        f'graph (this one was copied or imported); its gradient exists only in the graph '
-        f'the towers were built in. Differentiate that graph, or build the towered '
-        f'model_fn again in this one.')
-  return grad(dy)
 
 
 class BatchNormSyncError(ValueError):
@@ -112,7 +95,7 @@ class BatchNormSync:
     self._across = across
     self._points: list[sync_points.SyncPoint] = []   # by index: the towers' i-th sync point
     self._calls: dict[int, int] = {}      # per tower: sync points made so far
-    self._arithmetics: dict[int, _Arithmetic] = {}  # per tower
+    self._arithmetics: dict[int, moments_lib.Arithmetic] = {}  # per tower
     self._builds: dict[int, int] = {}     # per tower: the build that made them
     self._presents_column = None
     self._moments_used = False
@@ -183,7 +166,7 @@ class BatchNormSync:
     for point in points:
       point.forward.join(tower, counterpart(point.forward.value(primary)), None)
     self._calls[tower] = len(points)
-    pending = _pending_gradients.get(self._graph, {})
+    pending = kernels.pending_gradients.get(self._graph, {})
     for name, grad in list(pending.items()):
       if grad.keywords['tower'] != primary:
         continue
@@ -212,13 +195,13 @@ class BatchNormSync:
                       exponential_avg_factor=exponential_avg_factor,
                       data_format=data_format, is_training=is_training, name=name)
     with tf.name_scope(name or 'SyncBatchNorm'):
-      kernel = _FusedKernel(original, epsilon, data_format)
+      kernel = kernels.FusedKernel(original, epsilon, data_format)
       point = self._sync_point(tower)
       arithmetic = self._arithmetic(tower, original)
       moments, corrected, total = point.forward.join(
           tower, arithmetic.local_statistics(x, scale, epsilon, data_format),
           lambda table: self._fused_statistics(arithmetic, table, x.shape.rank,
-                                               _channel_axis(x, data_format)))
+                                               kernels.channel_axis(x, data_format)))
       batch_mean, batch_var = tf.unstack(moments)  # on this tower's device: one transfer
       new_mean, new_variance = batch_mean, corrected
       if exponential_avg_factor not in (None, 1, 1.0):
@@ -229,8 +212,8 @@ class BatchNormSync:
                                 total)
       return y, new_mean, new_variance, new_mean, new_variance, new_variance
 
-  def _fused_statistics(self, arithmetic: '_Arithmetic', table: tf.Tensor, rank: int,
-                        axis: int):
+  def _fused_statistics(self, arithmetic: 'moments_lib.Arithmetic', table: tf.Tensor,
+                        rank: int, axis: int):
     """The global statistics from the towers' rows (shape, mean, variance), once per sync point.
 
     An empty shard's borrowed row counts 0 (its presence factor); its mean
@@ -240,11 +223,11 @@ class BatchNormSync:
     """
     statistics = arithmetic.counted(tf.stop_gradient(table), rank, axis, self._presents())
     if self._across is not None:
-      row = _fused_row(arithmetic.combined(*statistics))
+      row = moments_lib.fused_row(arithmetic.combined(*statistics))
       statistics = arithmetic.split_table(self._across.gather(row[None]))
     return arithmetic.global_statistics(*statistics)
 
-  def _fused_normalise(self, kernel: '_FusedKernel', tower: int,
+  def _fused_normalise(self, kernel: 'kernels.FusedKernel', tower: int,
                        point: sync_points.SyncPoint, x, scale, offset, mean, variance, count):
     """TensorFlow's fused kernel on the global statistics; the global batch's gradient.
 
@@ -264,22 +247,24 @@ class BatchNormSync:
     its gradient is scale / s * dy alone.
 
     The gradient is attached to an IdentityN of (y, x, scale, offset) whose
-    gradient is this function's (`_register_gradient`), not by
+    gradient is this function's (`kernels.register_gradient`), not by
     `tf.custom_gradient`, which scans the graph's variables and the ops
     between its inputs and outputs on every call.
     """
     x, scale, offset = (tf.convert_to_tensor(t) for t in (x, scale, offset))
     y, reserve = kernel.apply(x, scale, offset, mean, variance)
-    _register_gradient()
-    with self._graph.gradient_override_map({'IdentityN': _GRADIENT}):
+    kernels.register_gradient()
+    with self._graph.gradient_override_map({'IdentityN': kernels.GRADIENT}):
       outputs = tf.raw_ops.IdentityN(input=[y, x, scale, offset])
-    _pending_gradients.setdefault(self._graph, {})[outputs[0].op.name] = functools.partial(
+    pending = kernels.pending_gradients.setdefault(self._graph, {})
+    pending[outputs[0].op.name] = functools.partial(
         self._gradient, tower=tower, kernel=kernel, point=point, x=x, scale=scale, mean=mean,
         variance=variance, count=count, reserve=reserve)
     return outputs[0]
 
-  def _gradient(self, dy, *, tower: int, kernel: '_FusedKernel', point: sync_points.SyncPoint,
-                x, scale, mean, variance, count, reserve) -> list:
+  def _gradient(self, dy, *, tower: int, kernel: 'kernels.FusedKernel',
+                point: sync_points.SyncPoint, x, scale, mean, variance, count, reserve
+                ) -> list:
     """`_fused_normalise`'s gradient for tower `tower` (its tensors `x` and `reserve`)."""
     dx, dscale, doffset = kernel.gradient(dy, x, scale, mean, variance, reserve)
     coefficients = point.backward(tower).join(
@@ -291,8 +276,8 @@ class BatchNormSync:
     correction, _ = kernel.apply(x, correction_scale, correction_offset, mean, variance)
     return None, dx - correction, dscale, doffset
 
-  def _correction_scales(self, arithmetic: '_Arithmetic', sums: tf.Tensor, scale, variance,
-                         count, epsilon: float) -> list:
+  def _correction_scales(self, arithmetic: 'moments_lib.Arithmetic', sums: tf.Tensor, scale,
+                         variance, count, epsilon: float) -> list:
     """Per tower, the correction kernel's [scale, offset], from the towers' [dscale, doffset]
     (`sums`, stacked).
 
@@ -336,9 +321,9 @@ class BatchNormSync:
       y = tf.cast(x, tf.float32) if x.dtype == tf.float16 else x
       axes = sorted(int(a) % rank for a in np.ravel(axes))
       mean, squares, count = self._combine(tower, self._sync_point(tower),
-                                           *_local_moments(y, axes))
+                                           *moments_lib.local_moments(y, axes))
       variance = squares / tf.maximum(count, 1.0)
-      shape = _dims(y, [a for a in range(rank) if keep or a not in axes], ones=axes)
+      shape = moments_lib.dims(y, [a for a in range(rank) if keep or a not in axes], ones=axes)
       mean, variance = tf.reshape(mean, shape), tf.reshape(variance, shape)
       if x.dtype == tf.float16:
         return tf.cast(mean, tf.float16), tf.cast(variance, tf.float16)
@@ -356,7 +341,8 @@ class BatchNormSync:
     row = tf.concat([tf.reshape(tf.cast(count, mean.dtype), [1]), mean, m2], 0)
     return point.forward.join(
         tower, _times(row, self._present[tower]),
-        lambda table: _chan(self._table(table, lambda t: _chan_row(_chan(t)))))
+        lambda table: moments_lib.chan(
+            self._table(table, lambda t: moments_lib.chan_row(moments_lib.chan(t)))))
 
   def _table(self, table: tf.Tensor, combine: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
     """The towers' rows; across workers, every worker's towers combined to one row (rank order)."""
@@ -366,9 +352,9 @@ class BatchNormSync:
     """The towers' sums, and across workers the cluster's."""
     return sums if self._across is None else self._across.sum([sums])[0]
 
-  def _arithmetic(self, tower: int, original=None) -> '_Arithmetic':
+  def _arithmetic(self, tower: int, original=None) -> 'moments_lib.Arithmetic':
     if tower not in self._arithmetics:
-      self._arithmetics[tower] = _Arithmetic(original)
+      self._arithmetics[tower] = moments_lib.Arithmetic(original)
     return self._arithmetics[tower]
 
   def _sync_point(self, tower: int) -> sync_points.SyncPoint:
@@ -388,194 +374,9 @@ class BatchNormSync:
     return self._points[i]
 
 
-def _chan_row(statistics) -> tf.Tensor:
-  """`_chan`'s (mean, M2, count) as a row (count, mean, M2) of a table."""
-  mean, m2, total = statistics
-  return tf.concat([tf.reshape(total, [1]), mean, m2], 0)
-
-
-def _fused_row(statistics) -> tf.Tensor:
-  """`combined`'s result as a row (count, mean, Bessel-corrected variance)."""
-  mean, _, corrected, total = statistics
-  return tf.concat([tf.reshape(total, [1]), mean, corrected], 0)
-
-
-def _chan(table: tf.Tensor):
-  """Global mean, M2 and count from a gather table's rows (count, mean, M2): Chan et al."""
-  counts, means, m2s = _split_table(table)
-  total = tf.reduce_sum(counts)
-  mean = tf.reduce_sum(counts * means, 0) / tf.maximum(total, 1.0)
-  m2 = tf.reduce_sum(m2s + counts * tf.math.squared_difference(means, mean), 0)
-  return mean, m2, total
-
-
-def _split_table(table: tf.Tensor, const: Callable = tf.constant) -> list:
-  """A table's rows (count, C values, C values) as [rows, 1], [rows, C] and [rows, C]."""
-  if table.shape[1] is None:
-    channels = (tf.shape(table)[1] - 1) // 2
-    sizes = tf.stack([1, channels, channels])
-  else:
-    channels = (table.shape[1] - 1) // 2
-    sizes = const([1, channels, channels], tf.int32)
-  return tf.split(table, sizes, const(1, tf.int32), num=3)
-
-
-class _Arithmetic:
-  """One tower's per-channel arithmetic of the fused path, in few graph ops.
-
-  Per layer and tower a sync point computes a few dozen small things (the
-  shard's row, the combination, Bessel's correction, the backward scales).
-  Graph construction and TensorFlow's graph optimisation take time per op,
-  and the first version of this path doubled the towered graph (67 ops per
-  layer and tower, 7,542 ops for ResNet-8 at N = 8 against 3,782 unsynced),
-  so constants are made once per tower and the combination works on the
-  whole gathered table at once. (Graph functions, one call op each, made
-  construction cheaper but optimisation dearer: inlined, each call adds some
-  30 nodes.)
-  """
-
-  def __init__(self, original):
-    self._original = original
-    self._constants: dict[Any, tf.Tensor] = {}
-
-  def const(self, value, dtype=tf.float32) -> tf.Tensor:
-    key = (repr(value), dtype)
-    if key not in self._constants:
-      self._constants[key] = tf.constant(value, dtype)
-    return self._constants[key]
-
-  def local_statistics(self, x, scale, epsilon, data_format):
-    """The shard's row of the statistics' table: its shape, per-channel mean and variance.
-
-    By the training kernel: its variance has Bessel's correction over the
-    shard's count. The shape is given as floats (a constant where static).
-    """
-    channels = x.shape[_channel_axis(x, data_format)]
-    if channels is None:  # known at run time only
-      ones = tf.ones_like(scale, tf.float32)
-      ones_zeros = (ones, ones * 0.0)
-    else:
-      ones_zeros = (self.const([1.0] * channels), self.const([0.0] * channels))
-    empty = self.const([])
-    _, mean, variance, _, _, _ = self._original(
-        x, *ones_zeros, empty, empty, epsilon=epsilon, exponential_avg_factor=1,
-        data_format=data_format, is_training=True)
-    shape = (self.const([float(d) for d in x.shape.as_list()]) if x.shape.is_fully_defined()
-             else tf.cast(tf.shape(x), tf.float32))
-    return tf.concat([shape, mean, variance], self.const(0, tf.int32))
-
-  def counted(self, rows: tf.Tensor, rank: int, axis: int, presents):
-    """The towers' rows (shape, mean, variance) as counts [towers, 1], means and variances.
-
-    A count is the product of the shape's dimensions but the channels' (at
-    `axis`; in float32, exact up to 2^24 values per channel and shard, rounded
-    like the statistics beyond), times the tower's presence factor (0 for an
-    empty shard) when `presents` is given.
-    """
-    one = self.const(1, tf.int32)
-    channels = rows.shape[1] - rank if rows.shape[1] is not None else None
-    pieces = [axis, 1, rank - axis - 1] + ([channels // 2] * 2 if channels else [-1])
-    parts = tf.split(rows, self.const([n for n in pieces if n], tf.int32), one,
-                     num=len([n for n in pieces if n]))
-    before = parts.pop(0) if axis else None
-    parts.pop(0)  # the channel count
-    after = parts.pop(0) if rank - axis - 1 else None
-    means, variances = parts if channels else tf.split(parts[0], 2, one)
-    others = [t for t in (before, after) if t is not None]
-    others = others[0] if len(others) == 1 else tf.concat(others, one)
-    counts = tf.reduce_prod(others, one, keepdims=True)
-    if presents is not None:
-      counts = counts * presents
-    return counts, means, variances
-
-  def split_table(self, table: tf.Tensor):
-    """A table's rows (count, mean, variance) as counts [rows, 1], means and variances."""
-    return _split_table(table, self.const)
-
-  def combined(self, counts, means, variances):
-    """Global mean, variance and Bessel-corrected variance, and count: Chan et al.
-
-    With n_i, mean_i and M2_i = variance_i * max(n_i - 1, 0) the rows', n the
-    global count and mu the global mean: mu = sum(n_i mean_i) / n and
-    M2 = sum(M2_i + n_i (mean_i - mu)^2), without cancellation.
-    """
-    one, zero = self.const(1.0), self.const(0, tf.int32)
-    total = tf.reduce_sum(counts, self.const([0, 1], tf.int32))
-    safe = tf.maximum(total, one)
-    mean = tf.reduce_sum(counts / safe * means, zero)
-    m2 = tf.reduce_sum(variances * tf.maximum(counts - one, self.const(0.0)) + counts *
-                       tf.math.squared_difference(means, mean), zero)
-    return mean, m2 / safe, m2 / tf.maximum(total - one, one), total
-
-  def global_statistics(self, counts, means, variances):
-    """[global mean, variance] (one tensor: one transfer to each tower), the
-    Bessel-corrected variance and the count."""
-    mean, variance, corrected, total = self.combined(counts, means, variances)
-    return tf.stack([mean, variance]), corrected, total
-
-  def correction_factor(self, scale, variance, count, epsilon):
-    """scale / (s n), s = sqrt(variance + epsilon): the forward's part of the correction."""
-    inverse = tf.math.rsqrt(variance + self.const(epsilon)) / tf.maximum(count, self.const(1.0))
-    return scale * inverse
-
-
-class _FusedKernel:
-  """TensorFlow's fused batch-norm kernels, with one call's epsilon and data format."""
-
-  def __init__(self, original, epsilon: float, data_format: str):
-    self._original, self.epsilon, self._format = original, epsilon, data_format
-
-  def apply(self, x, scale, offset, mean, variance):
-    """scale * (x - mean) / sqrt(variance + epsilon) + offset per channel; reserve space 3."""
-    y, _, _, _, _, reserve = self._original(
-        x, scale, offset, mean, variance, epsilon=self.epsilon, exponential_avg_factor=1,
-        data_format=self._format, is_training=False)
-    return y, reserve
-
-  def gradient(self, dy, x, scale, mean, variance, reserve):
-    """scale / s * dy, sum(dy * (x - mean) / s) and sum(dy), s = sqrt(variance + epsilon)."""
-    dx, dscale, doffset, _, _ = tf.raw_ops.FusedBatchNormGradV3(
-        y_backprop=dy, x=x, scale=scale, reserve_space_1=mean, reserve_space_2=variance,
-        reserve_space_3=reserve, epsilon=self.epsilon, data_format=self._format,
-        is_training=False)
-    return dx, dscale, doffset
-
-
 def _times(t: tf.Tensor, factor) -> tf.Tensor:
   """t * factor, without an op when factor is the Python float 1.0."""
   return t if isinstance(factor, float) and factor == 1.0 else t * tf.cast(factor, t.dtype)
-
-
-def _channel_axis(x: tf.Tensor, data_format: str) -> int:
-  """The channel axis of a fused batch norm's input."""
-  return 1 if data_format.startswith('NC') else x.shape.rank - 1
-
-
-def _local_moments(x: tf.Tensor, axes: Sequence[int]):
-  """The shard's count, mean and M2 over `axes` (two passes), flattened per the rest."""
-  flat = _rows(x, axes)
-  count = tf.cast(tf.shape(flat)[0], x.dtype)
-  mean = tf.reduce_mean(flat, 0)
-  m2 = tf.reduce_sum(tf.math.squared_difference(flat, tf.stop_gradient(mean)), 0)
-  return count, mean, m2
-
-
-def _dims(x: tf.Tensor, axes: Sequence[int], ones: Sequence[int] = ()) -> list:
-  """The sizes of `x` along `axes` (Python ints where static), 1 for `ones`."""
-  return [1 if a in ones else (x.shape[a] if x.shape[a] is not None else tf.shape(x)[a])
-          for a in axes]
-
-
-def _rows(x: tf.Tensor, axes: Sequence[int]) -> tf.Tensor:
-  """`x` as a matrix: one row per element of the reduced `axes`, a column per rest."""
-  rest = [a for a in range(x.shape.rank) if a not in axes]
-  width = 1
-  for size in _dims(x, rest):
-    width = width * size
-  perm = list(axes) + rest
-  if perm != list(range(x.shape.rank)):
-    x = tf.transpose(x, perm)
-  return tf.reshape(x, [-1, width])
 
 
 def _calling_layer() -> Any:
@@ -635,3 +436,29 @@ class Unsynced:
 
   def copied_pass(self, primary: int, tower: int, counterpart: Callable, ops: set) -> None:
     pass
+
+
+def for_train(enabled: bool, graph: tf.Graph, shards: Any, tower_devices: Any,
+              across: Any = None) -> BatchNormSync | Unsynced:
+  """The sync points of batch statistics for a TRAIN graph (`sync_batch_norm`).
+
+  make_plan refuses sync_batch_norm with micro-batches, so a shard is a device.
+  Across workers the statistics are the cluster's (`across`), even with one tower.
+
+  Args:
+    enabled: the plan's `sync_batch_norm`.
+    graph: the TRAIN graph.
+    shards: the step's `inputs.shards.Shards`.
+    tower_devices: the towers' devices, by device index.
+    across: the all-reduces across workers, or None.
+  """
+  if not enabled or (len(shards.active) < 2 and across is None):
+    return Unsynced()
+  present = {}
+  for k, ne in zip(shards.active, shards.nonempty):
+    if isinstance(ne, bool):
+      present[k] = 1.0
+    else:
+      with tf.compat.v1.colocate_with(ne), tf.name_scope('shard_inputs'):
+        present[k] = tf.cast(ne, tf.float32)
+  return BatchNormSync(graph, {k: tower_devices[k] for k in shards.active}, present, across)

@@ -1,0 +1,127 @@
+"""A gradient request's seeds: which rule gives what each shard's backward pass starts from.
+
+`loss_algebra` gives the rule for a loss; the seeds follow from it
+(`for_request` picks the rule; each rule's module makes the `seeds.Seeds`):
+
+- 'mean' / 'sum' (the example-count rule): each shard's own loss, with the
+  initial gradient w_k (n_k / B for a mean, 1 for a sum, 0 for a shard
+  empty at run time) times the requested one (`statistics.tower_weights`,
+  `seeds.weighted`).
+- 'rebuild', towers: the whole batch's loss itself, f on the sums of the
+  shards' statistics (`statistics.whole_batch_loss`), with the requested
+  initial gradient: one backward pass through it reaches every shard. Across
+  workers, each shard's statistics seeded with the loss's coefficients at
+  the cluster's totals, so that a task's pass gives its own part only
+  (`seeds.rebuilt`).
+- 'rebuild', micro-batches (`micro_batch_seeds`): a micro-batch's backward
+  pass runs before the later micro-batches' forward passes; its numerators
+  are seeded with the loss's coefficients as known before it, and a loss
+  whose coefficients depend on a numerator is refused at graph construction.
+- a loss that mixes the batch's rows (`row_dependence`): its head on the
+  whole batch (`whole_batch_head`); each shard's frontier tensors are seeded
+  with their rows of the head's gradient. With micro-batches the head reads
+  the rows of a first pass over the micro-batches (`cached_gradients`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import tensorflow as tf
+
+from estimator_towers.base import logs
+from estimator_towers.heads import cached_gradients
+from estimator_towers.heads import row_wise_head
+from estimator_towers.heads import whole_batch_head
+from estimator_towers.loss import loss_algebra
+from estimator_towers.loss import micro_batch_seeds
+from estimator_towers.loss import seeds as seeds_lib
+from estimator_towers.loss import statistics as statistics_lib
+from estimator_towers.rows import row_dependence
+from estimator_towers.towers import counterparts
+
+
+def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor],
+                variables: Sequence, ys: Sequence[list], grad_ys: Sequence[list],
+                nonempty: Sequence, sizes: Sequence, batch: Any,
+                ungated: Callable | None, across: Any = None, per_shard: bool = False,
+                gates: Callable | None = None) -> seeds_lib.Seeds:
+  """The seeds of one gradient request, per shard (shard 0 the primary).
+
+  Args:
+    graph: the graph (for the reduction a TensorFlow loss function recorded).
+    loss_reduction: the plan's.
+    inputs: the primary's shard tensors, flattened.
+    variables: the trained variables the request is with respect to.
+    ys, grad_ys: per shard, the request's tensors and initial gradients.
+    nonempty, sizes: per shard, whether it has examples and how many.
+    batch: the global batch's number of examples.
+    ungated: with micro-batches, `ungated(i)`: shard i's inputs before its
+      gates; None for towers.
+    across: a `cross_worker.CrossWorker` when the batch spans workers (the
+      totals are the cluster's; `batch` is the cluster's), else None.
+    per_shard: a rebuilt loss's seeds per shard even for towers alone (each
+      tower's backward pass its own: `tower_copies`).
+    gates: with micro-batches, `gates(i)`: the Identity ops shard i's inputs
+      pass through.
+  """
+  loss = ys[0][0] if len(ys[0]) == 1 else None
+  find = counterparts.in_losses([y[0] for y in ys]) if loss is not None else None
+  head = _whole_batch_head(loss, ys[0], inputs, grad_ys, find, nonempty, sizes, batch,
+                           None if ungated is None else (ungated, gates or (lambda i: [])),
+                           across)
+  if isinstance(head, seeds_lib.Seeds):
+    return head
+  analysis = loss_algebra.analyse(loss, inputs, variables, loss_reduction,
+                                  lambda: statistics_lib.fallback_reduction(graph, loss),
+                                  static_count=statistics_lib.static_counts(graph, find, sizes),
+                                  targets=ys[0], micro_batches=ungated is not None,
+                                  note=head)
+  found = None
+  if analysis.rule == 'rebuild':
+    if ungated is None:
+      found = seeds_lib.rebuilt(analysis.expression, find, nonempty, grad_ys[0][0], across,
+                                per_shard)
+    else:
+      found = micro_batch_seeds.micro_batch(analysis.expression, find, ungated, nonempty,
+                                            sizes, batch, grad_ys[0][0], across)
+  if found is not None:
+    return found
+  rule = analysis.rule if analysis.rule != 'rebuild' else 'mean'
+  return seeds_lib.weighted(ys, grad_ys,
+                            statistics_lib.tower_weights(rule, sizes, batch, range(len(sizes))))
+
+
+def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
+                      grad_ys: Sequence[list], find: Callable | None, nonempty: Sequence,
+                      sizes: Sequence, batch: Any, micro: tuple | None, across: Any = None
+                      ) -> seeds_lib.Seeds | str | None:
+  """A loss that mixes the batch's rows, its head on the whole batch (`whole_batch_head`).
+
+  Each shard's backward pass starts from its frontier tensors' rows of the
+  head's gradient; the head's own variables get theirs from the head's
+  backward pass stopped at the frontier (`stops`). With micro-batches
+  (`micro`: their `ungated` and `gates`), the head reads a first pass's rows
+  (`cached_gradients`). None where no op mixes rows; a sentence saying why
+  the head cannot be built (for `row_dependence`'s warning) where one does.
+  """
+  found = row_dependence.classify(ys, inputs, loss_algebra.is_declared)
+  if not found.mixing:
+    return None
+  if not isinstance(loss, tf.Tensor):
+    return 'the gradient request is of several tensors, and the head takes one loss'
+  if micro is None:
+    built = whole_batch_head.build(found, loss, grad_ys[0][0], find, sizes, nonempty, batch,
+                                   across, split=row_wise_head.build)
+  else:
+    built = cached_gradients.build(found, loss, grad_ys[0][0], find, inputs, *micro, sizes,
+                                   nonempty, batch, across)
+  if isinstance(built, str):
+    return built
+  whole, shards, stops, where = built
+  logs.info_once_per_graph(
+      f'estimator_towers: the loss {loss.name} depends on {found.mixing[0].describe()}, '
+      f'which mixes the batch\'s rows: its head ({len(found.frontier)} gathered tensor(s) '
+      f'to the loss) runs on the whole batch {where}'
+      f'{", on the rows of a first pass over the micro-batches" if micro else ""}.')
+  return seeds_lib.Seeds(shards, whole, stops)
