@@ -32,7 +32,7 @@ Within a step:
    tower 0's: the moving averages follow the first shard of the global
    batch, or the global statistics with `sync_batch_norm`.
 
-At session start (`broadcast_from_chief`, run by `cluster_session`'s
+At session start (`broadcast_from_chief`, run by `session`'s
 Scaffold) every task sets its variables to the chief's values (an
 all-reduce of the chief's values and the others' zeros).
 """

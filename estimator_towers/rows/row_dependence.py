@@ -3,7 +3,7 @@
 The rule. A towered model_fn is exact for free where every example's values
 are computed from that example alone: then a shard's rows are the whole
 batch's rows of its examples, and what is left between the shards is the
-loss's statistics (`loss_algebra`) and the batch norms' (`batch_norm_sync`).
+loss's statistics (`loss_algebra`) and the batch norms' (`sync_points.batch_norm`).
 The row reader reads tower 0's graph, from the shard's input tensors to a
 target (the loss), and gives each tensor in between one *kind*:
 

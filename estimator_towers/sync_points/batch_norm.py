@@ -17,7 +17,7 @@ the towers, like a gradient request:
   sync point, on the device of the first tower to reach it, and combined by
   Chan et al.'s parallel formula (no E[x^2] - E[x]^2); every tower uses the
   result. The exchange is ordinary graph edges between the towers' devices
-  (`sync_points`: the towers are built one after another, so the first
+  (`join`: the towers are built one after another, so the first
   tower's join holds its own statistics in the later towers' slots until
   they are built). The fused path normalises with TensorFlow's fused kernel
   (inference mode, on the global statistics) and has a gradient of its own

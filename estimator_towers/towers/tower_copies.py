@@ -26,7 +26,7 @@ cannot be shared this way (a synchronised `tf.nn.moments`, differentiated
 through its join); an op cannot be imported again (`op_templates`: v1
 control flow, a function call, a placeholder, a shared name, a device scope);
 or an op uses a tensor of tower 0 that has no counterpart in tower k. Then the
-tower is built as before (the reason logged once per graph). `towers` does
+tower is built as before (the reason logged once per graph). `replicate` does
 not copy with micro-batches or across workers.
 """
 
