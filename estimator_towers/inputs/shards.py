@@ -58,11 +58,6 @@ class Shards:
   gates: dict
   ungated: dict = dataclasses.field(default_factory=dict)
 
-  @property
-  def primary(self) -> int:
-    """The first built shard: it runs the model_fn in the model_fn's own flow."""
-    return self.active[0]
-
   def flat(self, k: int) -> list:
     """Shard k's tensors, flattened; absent labels (features-only input) have none."""
     return [t for t in tf.nest.flatten((self.features[k], self.labels[k]),
