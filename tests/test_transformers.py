@@ -104,6 +104,17 @@ def test_einsum_with_the_batch_letter_second_gives_columns():
                ('weights', [20, 3])) == (rd.Kind(rd.ROWS), [])
 
 
+def test_columns_an_einsum_made_lead_the_frontier_back_to_its_rows():
+  """`bd->db` then a similarity matrix: the mixing MatMul's frontier is the rows before it."""
+  graph = tf.Graph()
+  with graph.as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [None, 4], name='x')
+    q, d = tf.tanh(x, name='q'), tf.sigmoid(x, name='d')
+    found = rd.classify([tf.reduce_sum(tf.matmul(q, tf.einsum('bd->db', d)))], [x])
+  assert [m.op.type for m in found.mixing] == ['MatMul']
+  assert sorted(t.name for t in found.frontier) == ['d:0', 'q:0']
+
+
 MIXING = {
     'an einsum that pairs different examples (equation ab,cb->ac)': (
         'ab,cb->ac', ('rows', [20]), ('rows', [20])),
@@ -208,6 +219,27 @@ def einsum_attention_model_fn(features, labels, mode, params, config=None):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_optimize(loss))
 
 
+def in_batch_einsum_model_fn(features, labels, mode, params, config=None):
+  """An in-batch softmax written with tf.einsum: `ab,cb->ac` pairs the examples (mixing), so
+  its head runs on the whole batch's rows, the encoders' einsums on the towers."""
+  del labels, config
+  x = tf.reduce_mean(features['x'], axis=1)
+  q = tf.tanh(tf.einsum('bd,de->be', x, _variable('query', [WIDTH, 4], 1)))
+  d = tf.tanh(tf.einsum('bd,de->be', x, _variable('doc', [WIDTH, 4], 2)))
+  if (params or {}).get('columns'):   # d's columns made by an einsum, a matrix product of them
+    logits = tf.matmul(q, tf.einsum('be->eb', d)) / 0.1
+  else:
+    logits = tf.einsum('ab,cb->ac', q, d) / 0.1
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+      tf.range(tf.shape(q)[0]), logits))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_optimize(loss))
+
+
+def einsum_columns_model_fn(features, labels, mode, params, config=None):
+  """The in-batch softmax against `be->eb`'s columns (the frontier: the rows before it)."""
+  return in_batch_einsum_model_fn(features, labels, mode, {'columns': True}, config)
+
+
 def _data(seed=0):
   rng = np.random.RandomState(seed)
   return (rng.randn(BATCH, SEQ, WIDTH).astype(np.float32),
@@ -215,7 +247,10 @@ def _data(seed=0):
 
 
 MODELS = {'keras_mha': (keras_encoder_model_fn, True),
-          'einsum_attention': (einsum_attention_model_fn, False)}
+          'einsum_attention': (einsum_attention_model_fn, False),
+          'in_batch_einsum': (in_batch_einsum_model_fn, False),
+          'einsum_columns': (einsum_columns_model_fn, False)}
+PARALLEL = ('keras_mha', 'einsum_attention')
 
 
 @pytest.fixture
@@ -223,7 +258,7 @@ def warnings(monkeypatch):
   return testlib.logged_warnings(monkeypatch)
 
 
-@pytest.mark.parametrize('name', sorted(MODELS))
+@pytest.mark.parametrize('name', PARALLEL)
 def test_every_tower_runs_the_whole_model(name, warnings):
   """3 towers: each device holds about the plain graph's heavy ops (before: 0.33), no warning."""
   model_fn, labelled = MODELS[name]

@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import string
 
-import tensorflow as tf
-
 from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, FLAT_KIND, ROWS, ROWS_KIND, SHAPE,
-                                         SIZE, SIZE_KIND, STAT, STAT_KIND, Kind,
-                                         stat_of)
+                                         SIZE, SIZE_KIND, STAT, STAT_KIND, Kind, stat_of)
 from estimator_towers.rows.op_tables import BATCHED_MATRICES
 
 _BATCH_AXIS = {ROWS: 0, FLAT: 0, COLS: 1}
@@ -107,9 +104,9 @@ def _einsum(reader, op, kinds):
     stats = [k for _, k in others]
     if place == 0 and all(k.tag == STAT and k.norm for k in stats):
       return layout   # a batch norm's statistics: rows stay rows (`sync_batch_norm`'s choice)
-    return (f'an einsum of the batch\'s rows with '
-            f'{"a statistic" if any(k.tag == STAT for k in stats) else "a value"} of the batch'
-            f'{"" if any(k.tag == STAT for k in stats) else " size"} (equation {equation})')
+    what = ('a statistic of the batch' if any(k.tag == STAT for k in stats)
+            else 'a value of the batch size')
+    return f'an einsum of the batch\'s rows with {what} (equation {equation})'
   if place < 0:
     return STAT_KIND   # summed over the examples (x^T y)
   if place == 0:
