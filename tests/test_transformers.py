@@ -171,6 +171,16 @@ def test_batched_linear_algebra_is_per_matrix():
                           'values stacked on a batch axis'])
 
 
+def test_a_batched_matrix_product_of_rows_and_broadcast_weights_is_per_example():
+  """tf.matmul([n, 5, 4] rows, [4, 3] weights), as hand-written transformers project (a
+  BatchMatMulV2 that broadcasts the weights over the batch); rows of rank 2 times such rows
+  still mix."""
+  rows = rd.Kind(rd.ROWS)
+  assert _read(lambda a: tf.matmul(a, tf.ones([4, 3])), ROWS3) == (rows, [])
+  assert _read(lambda a: tf.matmul(tf.ones([3, 5]), a), ROWS3) == (rows, [])
+  assert _read(lambda a: tf.matmul(tf.ones([2, 3, 5]), a), ROWS3)[0] == rd.Kind(rd.MIXED)
+
+
 # --- Towered encoders: data-parallel, and equal to plain ----------------------
 
 def _glorot(seed):
