@@ -171,6 +171,19 @@ def test_batched_linear_algebra_is_per_matrix():
                           'values stacked on a batch axis'])
 
 
+def test_diagonals_and_bands_of_rows_are_per_matrix():
+  """tf.linalg.logdet (a Cholesky's diagonal), tf.linalg.diag of [n, m] rows, a band of
+  [n, m, m] rows; the diagonal of a [n, n] matrix mixes."""
+  rows = rd.Kind(rd.ROWS)
+  assert _read(lambda a: tf.linalg.logdet(tf.matmul(a, a, transpose_b=True) + tf.eye(5)),
+               ROWS3) == (rows, [])
+  assert _read(tf.linalg.diag, ('rows', [20])) == (rows, [])
+  assert _read(lambda a: tf.linalg.band_part(a, 1, 0), ROWS4) == (rows, [])
+  assert _read(lambda a: tf.linalg.set_diag(a, a[:, :, :, 0]), ROWS4) == (rows, [])
+  assert _read(tf.linalg.diag_part, ('square', None)) == (rd.Kind(rd.MIXED), [
+      'a MatrixDiagPartV3 whose matrix axes include the batch axis (rank 2)'])
+
+
 def test_a_batched_matrix_product_of_rows_and_broadcast_weights_is_per_example():
   """tf.matmul([n, 5, 4] rows, [4, 3] weights), as hand-written transformers project (a
   BatchMatMulV2 that broadcasts the weights over the batch); rows of rank 2 times such rows
