@@ -27,7 +27,8 @@ LAYOUTS = {'3 towers': (3, 1), '1x2 micro-batches': (1, 2), '2x2': (2, 2)}
 # --- The reader: an einsum by its equation, batched linear algebra ------------
 
 def _operand(x, square, unknown, spec):
-  """A tensor of `spec`: ('rows' | 'weights' | 'flat' | 'cols' | 'stat' | 'norm', shape)."""
+  """A tensor of `spec`: (what, shape); what: rows, square (rows [n, n]), unknown (rows of
+  unknown rank), weights, flat, cols, stacked, size, distinct, stat or norm."""
   what, shape = spec
   if what == 'rows':
     return tf.reshape(x, [-1] + shape)
@@ -43,6 +44,10 @@ def _operand(x, square, unknown, spec):
     return tf.transpose(tf.reshape(x, [-1, 20]))
   if what == 'stacked':
     return tf.concat([tf.reshape(x, [-1] + shape)] * 2, 0)
+  if what == 'size':   # [20] copies of the batch size
+    return tf.cast(tf.fill([20], tf.shape(x)[0]), tf.float32)
+  if what == 'distinct':   # the batch's distinct values
+    return tf.unique(tf.reshape(x, [-1]))[0]
   if what == 'stat':
     return tf.reduce_mean(tf.reshape(x, [-1, 20]), 0)
   assert what == 'norm'
@@ -129,6 +134,10 @@ MIXING = {
         'abc,abc->ab', ROWS3, ('stacked', [5, 4])),
     'an einsum of the batch\'s rows with a statistic of the batch (equation ab,b->a)': (
         'ab,b->a', ('rows', [20]), ('stat', None)),
+    'an einsum of the batch\'s rows with a value of the batch size (equation ab,b->a)': (
+        'ab,b->a', ('rows', [20]), ('size', None)),
+    'an einsum of values that are not one row per example (distinct values)': (
+        'ab,c->abc', ('rows', [20]), ('distinct', None)),
 }
 
 
@@ -166,6 +175,9 @@ def test_batched_linear_algebra_is_per_matrix():
   assert _read(tf.linalg.cholesky, ('square', None)) == (rd.Kind(rd.MIXED), [
       'a matrix op (Cholesky) whose matrix axes include the batch axis (rank 2, not a '
       '[n, m, m] batch of matrices)'])
+  assert _read(tf.linalg.inv, ('cols', None)) == (rd.Kind(rd.MIXED), [
+      'a batched matrix op (MatrixInverse) of values that are not one row per example '
+      '(columns)'])
   assert _read(lambda a: tf.linalg.solve(a, tf.ones([7, 5, 2, 1])), ROWS4) == (
       rd.Kind(rd.MIXED), ['a batched matrix op (MatrixSolve) of the batch\'s rows with other '
                           'values stacked on a batch axis'])
@@ -180,6 +192,9 @@ def test_diagonals_and_bands_of_rows_are_per_matrix():
   assert _read(tf.linalg.diag, ('rows', [20])) == (rows, [])
   assert _read(lambda a: tf.linalg.band_part(a, 1, 0), ROWS4) == (rows, [])
   assert _read(lambda a: tf.linalg.set_diag(a, a[:, :, :, 0]), ROWS4) == (rows, [])
+  assert _read(lambda a: tf.linalg.set_diag(a, tf.ones([7, 5, 2])), ROWS4) == (
+      rd.Kind(rd.MIXED), ['a MatrixSetDiagV3 of the batch\'s rows with other values or by a '
+                          'value of the batch'])
   assert _read(tf.linalg.diag_part, ('square', None)) == (rd.Kind(rd.MIXED), [
       'a MatrixDiagPartV3 whose matrix axes include the batch axis (rank 2)'])
 
