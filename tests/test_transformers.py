@@ -175,6 +175,8 @@ def test_batched_linear_algebra_is_per_matrix():
   assert _read(tf.linalg.cholesky, ('square', None)) == (rd.Kind(rd.MIXED), [
       'a matrix op (Cholesky) whose matrix axes include the batch axis (rank 2, not a '
       '[n, m, m] batch of matrices)'])
+  assert _read(tf.linalg.solve, ROWS4, ('stacked', [5, 2, 2])) == (rd.Kind(rd.MIXED), [
+      'a batched matrix op (MatrixSolve) of rows of different stacked layouts'])
   assert _read(tf.linalg.inv, ('cols', None)) == (rd.Kind(rd.MIXED), [
       'a batched matrix op (MatrixInverse) of values that are not one row per example '
       '(columns)'])

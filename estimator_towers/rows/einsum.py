@@ -116,16 +116,16 @@ def _einsum(reader, op, kinds):
   return f'an einsum that moves the batch axis (equation {equation})'
 
 
-def _layout(kinds: list):
+def _layout(kinds: list, what: str = 'an einsum'):
   """The kind of a per-example product of batch operands of `kinds`, or why they cannot meet."""
   tags = {k.tag for k in kinds}
   if tags == {FLAT}:
     return FLAT_KIND
   if FLAT in tags:
-    return 'an einsum of rows with values of another row layout'
+    return f'{what} of rows with values of another row layout'
   blocks = {k.blocks for k in kinds if k.tag == ROWS}
   if len(blocks) > 1 or (COLS in tags and blocks - {1}):
-    return 'an einsum of rows of different stacked layouts'
+    return f'{what} of rows of different stacked layouts'
   return Kind(ROWS, blocks.pop()) if blocks and blocks != {1} else ROWS_KIND
 
 
@@ -145,8 +145,7 @@ def _batched_matrices(reader, op, kinds):
     return (f'a matrix op ({op.type}) whose matrix axes include the batch axis (rank '
             f'{min((r for r in ranks if r is not None), default="unknown")}, not a [n, m, m] '
             f'batch of matrices)')
-  layout = _layout(present)
-  return f'{layout} ({op.type})' if isinstance(layout, str) else layout
+  return _layout(present, f'a batched matrix op ({op.type})')
 
 
 # Op type -> the reader of its kinds (reader, op, kinds): the dispatch of `reader`.
