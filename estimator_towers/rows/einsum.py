@@ -9,8 +9,9 @@ letter, once in its subscripts (no diagonal across examples), no operand
 that does not depend on the batch (weights) has it, and it is the output's
 first letter: Keras' `EinsumDense` (`abc,cde->abde`), BERT's and Keras'
 attention (`BTNH,BFNH->BNFT`, `aecd,abcd->acbe`). The batch letter as the
-output's second letter gives columns (`bi->ib`, of one batch operand); left out of the output it
-is summed over the examples, a statistic (`bi,bj->ij`, a Gram matrix).
+output's second letter gives columns (`bi->ib`, of one batch operand: the
+frontier before them is its rows); left out of the output it is summed
+over the examples, a statistic (`bi,bj->ij`, a Gram matrix).
 Everything else mixes: two batch letters pair different examples
 (`ab,cb->ac`, an in-batch similarity), the letter moved further, a batch
 operand's rows with weights indexed by the batch axis, or with a statistic
@@ -21,8 +22,9 @@ A batched linear algebra op (`tf.linalg`'s inverse, Cholesky, determinant,
 solves, decompositions: `op_tables.BATCHED_MATRICES`) works on each matrix
 of its [..., m, m] inputs alone: of rows (or flat rows) of rank 3 or more
 its outputs are such rows, with weights of rank 2 or less broadcast over the
-batch; of rank 2 the batch axis is a matrix axis, which mixes. The gradient
-of an einsum is einsums, but the reader reads the forward graph only.
+batch; of rank 2 the batch axis is a matrix axis, which mixes (a diagonal
+or band of rows: `sizes`). The gradient of an einsum is einsums, but the
+reader reads the forward graph only.
 """
 
 from __future__ import annotations
