@@ -67,7 +67,7 @@ def test_every_train_graph_logs_its_heavy_ops_per_device(said):
   assert lines == [
       'estimator_towers: train graph: heavy ops (matrix products, einsums, convolutions and '
       'their gradients) per device: '
-      + ', '.join(f'/device:CPU:{i} {counts[f"CPU:{i}"]}' for i in range(3)) + '.'], said
+      + ', '.join(f'/device:CPU:{i} {counts[f"CPU:{i}"]} (33%)' for i in range(3)) + '.'], said
   assert not [m for level, m in said if level == 'W'], said
 
 

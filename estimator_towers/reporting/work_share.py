@@ -71,7 +71,7 @@ def report(graph: tf.Graph, tower_devices: Sequence[str]) -> None:
     logs.info_once_per_graph(
         'estimator_towers: train graph: heavy ops (matrix products, einsums, convolutions '
         'and their gradients) per device: '
-        + ', '.join(f'{d} {n}' for d, n in counts.items()) + '.', graph)
+        + ', '.join(f'{d} {n} ({n / total:.0%})' for d, n in counts.items()) + '.', graph)
   if once:
     _warn(once, counts, total)
 
