@@ -301,7 +301,7 @@ def warnings(monkeypatch):
 
 
 @pytest.mark.parametrize('name,params', [(name, {}) for name in PARALLEL] + [
-    ('keras_mha', {'dropout': 0.1})])
+    ('keras_mha', {'dropout': 0.1})], ids=list(PARALLEL) + ['keras_mha_dropout'])
 def test_every_tower_runs_the_whole_model(name, params, warnings):
   """3 towers: each device holds about the plain graph's heavy ops (before: 0.33), no warning;
   with the attention's dropout too (random per example: rows of the shard's shape)."""
