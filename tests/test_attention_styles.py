@@ -16,7 +16,9 @@
 Every op of both is per-example (the relative positions depend on the
 sequence length only: no shard's rows), so on 3 towers each device runs the
 whole model on its own rows, with no warning, and trains as the plain
-model_fn.
+model_fn. So does ALBERT on padded batches (the sequence length unknown
+when the graph is built), whose masked-LM cross-entropy reshapes its
+`[n, T, V]` logits to `[-1, V]`: flat rows (`rows/stacked`).
 """
 
 import functools
@@ -29,6 +31,7 @@ import tensorflow as tf
 import heavy_ops
 import testlib
 import estimator_towers as et
+from estimator_towers.rows import row_dependence as rd
 
 BATCH, SEQ, WIDTH, CLASSES, VOCAB, EMBED = 12, 5, 8, 3, 11, 4
 HEADS, SIZE = 2, 4
@@ -150,7 +153,33 @@ def _data(seed=0):
           rng.randint(0, CLASSES, size=BATCH).astype(np.int32))
 
 
-MODELS = {'t5': (t5_model_fn, 'x', True), 'albert': (albert_model_fn, 'ids', False)}
+# name: (model_fn, its feature, labelled, padded: the sequence length unknown in the graph)
+MODELS = {'t5': (t5_model_fn, 'x', True, False), 'albert': (albert_model_fn, 'ids', False, False),
+          'albert_padded': (albert_model_fn, 'ids', False, True)}
+
+
+# --- The reader ------------------------------------------------------------------
+
+def _read(build, shape):
+  graph = tf.Graph()
+  with graph.as_default():
+    x = tf.compat.v1.placeholder(tf.float32, shape, name='x')
+    ids = tf.compat.v1.placeholder(tf.int32, shape[:-1], name='ids')
+    out = build(x, ids)
+    found = rd.classify([out], [x, ids])
+    return found.kind(out), [m.why for m in found.mixing]
+
+
+def test_a_reshape_that_keeps_the_last_axes_of_an_unknown_length_makes_flat_rows():
+  """[n, T, V] to [-1, V], T unknown: the batch axis merged with T (a cross-entropy of
+  [n, T, V] logits: rows again); [-1, 4] of them cannot be told."""
+  flat, rows = rd.Kind(rd.FLAT), rd.Kind(rd.ROWS)
+  assert _read(lambda x, _: tf.reshape(x, [-1, 11]), [None, None, 11]) == (flat, [])
+  assert _read(lambda x, _: tf.reshape(x, [-1, 3, 11]), [None, None, 3, 11]) == (flat, [])
+  assert _read(lambda x, ids: tf.nn.sparse_softmax_cross_entropy_with_logits(ids, x),
+               [None, None, 11]) == (rows, [])
+  assert _read(lambda x, _: tf.reshape(x, [-1, 4]), [None, None, 11]) == (
+      rd.Kind(rd.MIXED), ['a reshape whose rows cannot be told from the graph'])
 
 
 @pytest.fixture
@@ -158,26 +187,43 @@ def warnings(monkeypatch):
   return testlib.logged_warnings(monkeypatch)
 
 
+def _train_graph(model_fn, features, labels, padded):
+  """`heavy_ops.train_graph`, with the sequence length unknown too where `padded`."""
+  if not padded:
+    return heavy_ops.train_graph(model_fn, features, labels)
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.compat.v1.train.create_global_step()
+    unknown = {k: tf.compat.v1.placeholder_with_default(v, [None, None] + list(v.shape[2:]))
+               for k, v in features.items()}
+    model_fn(unknown, None if labels is None else tf.constant(labels),
+             tf.estimator.ModeKeys.TRAIN, {}, None)
+  return graph
+
+
 @pytest.mark.parametrize('name', sorted(MODELS))
 def test_every_tower_runs_the_whole_model(name, warnings):
   """3 towers: the least loaded device holds >= 0.9 of the plain graph's heavy ops."""
-  model_fn, feature, labelled = MODELS[name]
+  model_fn, feature, labelled, padded = MODELS[name]
   features, y = _data()
   features, labels = {feature: features[feature]}, y if labelled else None
-  plain = heavy_ops.train_graph(model_fn, features, labels)
-  towered = heavy_ops.train_graph(
-      et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(3)), features, labels)
+  plain = _train_graph(model_fn, features, labels, padded)
+  towered = _train_graph(et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(3)),
+                         features, labels, padded)
   share = heavy_ops.least_share(towered, plain, 3)
   assert share >= 0.9, (share, heavy_ops.per_device(towered), heavy_ops.total(plain))
   assert not warnings, warnings
 
 
 def _input_fn(name):
-  _, feature, labelled = MODELS[name]
+  _, feature, labelled, padded = MODELS[name]
   features, y = _data()
   def fn():
     data = ({feature: features[feature]}, y) if labelled else {feature: features[feature]}
-    return tf.data.Dataset.from_tensor_slices(data).repeat().batch(BATCH)
+    data = tf.data.Dataset.from_tensor_slices(data).repeat()
+    if padded:   # the sequence length unknown in the graph
+      return data.padded_batch(BATCH, padded_shapes={feature: [None]})
+    return data.batch(BATCH)
   return fn
 
 
@@ -187,8 +233,8 @@ def _plain(name):
                                       _input_fn(name)))
 
 
-@pytest.mark.parametrize('layout', sorted(LAYOUTS))
-@pytest.mark.parametrize('name', sorted(MODELS))
+@pytest.mark.parametrize('name,layout', [(n, l) for n in ('albert', 't5') for l in sorted(
+    LAYOUTS)] + [('albert_padded', '3 towers')])
 def test_towers_train_equal_to_plain(name, layout, warnings):
   """Every variable and Momentum / Adam slot within 1e-5 of plain after steps 1 and 3."""
   num_devices, micro_batches = LAYOUTS[layout]
