@@ -309,6 +309,19 @@ def einsum_clip_model_fn(features, labels, mode, params, config=None):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_optimize(loss))
 
 
+def late_interaction_model_fn(features, labels, mode, params, config=None):
+  """ColBERT-style in-batch softmax: each query token's best match among a document's tokens
+  (`bqd,ntd->bqnt`, a max over t, a sum over q): tower k's queries against the gathered
+  documents' tokens."""
+  del labels, config
+  q, d = (tf.math.l2_normalize(tf.einsum('btd,de->bte', features['x'], _variable(n, [WIDTH, 4], s)),
+                               -1) for n, s in (('query', 1), ('doc', 2)))
+  scores = tf.reduce_sum(tf.reduce_max(tf.einsum('bqd,ntd->bqnt', q, d), 3), 1)
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+      tf.range(tf.shape(q)[0]), scores / 0.1))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_optimize(loss))
+
+
 def einsum_clip_swapped_model_fn(features, labels, mode, params, config=None):
   return einsum_clip_model_fn(features, labels, mode, {'swapped': True}, config)
 
@@ -335,9 +348,11 @@ MODELS = {'keras_mha': (keras_encoder_model_fn, True),
           'einsum_columns': (einsum_columns_model_fn, False),
           'einsum_transposed': (einsum_transposed_model_fn, False),
           'einsum_clip': (einsum_clip_model_fn, False),
-          'einsum_clip_swapped': (einsum_clip_swapped_model_fn, False)}
+          'einsum_clip_swapped': (einsum_clip_swapped_model_fn, False),
+          'late_interaction': (late_interaction_model_fn, False)}
 PARALLEL = ('keras_mha', 'einsum_attention')
-ROW_WISE = ('in_batch_einsum', 'einsum_transposed', 'einsum_clip', 'einsum_clip_swapped')
+ROW_WISE = ('in_batch_einsum', 'einsum_transposed', 'einsum_clip', 'einsum_clip_swapped',
+            'late_interaction')
 
 
 @pytest.fixture
