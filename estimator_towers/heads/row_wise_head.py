@@ -426,13 +426,12 @@ class Split:
     operands, output = read[0], read[1][::-1] if transposed else read[1]
     letter = output[0]
     holders = [j for j, sub in enumerate(operands) if letter in sub]
-    if len(holders) != 1 or operands[holders[0]].count(letter) != 1 or len(output) != len(
-        set(output)) or operands[holders[0]].find(letter) not in (0, 1) or (
-            operands[holders[0]].find(letter) == 1 and len(operands[holders[0]]) != 2):
+    j = holders[0] if len(holders) == 1 else None
+    place = -1 if j is None or operands[j].count(letter) != 1 else operands[j].find(letter)
+    if place not in (0, 1) or (place == 1 and len(operands[j]) != 2):
       raise NotRowWise(f'the einsum {op.name} ({operands} -> {output}) does not lead with one '
                        f'operand\'s rows')
-    (j,) = holders
-    swap = operands[j][0] != letter
+    swap = place == 1
     inputs = [self.rows(k, x, transposed=swap) if i == j else self.whole(x)
               for i, x in enumerate(op.inputs)]
     subs = [s[::-1] if i == j and swap else s for i, s in enumerate(operands)]
