@@ -322,6 +322,19 @@ def late_interaction_model_fn(features, labels, mode, params, config=None):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_optimize(loss))
 
 
+def token_softmax_model_fn(features, labels, mode, params, config=None):
+  """A softmax per query token over the batch's documents (`bqd,nd->bqn`, a log-softmax of
+  rank 3), the mean over the tokens of the matching document's log-probability."""
+  del labels, config
+  x = features['x']
+  q = tf.tanh(tf.einsum('btd,de->bte', x, _variable('query', [WIDTH, 4], 1)))
+  d = tf.tanh(tf.einsum('bd,de->be', tf.reduce_mean(x, 1), _variable('doc', [WIDTH, 4], 2)))
+  log_probs = tf.reduce_mean(tf.nn.log_softmax(tf.einsum('bqd,nd->bqn', q, d) / 0.1), 1)
+  batch = tf.shape(q)[0]
+  loss = -tf.reduce_mean(tf.reduce_sum(log_probs * tf.one_hot(tf.range(batch), batch), 1))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_optimize(loss))
+
+
 def einsum_clip_swapped_model_fn(features, labels, mode, params, config=None):
   return einsum_clip_model_fn(features, labels, mode, {'swapped': True}, config)
 
@@ -349,10 +362,11 @@ MODELS = {'keras_mha': (keras_encoder_model_fn, True),
           'einsum_transposed': (einsum_transposed_model_fn, False),
           'einsum_clip': (einsum_clip_model_fn, False),
           'einsum_clip_swapped': (einsum_clip_swapped_model_fn, False),
-          'late_interaction': (late_interaction_model_fn, False)}
+          'late_interaction': (late_interaction_model_fn, False),
+          'token_softmax': (token_softmax_model_fn, False)}
 PARALLEL = ('keras_mha', 'einsum_attention')
 ROW_WISE = ('in_batch_einsum', 'einsum_transposed', 'einsum_clip', 'einsum_clip_swapped',
-            'late_interaction')
+            'late_interaction', 'token_softmax')
 
 
 @pytest.fixture
@@ -390,7 +404,7 @@ def _plain(name):
   return tuple(testlib.train_and_read(testlib.stepwise_estimator(model_fn), _input_fn(labelled)))
 
 
-EXTRA = ('einsum_transposed', 'late_interaction')   # 2x2 only (devices and micro-batches)
+EXTRA = ('einsum_transposed', 'late_interaction', 'token_softmax')   # 2x2 only (devices and micro-batches)
 
 
 @pytest.mark.parametrize('name,layout', [

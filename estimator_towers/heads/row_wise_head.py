@@ -11,14 +11,14 @@ so that no device holds a B x B tensor:
   matrix product `a @ b^T` with `a` local rows is `a_k @ B^T` against the
   gathered columns `B` (n_k x B), and so is an einsum whose output leads
   with a local operand's batch letter (`ab,cb->ac`: q_k against the
-  gathered d; an operand whose letter is its second, of a matrix, gives
-  its transpose's rows); elementwise ops, a softmax or
-  cross-entropy per row, reductions and concatenations along other axes
-  than the rows', a one-hot of local rows, a reshape that keeps every row
-  (a vector to a vector, [n, C] to [-1, C]), a `tf.ones_like` of local rows
-  keep local rows; a
-  `tf.range(batch)` of the whole batch's size (the labels of an in-batch
-  softmax) is the local range offset_k + range(n_k). The transpose of a
+  gathered d; `bqd,nd->bqn`; an operand whose letter is its second, of a
+  matrix, gives its transpose's rows); elementwise ops, a cross-entropy
+  per row of a matrix, a softmax over the last axis (of any rank),
+  reductions and concatenations along other axes than the rows', a
+  one-hot of local rows, a reshape that keeps every row (a vector to a
+  vector, [n, C] to [-1, C]), a `tf.ones_like` of local rows keep local
+  rows; a `tf.range(batch)` of the whole batch's size (the labels of an
+  in-batch softmax) is the local range offset_k + range(n_k). The transpose of a
   product `a @ b^T` has the rows of `b @ a^T` (an einsum's, those of its
   output letters swapped), so CLIP's column term is row-wise too.
 - *whole*: the gathered frontier columns (on the first tower's device,
@@ -62,6 +62,8 @@ _ELEMENTWISE = rd.ARITHMETIC
 # Within each row of a matrix (over its last axis).
 _PER_ROW = frozenset(('Softmax', 'LogSoftmax', 'SparseSoftmaxCrossEntropyWithLogits',
                       'SoftmaxCrossEntropyWithLogits'))
+# Over the last axis of any rank (the cross-entropies: of a matrix only).
+_LAST_AXIS = frozenset(('Softmax', 'LogSoftmax'))
 _REDUCTIONS = frozenset(('Sum', 'Mean', 'Max', 'Min', 'Prod'))
 
 
@@ -363,7 +365,8 @@ class Split:
       raise NotRowWise(f'{t.name} is not rows')
     if op.type in _ELEMENTWISE:
       return self._elementwise(k, op, t)
-    if op.type in _PER_ROW and op.inputs[0].shape.rank == 2:
+    if op.type in _PER_ROW and (op.inputs[0].shape.rank == 2 or op.type in _LAST_AXIS and (
+        op.inputs[0].shape.rank or 0) > 2):
       return self._copy(k, op, [self.rows(k, i) for i in op.inputs], t)
     if op.type == 'MatMul' and not op.get_attr('transpose_a'):
       return tf.matmul(self.rows(k, op.inputs[0]), self.whole(op.inputs[1]),
