@@ -16,8 +16,9 @@
 Every op of both is per-example (the relative positions depend on the
 sequence length only: no shard's rows), so on 3 towers each device runs the
 whole model on its own rows, with no warning, and trains as the plain
-model_fn. So does ALBERT on padded batches (the sequence length unknown
-when the graph is built), whose masked-LM cross-entropy reshapes its
+model_fn. So do both on padded batches (the sequence length unknown when
+the graph is built: T5's relative positions then come from `tf.shape(x)[1]`
+at run time); ALBERT's masked-LM cross-entropy reshapes its
 `[n, T, V]` logits to `[-1, V]`: flat rows (`rows/stacked`).
 """
 
@@ -155,7 +156,8 @@ def _data(seed=0):
 
 # name: (model_fn, its feature, labelled, padded: the sequence length unknown in the graph)
 MODELS = {'t5': (t5_model_fn, 'x', True, False), 'albert': (albert_model_fn, 'ids', False, False),
-          'albert_padded': (albert_model_fn, 'ids', False, True)}
+          'albert_padded': (albert_model_fn, 'ids', False, True),
+          't5_padded': (t5_model_fn, 'x', True, True)}
 
 
 # --- The reader ------------------------------------------------------------------
@@ -222,7 +224,9 @@ def _input_fn(name):
     data = ({feature: features[feature]}, y) if labelled else {feature: features[feature]}
     data = tf.data.Dataset.from_tensor_slices(data).repeat()
     if padded:   # the sequence length unknown in the graph
-      return data.padded_batch(BATCH, padded_shapes={feature: [None]})
+      shape = [None] + list(features[feature].shape[2:])
+      return data.padded_batch(BATCH, padded_shapes=({feature: shape}, []) if labelled
+                               else {feature: shape})
     return data.batch(BATCH)
   return fn
 
@@ -234,7 +238,7 @@ def _plain(name):
 
 
 @pytest.mark.parametrize('name,layout', [(n, l) for n in ('albert', 't5') for l in sorted(
-    LAYOUTS)] + [('albert_padded', '3 towers')])
+    LAYOUTS)] + [('albert_padded', '3 towers'), ('t5_padded', '3 towers')])
 def test_towers_train_equal_to_plain(name, layout, warnings):
   """Every variable and Momentum / Adam slot within 1e-5 of plain after steps 1 and 3."""
   num_devices, micro_batches = LAYOUTS[layout]
