@@ -252,14 +252,18 @@ def _head(found: rd.RowDependence, loss: tf.Tensor):
 
 def gathered(parts: list, kind: rd.Kind, sizes: Sequence, nonempty: Sequence) -> tf.Tensor:
   """The shards' rows of one frontier tensor, in input order (blocks kept apart)."""
-  blocks = kind.blocks if kind.tag == rd.ROWS else 1
+  blocks = kind.blocks if kind.tag in (rd.ROWS, rd.FLAT) else 1
   pieces = [[] for _ in range(blocks)]
   for part, size, ne in zip(parts, sizes, nonempty):
     if kind.tag == rd.FLAT:   # entries of the shard's examples: all, or none if empty
-      if ne is True:
+      if ne is not True:
+        part = part[:tf.shape(part)[0] * tf.cast(ne, tf.int32)]
+      if blocks == 1:
         pieces[0].append(part)
-      else:
-        pieces[0].append(part[:tf.shape(part)[0] * tf.cast(ne, tf.int32)])
+        continue
+      entries = tf.shape(part)[0] // blocks   # a stacked layout's blocks: equal parts
+      for j in range(blocks):
+        pieces[j].append(part[j * entries:(j + 1) * entries])
       continue
     if blocks == 1:   # with a borrowed row, 1 row while size is 0
       pieces[0].append(part if isinstance(size, int) else part[:tf.cast(size, tf.int32)])
@@ -284,9 +288,9 @@ def across_workers(mine: tf.Tensor, kind: rd.Kind, across: Any, summed: bool = F
   A stacked layout's blocks stay apart (each worker's first views, then the
   second views).
   """
-  blocks = kind.blocks if kind.tag == rd.ROWS else 1
+  blocks = kind.blocks if kind.tag in (rd.ROWS, rd.FLAT) else 1
   if blocks > 1:
-    return tf.concat([across_workers(part, rd.Kind(rd.ROWS), across, summed)
+    return tf.concat([across_workers(part, rd.Kind(kind.tag), across, summed)
                       for part in tf.split(mine, blocks, 0)], 0)
 
   @tf.custom_gradient

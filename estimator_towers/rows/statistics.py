@@ -129,8 +129,10 @@ def _batch_norm(reader, op, kinds):
     return 'a batch norm whose scale or offset depends on the batch'
   if any(k is not None and k.tag != STAT for k in kinds[3:]):
     return 'a batch norm whose statistics are not the batch\'s statistics'
-  if kinds[0].tag != ROWS:
+  if kinds[0].tag not in (ROWS, FLAT):
     return 'a batch norm of values that are not one row per example'
+  # Rows or flat rows (a reshape of [n, T, d] to [n * T, 1, 1, d]): the statistics are
+  # over every entry of the batch's examples, the normalised entries stay where they were.
   return [kinds[0]] + [NORM_KIND] * (len(op.outputs) - 1)
 
 
