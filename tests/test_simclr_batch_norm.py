@@ -194,3 +194,34 @@ def test_sync_batch_norm_with_micro_batches_is_refused(devices):
     et.replicate_model_fn(functools.partial(simclr_model_fn, encoder=token_encoder),
                           devices=testlib.cpu_devices(devices), sync_batch_norm=True,
                           micro_batches=2)
+
+
+def attention_before_batch_norm_model_fn(features, labels, mode, params, config=None,
+                                         fused=True):
+  """SimCLR whose encoder attends over the stacked views before its batch norm.
+
+  The whole batch's head starts before the attention, so it would hold the
+  synchronised batch norm. (Without the stacked views `batch_mixing` cuts the
+  towers after the attention instead, and that is exact.)
+  """
+  views = tf.concat(tf.split(features['x'][:, 0, :], 2, -1), 0)
+  e = _dense(views, HIDDEN, 'encoder')
+  e = e + tf.matmul(tf.nn.softmax(tf.matmul(e, e, transpose_b=True)), e)
+  h = _batch_norm(tf.reshape(e, [-1, 1, 1, HIDDEN]), fused)
+  hidden = tf.math.l2_normalize(_dense(tf.nn.relu(tf.reshape(h, [-1, HIDDEN])), 4, 'head'), -1)
+  return _train_spec(mode, nt_xent(hidden))
+
+
+@pytest.mark.parametrize('fused', [True, False], ids=['fused', 'not_fused'])
+def test_a_synchronised_batch_norm_after_mixing_ops_is_warned_not_copied(fused, warnings):
+  """Not a crash (a copied fused gradient) nor silently wrong (a copied join): one warning."""
+  features, labels = _data(TOKENS_DATA)
+  model_fn = functools.partial(attention_before_batch_norm_model_fn, fused=fused)
+  heavy_ops.train_graph(et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(3),
+                                              sync_batch_norm=True), features, labels)
+  assert len(warnings) == 1, warnings
+  assert 'holds a batch norm synchronised across the towers' in warnings[0]
+  with pytest.raises(ValueError, match='holds a batch norm synchronised across the towers'):
+    heavy_ops.train_graph(et.replicate_model_fn(
+        model_fn, devices=testlib.cpu_devices(3), sync_batch_norm=True,
+        loss_reduction='exact'), features, labels)

@@ -41,8 +41,9 @@ head made of rows then runs in row chunks, one at a time per device
 
 What it does not do (the warning of `row_dependence` stays): a frontier
 tensor some tower has no counterpart of, a gradient request of several
-tensors, and a static batch size whose shape reads are constants of the graph
-the head reads.
+tensors, a static batch size whose shape reads are constants of the graph
+the head reads, and a head that holds a synchronised batch norm (mixing ops
+before a batch norm with `sync_batch_norm`: `synchronised`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import tensorflow as tf
 
 from estimator_towers.base import interception
 from estimator_towers.rows import row_dependence as rd
+from estimator_towers.sync_points import join as sync_points
 
 _HEAD_KINDS = (rd.MIXED, rd.STAT, rd.SIZE, rd.SHAPE, rd.COLS, rd.UNIQUE)
 
@@ -103,7 +105,7 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     per_shard.append(mine)
   values = per_shard if cached is None else [[cached(i, t) for t in frontier]
                                              for i in range(len(sizes))]
-  static = static_size(head, found, frontier)
+  static = static_size(head, found, frontier) or synchronised(head)
   if static is not None:
     return static
   if split is not None:   # micro-batches: on the first pass's rows, seeds at their own
@@ -121,6 +123,23 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
                       f'on {loss.op.device or "the first tower"}',)
   except (ValueError, TypeError) as error:
     return f'building it on the whole batch failed ({error})'
+
+
+def synchronised(head: list) -> str | None:
+  """Why not, if the head holds a sync point of the towers (`sync_batch_norm`'s join).
+
+  A copy of tower 0's synchronised batch norm on the whole batch's rows would
+  join the whole batch's statistics with the other towers' shard statistics
+  (and a fused one's gradient is its tower's own).
+  """
+  joins = sync_points.tables(head[0].graph) if head else frozenset()
+  for op in head:
+    if op.name in joins:
+      return (f'the head holds a batch norm synchronised across the towers '
+              f'(sync_batch_norm\'s join {op.name!r}), whose copy on the whole batch would '
+              f'combine the whole batch\'s statistics with the other towers\'; the batch norm '
+              f'reads rows that the mixing ops made')
+  return None
 
 
 def static_size(head: list, found: rd.RowDependence, frontier: list) -> str | None:
