@@ -7,7 +7,9 @@ split of them back into 2 is rows again. A reshape, transpose, tile,
 expand_dims, squeeze, concat, stack, unstack, split, slice or pad that
 leaves axis 0 alone (or changes only the axes after it) keeps the rows; a
 transpose of [n, d] puts the batch on axis 1 (columns) and back; a reshape
-that merges the batch axis with the next ones makes flat rows (`flat`).
+that merges the batch axis with the next ones makes flat rows (`flat`) in
+the rows' blocks, a reshape of them to the rows' shape rows in those blocks
+again, and a split of flat rows in blocks keeps their blocks apart as rows'.
 Whatever moves values between the batch's rows (a slice, reverse, top-k,
 cumulative sum or pad across axis 0, a stack before it, a concat on
 it of rows with other values) mixes them, and so does an axis the graph

@@ -3,7 +3,9 @@
 The rule. A reduction over the batch axis of rows or flat rows (a sum, a
 mean, a max, `L2Loss`, an arg-max) is a statistic; `tf.nn.moments` over axis
 0 and a fused batch norm's are a batch norm's, which normalising rows keeps
-them rows (`sync_batch_norm`'s choice). A reduction over other axes keeps
+them rows (`sync_batch_norm`'s choice); a fused batch norm of flat rows (a
+batch norm over every token: [n * T, 1, 1, d]) keeps them flat, in their
+blocks. A reduction over other axes keeps
 the rows. A matrix product sums over the batch (a statistic) where both
 operands' batch axes are summed, keeps it where one operand is the batch's
 and the other's weights do not depend on it, and mixes where both operands'
