@@ -91,13 +91,22 @@ def simclr_model_fn(features, labels, mode, params, config=None, encoder=None, f
   return _train_spec(mode, nt_xent(hidden))
 
 
+def nt_xent_2n(hidden):
+  """NT-Xent on the whole 2N x 2N similarity matrix (each row's positive: its other view)."""
+  rows = tf.shape(hidden)[0]
+  half = rows // 2
+  labels = tf.concat([tf.range(half) + half, tf.range(half)], 0)
+  logits = tf.matmul(hidden, hidden, transpose_b=True) / 0.5 - tf.eye(rows) * 1e9
+  return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+
+
 def dense_simclr_model_fn(features, labels, mode, params, config=None, fused=True):
   """NT-Xent per token (dense contrastive learning): the head reads flat rows in 2 blocks."""
   views = tf.concat(tf.split(features['x'], 2, -1), 0)
   e = _dense(views, HIDDEN, 'encoder')
   h = tf.nn.relu(_batch_norm(tf.reshape(e, [-1, 1, 1, HIDDEN]), fused))
   tokens = tf.math.l2_normalize(_dense(tf.reshape(h, [-1, HIDDEN]), 4, 'head'), -1)
-  return _train_spec(mode, nt_xent(tokens))
+  return _train_spec(mode, nt_xent_2n(tokens) if fused else nt_xent(tokens))
 
 
 def convnet_model_fn(features, labels, mode, params, config=None):
@@ -154,7 +163,8 @@ def test_simclr_token_encoder_equals_plain_on_every_tower(fused, warnings):
 
 @pytest.mark.parametrize('fused', [True, False], ids=['fused', 'not_fused'])
 def test_dense_simclr_head_of_flat_rows_equals_plain(fused, warnings):
-  """The head reads flat rows in 2 blocks (not row-wise: it runs once, on the whole batch)."""
+  """The head reads flat rows (fused: the 2N x 2N matrix of the token rows in 2 blocks; not
+  fused: each view's tokens); not row-wise: it runs once, on the whole batch."""
   _check(functools.partial(dense_simclr_model_fn, fused=fused), TOKENS_DATA, warnings,
          min_share=None)
 
