@@ -4,7 +4,10 @@ The rule. Every tensor between the shard's inputs and a target that depends
 on the shard has one `Kind`: its `tag` (rows, flat, columns, statistic,
 batch size, shape, distinct values, row splits, mixed: `row_dependence`'s
 module doc says what each means), for rows how many copies of the examples
-are stacked on axis 0, for a statistic whether it is a batch norm's. A
+are stacked on axis 0, for a statistic whether it is a batch norm's, for
+flat rows how many each example has and, for `tf.where`'s indices, which
+rows they are positions of; for entries lifted onto axis 1 (`[1, n, ...]`,
+the pad-removing FFN's `expand_dims(x, 0)`) whether they were rows or flat. A
 tensor that depends on no input of the shard has none. The readers return
 one of the shared kinds below (`ROWS_KIND`, ...) or a `Kind` they build.
 This module owns the kinds and the result types (`Mixing`, `RowDependence`)
@@ -21,6 +24,9 @@ import tensorflow as tf
 ROWS, FLAT, COLS, STAT, SIZE, SHAPE, UNIQUE, SPLITS, MIXED = (
     'rows', 'flat', 'columns', 'statistic', 'batch size', 'shape', 'distinct values',
     'row splits', 'mixed')
+# Rows or flat rows behind a new leading axis of 1 ([1, n, ...]: the batch on axis 1, each
+# entry still its example's), and the shape of such a tensor ([1, n, ...]).
+LIFTED, LIFTED_SHAPE = 'lifted', 'lifted shape'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,16 +35,43 @@ class Kind:
 
   `blocks`: for rows, how many copies of the shard's examples are stacked on
   axis 0 (1: one row per example). `norm`: for a statistic, a batch norm's.
+  `of`: for lifted entries, the tag they had before the new axis (rows or
+  flat). `per`: for flat rows (and lifted ones), how many rows each example
+  has: an int for a reshape that merged static axes into the batch axis, a
+  `'where:<op>'` name for a count only the values decide (a `tf.where`'s
+  indices and what gathers by them), None when unknown. `index`: for a
+  `tf.where`'s indices, what they are positions of: `'rows'` (the first
+  column is the example) or the `per` of the flat rows whose positions they
+  are; None for any other value.
   """
   tag: str
   blocks: int = 1
   norm: bool = False
+  of: str = ''
+  per: object = None
+  index: object = None
 
 
 ROWS_KIND, FLAT_KIND, COLS_KIND = Kind(ROWS), Kind(FLAT), Kind(COLS)
 SIZE_KIND, SHAPE_KIND, UNIQUE_KIND, MIXED_KIND = Kind(SIZE), Kind(SHAPE), Kind(UNIQUE), Kind(MIXED)
 SPLITS_KIND = Kind(SPLITS)
 STAT_KIND, NORM_KIND = Kind(STAT), Kind(STAT, norm=True)
+LIFTED_SHAPE_KIND = Kind(LIFTED_SHAPE)
+
+
+def values_of(kind: Kind) -> Kind:
+  """`kind` of values computed from a tensor of `kind`: the same rows, no longer positions."""
+  return dataclasses.replace(kind, index=None) if kind.index is not None else kind
+
+
+def lifted(kind: Kind) -> Kind:
+  """Rows or flat rows of `kind` behind a new leading axis of 1."""
+  return Kind(LIFTED, kind.blocks, of=kind.tag, per=kind.per)
+
+
+def unlifted(kind: Kind) -> Kind:
+  """Lifted entries of `kind` without their leading axis of 1: rows or flat rows again."""
+  return Kind(kind.of, kind.blocks, per=kind.per)
 
 
 def stat_of(kinds: Sequence) -> Kind:

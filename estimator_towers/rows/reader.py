@@ -8,7 +8,8 @@ tensor is mixed; otherwise its op type picks the family that reads it
 (`sizes`, `elementwise`, `statistics`, `flat`, `stacked`; a tf.cond's
 branches are read like the rest when the choice is not the batch's), and
 an op no family knows, a function call, a `py_func` or functional control
-flow fed by the batch mixes its rows: never per-example by default. A
+flow fed by the batch mixes its rows: never per-example by default, and so
+does an op not named in `_LIFTED_OPS` on entries lifted onto axis 1. A
 mixing op is recorded with why, and the rows or flat rows it reads (through
 the transposes that made them columns) are the frontier, each once.
 """
@@ -25,9 +26,11 @@ from estimator_towers.rows import flat
 from estimator_towers.rows import sizes
 from estimator_towers.rows import stacked
 from estimator_towers.rows import statistics
-from estimator_towers.rows.kinds import (COLS, FLAT, FLAT_KIND, MIXED, MIXED_KIND, ROWS, SPLITS,
-                                         STAT_KIND, UNIQUE, UNIQUE_KIND, Kind, Mixing)
-from estimator_towers.rows.op_tables import FUNCTIONS, SEGMENT_SUMS, SPARSE_SEGMENTS
+from estimator_towers.rows.kinds import (COLS, FLAT, FLAT_KIND, LIFTED, LIFTED_SHAPE, MIXED,
+                                         MIXED_KIND, ROWS, SPLITS, STAT_KIND, UNIQUE, UNIQUE_KIND,
+                                         Kind, Mixing)
+from estimator_towers.rows.op_tables import (ELEMENTWISE, FUNCTIONS, REDUCTIONS, SEGMENT_SUMS,
+                                             SHAPES, SPARSE_SEGMENTS)
 
 _SEARCH_LIMIT = 200000
 _FAMILIES = (sizes, elementwise, statistics, flat, stacked)
@@ -35,6 +38,12 @@ _FAMILIES = (sizes, elementwise, statistics, flat, stacked)
 # output), or a str (a mixing op: why). No type is read by two families.
 _RULES = {t: rule for family in _FAMILIES for t, rule in family.RULES.items()}
 assert len(_RULES) == sum(len(family.RULES) for family in _FAMILIES)
+# The op types whose rules read entries lifted onto axis 1 ([1, n, ...]) and their shape;
+# any other op fed by them mixes.
+_LIFTED_OPS = ELEMENTWISE | REDUCTIONS | SHAPES | frozenset((
+    'Size', 'ArgMax', 'ArgMin', 'L2Loss', 'Reshape', 'Transpose', 'ExpandDims', 'Squeeze',
+    'ConcatV2', 'Pack', 'StridedSlice', 'GatherV2', 'MatMul', 'BatchMatMul', 'BatchMatMulV2',
+    'BatchMatMulV3'))
 
 
 def read(targets: Sequence[tf.Tensor], input_kinds: dict, examples: int | None,
@@ -99,8 +108,9 @@ class Reader:
     if isinstance(found, str):   # a mixing op: why
       self.mixing.append(Mixing(op, found))
       for t, k in zip(op.inputs, kinds):
-        while k is not None and k.tag == COLS and t.op.type in ('Transpose', 'Reshape'):
-          t = t.op.inputs[0]   # the rows a transpose made columns of
+        while k is not None and (k.tag == COLS and t.op.type in ('Transpose', 'Reshape') or (
+            k.tag == LIFTED and t.op.type in ('Transpose', 'Reshape', 'ExpandDims'))):
+          t = t.op.inputs[0]   # the rows a transpose made columns of (or lifted)
           k = self.kind(t)
         if k is not None and k.tag in (ROWS, FLAT) and t.name not in self._frontier_names:
           self._frontier_names.add(t.name)
@@ -125,6 +135,10 @@ def _rule(reader: Reader, op: tf.Operation, kinds: list):
     return FLAT_KIND   # which example each entry of a RaggedTensor belongs to
   if any(k.tag == SPLITS for k in present):
     return flat.splits(op, kinds)
+  if any(k.tag in (LIFTED, LIFTED_SHAPE) for k in present) and t not in _LIFTED_OPS:
+    return f'an op on entries lifted onto axis 1 the reader does not follow ({t})'
+  if t == 'ScatterNd' and any(k.tag == FLAT for k in present):
+    return flat.scatter_nd(reader, op, kinds)
   if t.startswith('Collective') or t in ('ScatterNd', 'TensorScatterUpdate',
                                          'TensorScatterAdd'):
     return statistics.across_workers(op, present)
