@@ -361,7 +361,10 @@ def _pad(reader, op, kinds):
   paddings = static_value(op.inputs[1])
   if x.tag in (STAT, SIZE):
     return x
-  if paddings is not None and not np.any(paddings[0]):
+  if paddings is None and op.inputs[1].op.type == 'Pack' and (
+      op.inputs[1].op.get_attr('axis') == 0):   # [[0, 0], [0, m - tf.shape(x)[1]], ...]
+    paddings = [static_value(op.inputs[1].op.inputs[0])]
+  if paddings is not None and paddings[0] is not None and not np.any(paddings[0]):
     return x
   return 'padding of the batch axis'
 
