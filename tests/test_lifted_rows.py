@@ -63,7 +63,7 @@ def test_the_pad_removing_ffn_is_per_example_op_by_op():
   found, t = _read(_ffn)
   assert not found.mixing, [m.describe() for m in found.mixing]
   kind = lambda name: found.kind(t[name])
-  assert kind('where').tag == rd.FLAT and kind('where').index == T   # positions in T per example
+  assert kind('where').tag == rd.POSITIONS and kind('where').index == T   # in T per example
   assert kind('gathered').tag == rd.FLAT and kind('gathered').per == kind('where').per
   assert kind('lifted') == kind('hidden') == rd.Kind(rd.LIFTED, of=rd.FLAT,
                                                       per=kind('where').per)
@@ -170,6 +170,24 @@ def test_scatter_nd_not_back_to_the_same_positions_mixes(how):
   assert found.mixing, how
   assert 'ScatterNd' in [m.op.type for m in found.mixing] or how == 'other_indices', (
       [m.describe() for m in found.mixing])
+
+
+@pytest.mark.parametrize('how', ['sum', 'column', 'plus_one', 'table'])
+def test_positions_used_as_values_mix(how):
+  def build(x, ids):   # a position is the shard's layout: on a shard, not the whole batch's
+    positions = tf.where(tf.not_equal(ids, 0))
+    if how == 'sum':
+      out = tf.reduce_sum(positions)
+    elif how == 'column':   # each token's example index in the shard
+      out = tf.gather_nd(x, tf.expand_dims(positions[:, 0], 1))
+    elif how == 'plus_one':
+      out = tf.gather_nd(x, positions + 1)
+    else:   # positions as ids of a table
+      out = tf.gather(tf.ones([100, H]), positions[:, 1])
+    return {'out': tf.cast(out, tf.float32)}
+  found, _ = _read(build)
+  assert found.mixing, how
+  assert found.mixing[0].op.type in ('Sum', 'StridedSlice', 'AddV2'), found.mixing[0].describe()
 
 
 def test_a_pad_of_later_axes_by_a_shape_keeps_the_rows():

@@ -37,7 +37,8 @@ import numpy as np
 import tensorflow as tf
 
 from estimator_towers.rows.elementwise import not_rows
-from estimator_towers.rows.kinds import (FLAT, FLAT_KIND, LIFTED_SHAPE, MIXED, ROWS, ROWS_KIND,
+from estimator_towers.rows.kinds import (FLAT, FLAT_KIND, LIFTED_SHAPE, MIXED, POSITIONS, ROWS,
+                                         ROWS_KIND,
                                          SHAPE, SHAPE_KIND, SIZE, SIZE_KIND, SPLITS, SPLITS_KIND,
                                          STAT, STAT_KIND, UNIQUE, UNIQUE_KIND, Kind, stat_of)
 from estimator_towers.rows.op_tables import SPARSE_SEGMENTS
@@ -181,6 +182,10 @@ def _gather(reader, op, kinds):
       axis = axis + rank if rank is not None else -1
   if op.type == 'ResourceGather':
     params = None if params is None or params.tag != MIXED else params
+  if indices is not None and indices.tag == POSITIONS:
+    if params is not None and axis == 0 and _positions_of(params, indices):
+      return Kind(FLAT, per=indices.per)   # tf.boolean_mask: entries at their own positions
+    return 'a gather at tf.where\'s positions in other rows than the ones gathered'
   if params is None:   # a table looked up by ids: the ids' rows
     if indices.tag in (ROWS, FLAT, UNIQUE):
       return indices
@@ -199,9 +204,7 @@ def _gather(reader, op, kinds):
   if params.tag in (ROWS, FLAT) and axis > 0 and indices is None:
     return params
   if params.tag in (ROWS, FLAT) and axis == 0 and indices is not None and indices.tag in (ROWS, FLAT):
-    if _positions_of(params, indices):
-      return Kind(FLAT, per=indices.per)   # tf.boolean_mask: entries at their own positions
-    return FLAT_KIND   # rows picked by the rows' own values (tf.boolean_mask)
+    return FLAT_KIND   # rows picked by the rows' own values
   if params.tag in (STAT, SIZE) and indices is not None and indices.tag in (STAT, SIZE):
     return stat_of(kinds)
   return 'a gather across the batch axis'
@@ -220,7 +223,7 @@ def _lifted_shape_gather(op):
 
 def _positions_of(params, indices) -> bool:
   """Whether `indices` (kinds) are `tf.where`'s positions in rows like `params`'s."""
-  if indices.index is None:
+  if indices.tag != POSITIONS or indices.index is None:
     return False
   if indices.index == 'rows':
     return params.tag == ROWS and params.blocks == 1
@@ -229,33 +232,37 @@ def _positions_of(params, indices) -> bool:
 
 def _gather_nd(reader, op, kinds):
   params, indices = kinds
-  if params is None:
-    return indices if indices.tag in (ROWS, FLAT, STAT) else 'a gather of the batch size\'s values'
-  if indices is not None and indices.tag in (ROWS, FLAT) and params.tag in (ROWS, FLAT):
-    if _positions_of(params, indices):
-      return Kind(FLAT, per=indices.per)   # each example's entries, in example order
+  if indices is not None and indices.tag == POSITIONS and params is not None and (
+      _positions_of(params, indices)):
+    return Kind(FLAT, per=indices.per)   # each example's entries, in example order
+  if indices is not None and indices.tag == POSITIONS or (
+      params is not None and params.tag in (ROWS, FLAT) and indices is not None and (
+          indices.tag in (ROWS, FLAT))):
     return ('a gather_nd at positions that are not tf.where\'s positions in the same rows '
             '(values used as positions pick other examples\' rows)')
+  if params is None:
+    return indices if indices.tag in (ROWS, FLAT, STAT) else 'a gather of the batch size\'s values'
   if params.tag in (STAT,) and indices is None:
     return params
   return 'a gather across the batch axis'
 
 
 def where(op, kinds):
-  """`tf.where`'s indices (one input): flat, positions in the mask's rows or flat rows."""
+  """`tf.where`'s indices (one input): positions in the mask's rows or flat rows."""
   mask = kinds[0]
   if mask.tag == ROWS and mask.blocks == 1:
-    return Kind(FLAT, per=f'where:{op.name}', index='rows')
-  if mask.tag == FLAT:
-    return Kind(FLAT, per=f'where:{op.name}', index=mask.per)
-  return FLAT_KIND if mask.tag == ROWS else not_rows(op, mask)
+    return Kind(POSITIONS, per=f'where:{op.name}', index='rows')
+  if mask.tag in (ROWS, FLAT):
+    return Kind(POSITIONS, per=f'where:{op.name}', index=mask.per if mask.tag == FLAT else None)
+  return not_rows(op, mask)
 
 
 def scatter_nd(reader, op, kinds):
   """`tf.scatter_nd` of entries back to `tf.where`'s positions: flat rows or rows again."""
   indices, updates, shape = kinds
   why = 'a scatter of the batch\'s rows to positions that are not their own examples\''
-  if indices is None or indices.index is None or updates is None or updates.tag != FLAT or (
+  if indices is None or indices.tag != POSITIONS or indices.index is None or (
+      updates is None) or updates.tag != FLAT or (
       updates.per != indices.per) or shape is None or op.inputs[2].op.type != 'Pack':
     return why
   elements = op.inputs[2].op.inputs

@@ -5,8 +5,8 @@ on the shard has one `Kind`: its `tag` (rows, flat, columns, statistic,
 batch size, shape, distinct values, row splits, mixed: `row_dependence`'s
 module doc says what each means), for rows how many copies of the examples
 are stacked on axis 0, for a statistic whether it is a batch norm's, for
-flat rows how many each example has and, for `tf.where`'s indices, which
-rows they are positions of; for entries lifted onto axis 1 (`[1, n, ...]`,
+flat rows how many each example has, for `tf.where`'s positions which rows
+they are positions of; for entries lifted onto axis 1 (`[1, n, ...]`,
 the pad-removing FFN's `expand_dims(x, 0)`) whether they were rows or flat. A
 tensor that depends on no input of the shard has none. The readers return
 one of the shared kinds below (`ROWS_KIND`, ...) or a `Kind` they build.
@@ -24,6 +24,9 @@ import tensorflow as tf
 ROWS, FLAT, COLS, STAT, SIZE, SHAPE, UNIQUE, SPLITS, MIXED = (
     'rows', 'flat', 'columns', 'statistic', 'batch size', 'shape', 'distinct values',
     'row splits', 'mixed')
+# `tf.where`'s indices: positions in the shard's rows or flat rows (the shard's layout, not an
+# example's values: only a gather or scatter of the same rows by them keeps each example's).
+POSITIONS = 'positions'
 # Rows or flat rows behind a new leading axis of 1 ([1, n, ...]: the batch on axis 1, each
 # entry still its example's), and the shape of such a tensor ([1, n, ...]).
 LIFTED, LIFTED_SHAPE = 'lifted', 'lifted shape'
@@ -39,10 +42,10 @@ class Kind:
   flat). `per`: for flat rows (and lifted ones), how many rows each example
   has: an int for a reshape that merged static axes into the batch axis, a
   `'where:<op>'` name for a count only the values decide (a `tf.where`'s
-  indices and what gathers by them), None when unknown. `index`: for a
-  `tf.where`'s indices, what they are positions of: `'rows'` (the first
-  column is the example) or the `per` of the flat rows whose positions they
-  are; None for any other value.
+  positions and what gathers by them), None when unknown. `index`: for
+  positions, what they are positions of: `'rows'` (the first column is the
+  example) or the `per` of the flat rows whose positions they are (None:
+  unknown).
   """
   tag: str
   blocks: int = 1
@@ -57,11 +60,6 @@ SIZE_KIND, SHAPE_KIND, UNIQUE_KIND, MIXED_KIND = Kind(SIZE), Kind(SHAPE), Kind(U
 SPLITS_KIND = Kind(SPLITS)
 STAT_KIND, NORM_KIND = Kind(STAT), Kind(STAT, norm=True)
 LIFTED_SHAPE_KIND = Kind(LIFTED_SHAPE)
-
-
-def values_of(kind: Kind) -> Kind:
-  """`kind` of values computed from a tensor of `kind`: the same rows, no longer positions."""
-  return dataclasses.replace(kind, index=None) if kind.index is not None else kind
 
 
 def lifted(kind: Kind) -> Kind:

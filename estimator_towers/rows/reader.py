@@ -9,7 +9,8 @@ tensor is mixed; otherwise its op type picks the family that reads it
 branches are read like the rest when the choice is not the batch's), and
 an op no family knows, a function call, a `py_func` or functional control
 flow fed by the batch mixes its rows: never per-example by default, and so
-does an op not named in `_LIFTED_OPS` on entries lifted onto axis 1. A
+does an op not named in `_LIFTED_OPS` on entries lifted onto axis 1, or one
+not named in `_POSITION_OPS` on `tf.where`'s positions. A
 mixing op is recorded with why, and the rows or flat rows it reads (through
 the transposes that made them columns) are the frontier, each once.
 """
@@ -27,7 +28,7 @@ from estimator_towers.rows import sizes
 from estimator_towers.rows import stacked
 from estimator_towers.rows import statistics
 from estimator_towers.rows.kinds import (COLS, FLAT, FLAT_KIND, LIFTED, LIFTED_SHAPE, MIXED,
-                                         MIXED_KIND, ROWS, SPLITS, STAT_KIND, UNIQUE, UNIQUE_KIND,
+                                         MIXED_KIND, POSITIONS, ROWS, SPLITS, STAT_KIND, UNIQUE, UNIQUE_KIND,
                                          Kind, Mixing)
 from estimator_towers.rows.op_tables import (ELEMENTWISE, FUNCTIONS, REDUCTIONS, SEGMENT_SUMS,
                                              SHAPES, SPARSE_SEGMENTS)
@@ -44,6 +45,11 @@ _LIFTED_OPS = ELEMENTWISE | REDUCTIONS | SHAPES | frozenset((
     'Size', 'ArgMax', 'ArgMin', 'L2Loss', 'Reshape', 'Transpose', 'ExpandDims', 'Squeeze',
     'ConcatV2', 'Pack', 'StridedSlice', 'GatherV2', 'MatMul', 'BatchMatMul', 'BatchMatMulV2',
     'BatchMatMulV3'))
+# The op types whose rules read `tf.where`'s positions: a copy of them, a gather or scatter by
+# them, their count; any other op fed by them mixes (a position is the shard's layout).
+_POSITION_OPS = SHAPES | frozenset((
+    'Size', 'Identity', 'Cast', 'StopGradient', 'Snapshot', 'EnsureShape', 'CheckNumerics',
+    'Reshape', 'Squeeze', 'StridedSlice', 'GatherV2', 'Gather', 'GatherNd', 'ScatterNd'))
 
 
 def read(targets: Sequence[tf.Tensor], input_kinds: dict, examples: int | None,
@@ -137,7 +143,10 @@ def _rule(reader: Reader, op: tf.Operation, kinds: list):
     return flat.splits(op, kinds)
   if any(k.tag in (LIFTED, LIFTED_SHAPE) for k in present) and t not in _LIFTED_OPS:
     return f'an op on entries lifted onto axis 1 the reader does not follow ({t})'
-  if t == 'ScatterNd' and any(k.tag == FLAT for k in present):
+  if any(k.tag == POSITIONS for k in present) and t not in _POSITION_OPS:
+    return (f'an op on tf.where\'s positions (the shard\'s layout, not an example\'s '
+            f'values) ({t})')
+  if t == 'ScatterNd' and any(k.tag in (FLAT, POSITIONS) for k in present):
     return flat.scatter_nd(reader, op, kinds)
   if t.startswith('Collective') or t in ('ScatterNd', 'TensorScatterUpdate',
                                          'TensorScatterAdd'):

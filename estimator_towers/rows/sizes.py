@@ -14,8 +14,8 @@ shape does not depend on the batch; the rank never does.
 
 from __future__ import annotations
 
-from estimator_towers.rows.kinds import (FLAT, LIFTED, LIFTED_SHAPE, LIFTED_SHAPE_KIND, ROWS,
-                                         ROWS_KIND, SHAPE, SHAPE_KIND, SIZE, SIZE_KIND, STAT,
+from estimator_towers.rows.kinds import (FLAT, LIFTED, LIFTED_SHAPE, LIFTED_SHAPE_KIND, POSITIONS,
+                                         ROWS, ROWS_KIND, SHAPE, SHAPE_KIND, SIZE, SIZE_KIND, STAT,
                                          UNIQUE, UNIQUE_KIND, Kind, stat_of)
 from estimator_towers.rows.op_tables import SHAPED, SHAPES
 
@@ -29,7 +29,7 @@ def shape_of(kind: Kind | None) -> Kind | None:
   """The kind of the shape of a tensor of `kind`."""
   if kind is None:
     return None
-  if kind.tag in (ROWS, FLAT, SIZE, SHAPE):
+  if kind.tag in (ROWS, FLAT, SIZE, SHAPE, POSITIONS):
     return SHAPE_KIND
   if kind.tag in (LIFTED, LIFTED_SHAPE):
     return LIFTED_SHAPE_KIND if kind.tag == LIFTED else SIZE_KIND   # [1, n, ...]; [rank]
@@ -40,7 +40,7 @@ def size_of(kind: Kind | None) -> Kind | None:
   """The kind of the size of a tensor of `kind`."""
   if kind is None:
     return None
-  if kind.tag in (ROWS, FLAT, SIZE, SHAPE, LIFTED, LIFTED_SHAPE):
+  if kind.tag in (ROWS, FLAT, SIZE, SHAPE, LIFTED, LIFTED_SHAPE, POSITIONS):
     return SIZE_KIND
   return kind   # a set's size: the set's
 

@@ -28,8 +28,8 @@ import numpy as np
 from estimator_towers.rows.elementwise import elementwise
 from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, FLAT_KIND, LIFTED, LIFTED_SHAPE,
                                          LIFTED_SHAPE_KIND, ROWS, ROWS_KIND, SHAPE, SHAPE_KIND,
-                                         SIZE, SIZE_KIND, STAT, Kind, lifted, stat_of, unlifted,
-                                         values_of)
+                                         POSITIONS, SIZE, SIZE_KIND, STAT, Kind, lifted, stat_of,
+                                         unlifted)
 from estimator_towers.rows.static_values import axes_of, product, static_value
 
 
@@ -40,6 +40,11 @@ def _reshape(reader, op, kinds):
             else None)
   if x.tag in (STAT, SIZE, SHAPE, LIFTED_SHAPE):
     return x if x.tag == STAT else SIZE_KIND
+  if x.tag == POSITIONS:   # [n, 1] -> [n] (tf.boolean_mask's): the same positions
+    inner = product(op.inputs[0].shape[1:]) if op.inputs[0].shape.rank else None
+    out_inner = product(op.outputs[0].shape[1:]) if op.outputs[0].shape.rank else None
+    return x if inner is not None and inner == out_inner else (
+        'a reshape of tf.where\'s positions')
   if x.tag == LIFTED or (shape is not None and shape.tag == LIFTED_SHAPE):
     return _lifted_reshape(op, x, shape)
   if shape is not None and shape.tag == SHAPE:
@@ -113,7 +118,7 @@ def _lifted_reshape(op, x, shape):
     return why
   if x.tag in (ROWS, FLAT) and out.rank >= 2 and out[0] == 1 and (   # [n, d...] -> [1, n, d'...]
       product(in_shape[1:]) is not None and product(in_shape[1:]) == product(out[2:])):
-    return lifted(values_of(x))
+    return lifted(x)
   return why
 
 
@@ -169,7 +174,7 @@ def _expand_dims(reader, op, kinds):
     if x.tag == LIFTED:
       return x if a >= 2 else 'a new axis before the batch axis of entries lifted onto axis 1'
     if a == 0 and x.tag in (ROWS, FLAT):
-      return lifted(values_of(x))   # [1, n, ...]: the pad-removing FFN's
+      return lifted(x)   # [1, n, ...]: the pad-removing FFN's
     if a > 0:
       return x if x.tag != SHAPE else SIZE_KIND
     if x.tag == SHAPE or x.tag == SIZE:
@@ -184,6 +189,8 @@ def _squeeze(reader, op, kinds):
   dims = list(op.get_attr('squeeze_dims'))
   rank = op.inputs[0].shape.rank
   dims = [d + rank if d < 0 and rank is not None else d for d in dims]
+  if x.tag == POSITIONS:
+    return x if dims and all(d >= 1 for d in dims) else 'a squeeze of tf.where\'s positions'
   if x.tag == LIFTED:
     if dims == [0]:
       return unlifted(x)
@@ -307,6 +314,12 @@ def _strided_slice(reader, op, kinds):
     return SIZE_KIND
   if x.tag == LIFTED:
     return 'a slice of entries lifted onto axis 1'
+  if x.tag == POSITIONS:   # all of them, as they are; a column of them is not a position
+    same = op.outputs[0].shape.as_list() == op.inputs[0].shape.as_list() if (
+        op.outputs[0].shape.rank is not None) else False
+    return x if same and not (shrink or new_axis or ellipsis) and (begin_mask & 1 or (
+        begin is not None and begin[0] == 0)) and end_mask & 1 and (
+            strides is not None and strides[0] == 1) else 'a slice of tf.where\'s positions'
   if x.tag == SHAPE:
     if begin is None:
       return SIZE_KIND

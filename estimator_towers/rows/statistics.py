@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, LIFTED, LIFTED_SHAPE, NORM_KIND,
                                          ROWS, ROWS_KIND, SHAPE, SIZE, SIZE_KIND, STAT, STAT_KIND,
-                                         Kind, stat_of, unlifted, values_of)
+                                         Kind, stat_of, unlifted)
 from estimator_towers.rows.op_tables import FUSED_BATCH_NORMS, REDUCTIONS
 from estimator_towers.rows.static_values import axes_of
 
@@ -58,7 +58,7 @@ def _reduction(reader, op, kinds):
   if kind.tag == LIFTED:   # [1, n, ...]: the batch on axis 1
     if 1 in axes:
       return _statistic(op, unlifted(kind))
-    return values_of(kind) if all(a >= 2 for a in axes) else (
+    return kind if all(a >= 2 for a in axes) else (
         'a reduction of the new axis before entries lifted onto axis 1')
   if kind.tag == COLS:
     return STAT_KIND if 1 in axes or not axes else kind
@@ -77,7 +77,7 @@ def _matmul(reader, op, kinds):
   ranks = [t.shape.rank for t in op.inputs[:2]]
   if batched and a is not None and a.tag == LIFTED and b is None and ranks[0] and (
       ranks[0] >= 3 and ranks[1] and ranks[1] <= 2 and not op.get_attr('adj_x')):
-    return values_of(a)   # the same weights for every entry
+    return a   # the same weights for every entry
   if batched and all(r is not None and r >= 3 for r in ranks if r is not None):
     if a is not None and b is not None and a.tag == b.tag == ROWS and a.blocks == b.blocks:
       return a   # one product per example
