@@ -31,10 +31,11 @@ _LAYOUTS = {
 _VARIANTS = {'dict_momentum': (False, 'momentum'), 'labels_adam': (True, 'adam')}
 
 
-def _train(model_fn, num_cpus: int, labels_variant: bool, optimizer: str, steps: int = 2):
+def _train(model_fn, num_cpus: int, labels_variant: bool, optimizer: str, steps: int = 2,
+           center: bool = False):
   """The variables (with the optimizer's slots) after `steps` steps on the 12 examples."""
   estimator = testlib.make_estimator(model_fn, num_cpus=num_cpus,
-                                     params={'optimizer': optimizer})
+                                     params={'optimizer': optimizer, 'center': center})
   estimator.train(tm.input_fn(_DATA, 12, labels_variant), steps=steps)
   return testlib.variables(estimator)
 
@@ -69,3 +70,13 @@ def test_trains_equal_to_plain(layout, variant, monkeypatch):
   slots = [n for n in expected if 'Momentum' in n or 'Adam' in n]
   assert slots, sorted(expected)   # the optimizer's slots are compared too
   testlib.assert_variables_close(got, expected)
+
+
+def test_a_mixing_op_inside_the_ffn_trains_equal_to_plain_on_its_head(monkeypatch):
+  """The tokens centred by their batch mean: the head on the whole batch scatters them back
+  to the positions of the whole batch's mask (never to the shards' own positions)."""
+  warnings = testlib.logged_warnings(monkeypatch)
+  towered = et.replicate_model_fn(tm.model_fn, devices=testlib.cpu_devices(3))
+  got = _train(towered, 3, False, 'momentum', center=True)
+  assert not [w for w in warnings if 'estimator_towers' in w], warnings
+  testlib.assert_variables_close(got, _train(tm.model_fn, 1, False, 'momentum', center=True))

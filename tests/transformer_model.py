@@ -105,8 +105,12 @@ def attention(x, bias):
     return _dense(HIDDEN, 'output_transform', 14, use_bias=False)(out)
 
 
-def feed_forward(x, padding):
-  """r1 ffn_layer.FeedFowardNetwork with allow_pad=True, verbatim."""
+def feed_forward(x, padding, center=False):
+  """r1 ffn_layer.FeedFowardNetwork with allow_pad=True, verbatim.
+
+  `center`: the non-pad tokens less their mean over the batch before the
+  layers (a mixing op inside the FFN: its head reads the scatter's positions).
+  """
   with tf.compat.v1.variable_scope('ffn'):
     batch_size, length = tf.shape(x)[0], tf.shape(x)[1]
     with tf.name_scope('remove_padding'):
@@ -115,6 +119,8 @@ def feed_forward(x, padding):
       x = tf.reshape(x, [-1, HIDDEN])
       x = tf.gather_nd(x, indices=nonpad_ids)
       x.set_shape([None, HIDDEN])
+      if center:
+        x -= tf.reduce_mean(x, axis=0, keepdims=True)
       x = tf.expand_dims(x, axis=0)
     output = _dense(FILTER, 'filter_layer', 21, activation=tf.nn.relu)(x)
     output = _dense(HIDDEN, 'output_layer', 22)(output)
@@ -154,7 +160,7 @@ def padded_cross_entropy_loss(logits, labels, smoothing, vocab_size):
     return xentropy * weights, weights
 
 
-def encoder_logits(inputs):
+def encoder_logits(inputs, center=False):
   """Logits [B, T, VOCAB] of the padded encoder."""
   embeddings = tf.compat.v1.get_variable(
       'embeddings', [VOCAB, HIDDEN],
@@ -165,7 +171,7 @@ def encoder_logits(inputs):
   x += position_encoding(tf.shape(x)[1], HIDDEN)
   bias = tf.expand_dims(tf.expand_dims(padding * -1e9, axis=1), axis=1)
   x = layer_norm(x + attention(x, bias), 'attention_norm')
-  x = layer_norm(x + feed_forward(x, padding), 'ffn_norm')
+  x = layer_norm(x + feed_forward(x, padding, center), 'ffn_norm')
   batch_size, length = tf.shape(x)[0], tf.shape(x)[1]
   logits = tf.matmul(tf.reshape(x, [-1, HIDDEN]), embeddings, transpose_b=True)
   return tf.reshape(logits, [batch_size, length, VOCAB])
@@ -174,7 +180,7 @@ def encoder_logits(inputs):
 def model_fn(features, labels, mode, params, config=None):  # pylint: disable=unused-argument
   """The padded encoder trained by params['optimizer'] ('momentum' or 'adam')."""
   targets = features['targets'] if labels is None else labels
-  logits = encoder_logits(features['inputs'])
+  logits = encoder_logits(features['inputs'], (params or {}).get('center', False))
   xentropy, weights = padded_cross_entropy_loss(logits, targets, SMOOTHING, VOCAB)
   loss = tf.reduce_sum(xentropy) / tf.reduce_sum(weights)   # xentropy is xent * weights
   if mode != tf.estimator.ModeKeys.TRAIN:
