@@ -197,7 +197,8 @@ def _build(found, loss, grad_y, head, frontier, shapes, shards, sizes, nonempty,
         mapped[a.name] = b
     whole = mapped[loss.name]
     everything = [t for shard in values for t in shard]
-    grads = _gradients(whole, everything, grad_y)
+    grads = gradients_of([whole], everything, None if grad_y is None else [grad_y],
+                         stop_gradients=True)
   return whole, shard_seeds(per_shard, values, grads, device), everything
 
 
@@ -205,11 +206,14 @@ def _differentiable(t: tf.Tensor) -> bool:
   return t.dtype.is_floating or t.dtype.is_complex
 
 
-def _gradients(whole: tf.Tensor, tensors: list, grad_y: Any) -> list:
-  """The gradient of `whole` with respect to each of `tensors` (None for a mask or ids)."""
+def gradients_of(ys: list, tensors: list, grad_ys: list | None, stop_gradients: bool = False,
+                 **kwargs) -> list:
+  """tf.gradients of `ys` with respect to each of `tensors`: None for a mask or ids (a
+  frontier tensor the head reads that is not differentiable: tf.where's mask)."""
   floats = [t for t in tensors if _differentiable(t)]
-  grads = tf.gradients(whole, floats, grad_ys=None if grad_y is None else [grad_y],
-                       stop_gradients=floats) if floats else []
+  if stop_gradients:
+    kwargs['stop_gradients'] = floats
+  grads = tf.compat.v1.gradients(ys, floats, grad_ys=grad_ys, **kwargs) if floats else []
   found = dict(zip([t.name for t in floats], grads))
   return [found.get(t.name) for t in tensors]
 

@@ -44,7 +44,10 @@ def elementwise(reader, op, kinds: list):
     if len(present) == 1 and op.type in _SAME_VALUES:
       return present[0]
     return 'arithmetic on tf.where\'s positions (the shard\'s layout, not an example\'s values)'
-  if LIFTED in tags or LIFTED_SHAPE in tags:
+  if LIFTED_SHAPE in tags:   # sizes of [1, n, ...]: n is a count of the batch's entries
+    return SIZE_KIND if tags <= {LIFTED_SHAPE, SIZE, SHAPE} else (
+        'entries lifted onto axis 1 combined with their shape')
+  if LIFTED in tags:
     return _lifted(op, kinds, present)
   if COLS in tags:
     return COLS_KIND if tags == {COLS} else 'values with the batch on axis 1 combined with rows'
