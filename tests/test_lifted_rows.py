@@ -204,3 +204,13 @@ def test_a_pad_of_the_batch_axis_by_a_shape_mixes():
     return {'out': tf.pad(x, [[0, 8 - tf.shape(x)[1]], [0, 0], [0, 0]])}
   found, _ = _read(build)
   assert [m.op.type for m in found.mixing] == ['Pad'], [m.describe() for m in found.mixing]
+
+
+def test_a_gather_by_the_batchs_values_mixes_and_boolean_mask_does_not():
+  def build(x, ids):
+    picked = tf.gather(tf.reshape(x, [-1, H]), tf.reshape(ids, [-1]))   # ids as positions
+    masked = tf.boolean_mask(x, tf.not_equal(ids, 0))
+    return {'masked': masked, 'out': tf.reduce_sum(masked) + tf.reduce_sum(picked)}
+  found, t = _read(build)
+  assert [m.op.type for m in found.mixing] == ['GatherV2'], [m.describe() for m in found.mixing]
+  assert found.kind(t['masked']).tag == rd.FLAT

@@ -203,8 +203,6 @@ def _gather(reader, op, kinds):
     return params
   if params.tag in (ROWS, FLAT) and axis > 0 and indices is None:
     return params
-  if params.tag in (ROWS, FLAT) and axis == 0 and indices is not None and indices.tag in (ROWS, FLAT):
-    return FLAT_KIND   # rows picked by the rows' own values
   if params.tag in (STAT, SIZE) and indices is not None and indices.tag in (STAT, SIZE):
     return stat_of(kinds)
   return 'a gather across the batch axis'

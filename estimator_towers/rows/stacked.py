@@ -48,7 +48,7 @@ def _reshape(reader, op, kinds):
   if x.tag == LIFTED or (shape is not None and shape.tag == LIFTED_SHAPE):
     return _lifted_reshape(op, x, shape)
   if shape is not None and shape.tag == SHAPE:
-    return Kind(ROWS, x.blocks) if x.tag == ROWS else ROWS_KIND
+    return _reshape_to_shape(op, x)
   out, in_shape = op.outputs[0].shape, op.inputs[0].shape
   value = static_value(op.inputs[1]) if shape is None else None
   if value is not None and value.ndim == 1 and out.rank == len(value):
@@ -95,6 +95,20 @@ def _reshape(reader, op, kinds):
   if out.rank == 1:
     return FLAT_KIND
   return 'a reshape whose rows cannot be told from the graph'
+
+
+def _reshape_to_shape(op, x):
+  """A reshape to a shape whose first element is the batch size times the static axes merged
+  into it (`tf.shape`-derived: boolean_mask's, tensordot's): rows, or flat rows and back."""
+  in_shape, out = op.inputs[0].shape, op.outputs[0].shape
+  inner_in = product(in_shape[1:]) if in_shape.rank else None
+  inner_out = product(out[1:]) if out.rank else None
+  if inner_in is not None and inner_out:
+    if x.tag == ROWS and x.blocks == 1 and inner_in != inner_out and inner_in % inner_out == 0:
+      return Kind(FLAT, per=inner_in // inner_out)   # [n, T, d] -> [n * T, d]
+    if x.tag == FLAT and isinstance(x.per, int) and inner_out == x.per * inner_in:
+      return ROWS_KIND   # [n * T, d] -> [n, T, d]
+  return Kind(ROWS, x.blocks) if x.tag == ROWS else ROWS_KIND
 
 
 def _lifted_reshape(op, x, shape):
