@@ -116,7 +116,7 @@ def _sparse_segments(reader, op, kinds):
 
 def _sparse_reshape(reader, op, kinds):
   if [k and k.tag for k in kinds] == [FLAT, SHAPE, SHAPE]:
-    return [FLAT_KIND, SHAPE_KIND]
+    return [kinds[0], SHAPE_KIND]   # the same entries, in the same order
   return 'a sparse reshape of the batch axis'
 
 
@@ -185,6 +185,8 @@ def _gather(reader, op, kinds):
   if indices is not None and indices.tag == POSITIONS:
     if params is not None and axis == 0 and _positions_of(params, indices):
       return Kind(FLAT, per=indices.per)   # tf.boolean_mask: entries at their own positions
+    if params is not None and axis == 0 and params.tag == FLAT and params.per is None:
+      return FLAT_KIND   # entries whose count per example the reader lost: as read before
     return 'a gather at tf.where\'s positions in other rows than the ones gathered'
   if params is None:   # a table looked up by ids: the ids' rows
     if indices.tag in (ROWS, FLAT, UNIQUE):
