@@ -51,7 +51,9 @@ the head reads.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -120,11 +122,34 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     if not isinstance(built, str):
       return built
   try:
-    return _build(found, loss, grad_y, head, frontier, shapes, (per_shard, values), sizes,
-                  nonempty, batch, across, cached or (lambda i, t: t)) + (
-                      f'on {loss.op.device or "the first tower"}',)
+    built = _build(found, loss, grad_y, head, frontier, shapes, (per_shard, values), sizes,
+                   nonempty, batch, across, cached or (lambda i, t: t))
   except (ValueError, TypeError) as error:
     return f'building it on the whole batch failed ({error})'
+  device = loss.op.device or 'the first tower'
+  _once.setdefault(loss.graph, []).append(Once(found.mixing[0], device))
+  return built + (f'{_ONCE}{device}',)
+
+
+@dataclasses.dataclass(frozen=True)
+class Once:
+  """A head built once, on the whole batch: its first mixing op and its device."""
+  mixing: rd.Mixing
+  device: str
+
+
+_ONCE = 'on '
+_once: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # graph -> [Once]
+
+
+def runs_once(where: str) -> bool:
+  """Whether `build`'s `where` is the head built once on one device (not split per tower)."""
+  return where.startswith(_ONCE)
+
+
+def built_once(graph: tf.Graph) -> list:
+  """The heads `build` built once, on the whole batch, in `graph` (`Once`s, in order)."""
+  return list(_once.get(graph, ()))
 
 
 def static_size(head: list, found: rd.RowDependence, frontier: list) -> str | None:

@@ -5,12 +5,13 @@ into what computes a declared statistic, nor into another shard's inputs)
 and visits the ops in between in graph order, each after its inputs. An op
 that depends on no input of the shard gives no kind; one fed by a mixed
 tensor is mixed; otherwise its op type picks the family that reads it
-(`sizes`, `elementwise`, `statistics`, `flat`, `stacked`; a tf.cond's
-branches are read like the rest when the choice is not the batch's), and
-an op no family knows, a function call, a `py_func` or functional control
-flow fed by the batch mixes its rows: never per-example by default, and so
-does an op not named in `_LIFTED_OPS` on entries lifted onto axis 1, or one
-not named in `_POSITION_OPS` on `tf.where`'s positions. A
+(`sizes`, `elementwise`, `statistics`, `einsum`, `flat`, `stacked`; a
+tf.cond's branches are read like the rest when the choice is not the
+batch's), and an op no family knows, a function call, a `py_func` or
+functional control flow fed by the batch mixes its rows: never
+per-example by default, and so does an op not named in `_LIFTED_OPS` on
+entries lifted onto axis 1, or one not named in `_POSITION_OPS` on
+`tf.where`'s positions. A
 mixing op is recorded with why, and the rows or flat rows it reads (through
 the transposes that made them columns) are the frontier, each once.
 """
@@ -22,19 +23,20 @@ from typing import Callable, Sequence
 import tensorflow as tf
 
 from estimator_towers.base import interception
+from estimator_towers.rows import einsum
 from estimator_towers.rows import elementwise
 from estimator_towers.rows import flat
 from estimator_towers.rows import sizes
 from estimator_towers.rows import stacked
 from estimator_towers.rows import statistics
 from estimator_towers.rows.kinds import (COLS, FLAT, FLAT_KIND, LIFTED, LIFTED_SHAPE, MIXED,
-                                         MIXED_KIND, POSITIONS, ROWS, SPLITS, STAT_KIND, UNIQUE, UNIQUE_KIND,
-                                         Kind, Mixing)
+                                         MIXED_KIND, POSITIONS, ROWS, SPLITS, STAT_KIND, UNIQUE,
+                                         UNIQUE_KIND, Kind, Mixing)
 from estimator_towers.rows.op_tables import (ELEMENTWISE, FUNCTIONS, REDUCTIONS, SEGMENT_SUMS,
                                              SHAPES, SPARSE_SEGMENTS)
 
 _SEARCH_LIMIT = 200000
-_FAMILIES = (sizes, elementwise, statistics, flat, stacked)
+_FAMILIES = (sizes, elementwise, statistics, einsum, flat, stacked)
 # Op type -> its family's reader: (reader, op, kinds) -> a Kind, a list of Kinds (per
 # output), or a str (a mixing op: why). No type is read by two families.
 _RULES = {t: rule for family in _FAMILIES for t, rule in family.RULES.items()}
@@ -114,9 +116,11 @@ class Reader:
     if isinstance(found, str):   # a mixing op: why
       self.mixing.append(Mixing(op, found))
       for t, k in zip(op.inputs, kinds):
-        while k is not None and (k.tag == COLS and t.op.type in ('Transpose', 'Reshape') or (
-            k.tag == LIFTED and t.op.type in ('Transpose', 'Reshape', 'ExpandDims'))):
-          t = t.op.inputs[0]   # the rows a transpose made columns of (or lifted)
+        while k is not None and (
+            k.tag == COLS and t.op.type in ('Transpose', 'Reshape', 'Einsum') or (
+                k.tag == LIFTED and t.op.type in ('Transpose', 'Reshape', 'ExpandDims'))):
+          # the rows a transpose (or an einsum of one batch operand) made columns of, or lifted
+          t = [i for i in t.op.inputs if self.kind(i) is not None][0]
           k = self.kind(t)
         if k is not None and k.tag in (ROWS, FLAT) and t.name not in self._frontier_names:
           self._frontier_names.add(t.name)
