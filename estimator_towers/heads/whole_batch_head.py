@@ -28,6 +28,10 @@ consumer of that row in the whole batch's head.
 Across workers the frontier rows are all-gathered from the workers in rank
 order and every worker runs the same head (`across_workers`).
 
+`tf.where`'s positions are never gathered (a shard's positions index its own
+rows only): the head computes them again from the gathered mask they were
+taken of, so a scatter back to them in the head is the whole batch's.
+
 Where the head is made of rows (a softmax per row over the whole batch's
 columns, then a mean), `row_wise_head` splits it instead: each tower
 computes its own rows against the gathered columns, so that no device holds
@@ -237,9 +241,25 @@ def _build(found, loss, grad_y, head, frontier, shapes, shards, sizes, nonempty,
         mapped[a.name] = b
     whole = mapped[loss.name]
     everything = [t for shard in values for t in shard]
-    grads = tf.gradients(whole, everything, grad_ys=None if grad_y is None else [grad_y],
-                         stop_gradients=everything)
+    grads = gradients_of([whole], everything, None if grad_y is None else [grad_y],
+                         stop_gradients=True)
   return whole, shard_seeds(per_shard, values, grads, device), everything
+
+
+def _differentiable(t: tf.Tensor) -> bool:
+  return t.dtype.is_floating or t.dtype.is_complex
+
+
+def gradients_of(ys: list, tensors: list, grad_ys: list | None, stop_gradients: bool = False,
+                 **kwargs) -> list:
+  """tf.gradients of `ys` with respect to each of `tensors`: None for a mask or ids (a
+  frontier tensor the head reads that is not differentiable: tf.where's mask)."""
+  floats = [t for t in tensors if _differentiable(t)]
+  if stop_gradients:
+    kwargs['stop_gradients'] = floats
+  grads = tf.compat.v1.gradients(ys, floats, grad_ys=grad_ys, **kwargs) if floats else []
+  found = dict(zip([t.name for t in floats], grads))
+  return [found.get(t.name) for t in tensors]
 
 
 def shard_seeds(per_shard: list, values: list, grads: list, device: str | None = None) -> list:
@@ -247,15 +267,18 @@ def shard_seeds(per_shard: list, values: list, grads: list, device: str | None =
   `values` in order (zeros where a tensor has none: on `device`, else on its own)."""
   seeds, position = [], 0
   for shard, shard_values in zip(per_shard, values):
-    shard_grads = []
-    for v in shard_values:
+    shard_tensors, shard_grads = [], []
+    for t, v in zip(shard, shard_values):
       g = grads[position]
       position += 1
+      if g is None and not _differentiable(v):
+        continue   # a mask or ids the head reads (tf.where's): no gradient to seed
       if g is None:
         with tf.device(v.device if device is None else device):
           g = tf.zeros_like(v)
+      shard_tensors.append(t)
       shard_grads.append(tf.convert_to_tensor(g))
-    seeds.append((list(shard), shard_grads))
+    seeds.append((shard_tensors, shard_grads))
   return seeds
 
 
@@ -277,8 +300,8 @@ def _head(found: rd.RowDependence, loss: tf.Tensor):
     if k.tag in (rd.ROWS, rd.FLAT):
       frontier[t.name] = t
       continue
-    if k.tag not in _HEAD_KINDS:
-      return None, None, None
+    if k.tag not in _HEAD_KINDS and k.tag != rd.POSITIONS:
+      return None, None, None   # positions: computed again from the gathered rows they index
     op = t.op
     source = found.kind(op.inputs[0]) if op.inputs else None
     if op.type in ('Shape', 'Size') and source is not None and source.tag == rd.ROWS:

@@ -8,14 +8,25 @@ values combined stay such. Rows combined with a statistic of the batch
 (but a batch norm's: `sync_batch_norm`'s choice), with a batch-size value,
 with rows of another layout, or with a constant as long as a static batch
 mix the batch's rows. A layer mixes where its weights depend on the batch.
+Flat rows keep how many entries each example has. A cast or identity of
+`tf.where`'s positions keeps them positions; any other op on them mixes (a
+position is the shard's layout, not a value of its example). Entries lifted
+onto axis 1 ([1, n, ...]) stay such with values that do not depend on the
+shard and broadcast along axis 1, under an op applied within each row only
+where axis 1 is not the last.
 """
 
 from __future__ import annotations
 
-from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, FLAT_KIND, MIXED_KIND, NORM_KIND,
-                                         ROWS, SHAPE, SHAPE_KIND, SIZE, SIZE_KIND, STAT, STAT_KIND,
-                                         UNIQUE, UNIQUE_KIND, Kind, stat_of)
-from estimator_towers.rows.op_tables import ELEMENTWISE, LAYERS
+from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, FLAT_KIND, LIFTED, LIFTED_SHAPE,
+                                         MIXED_KIND, NORM_KIND, ROWS, SHAPE, SHAPE_KIND, SIZE,
+                                         SIZE_KIND, STAT, STAT_KIND, UNIQUE, UNIQUE_KIND, Kind,
+                                         POSITIONS, stat_of)
+from estimator_towers.rows.op_tables import ARITHMETIC, ELEMENTWISE, LAYERS
+
+# Ops that pass their operand's values through unchanged: positions stay positions.
+_SAME_VALUES = frozenset(('Identity', 'Cast', 'StopGradient', 'Snapshot', 'EnsureShape',
+                          'CheckNumerics'))
 
 
 def not_rows(op, kind: Kind):
@@ -29,6 +40,15 @@ def elementwise(reader, op, kinds: list):
   """The kind of an elementwise combination of `kinds` (a Kind or why it mixes)."""
   present = [k for k in kinds if k is not None]
   tags = {k.tag for k in present}
+  if POSITIONS in tags:
+    if len(present) == 1 and op.type in _SAME_VALUES:
+      return present[0]
+    return 'arithmetic on tf.where\'s positions (the shard\'s layout, not an example\'s values)'
+  if LIFTED_SHAPE in tags:   # sizes of [1, n, ...]: n is a count of the batch's entries
+    return SIZE_KIND if tags <= {LIFTED_SHAPE, SIZE, SHAPE} else (
+        'entries lifted onto axis 1 combined with their shape')
+  if LIFTED in tags:
+    return _lifted(op, kinds, present)
   if COLS in tags:
     return COLS_KIND if tags == {COLS} else 'values with the batch on axis 1 combined with rows'
   if UNIQUE in tags:
@@ -39,9 +59,10 @@ def elementwise(reader, op, kinds: list):
       return 'rows of different stacked layouts combined'
     return _rows_with_constants(reader, op, kinds, present[0])
   if tags <= {FLAT}:
-    blocks = {k.blocks for k in present}
-    return Kind(FLAT, blocks.pop()) if len(blocks) == 1 else (
-        'flat rows of different stacked layouts combined')
+    blocks, pers = {k.blocks for k in present}, {k.per for k in present}
+    if len(blocks) != 1:
+      return 'flat rows of different stacked layouts combined'
+    return Kind(FLAT, blocks.pop(), per=pers.pop() if len(pers) == 1 else None)
   if tags <= {STAT}:
     return NORM_KIND if all(k.norm for k in present) else STAT_KIND
   if tags == {SHAPE}:
@@ -59,6 +80,20 @@ def elementwise(reader, op, kinds: list):
   if any(k.tag == STAT for k in others):
     return 'rows combined with a statistic of the batch'
   return 'rows combined with a value of the batch size'
+
+
+def _lifted(op, kinds, present):
+  """Lifted entries ([1, n, ...]) with values that do not depend on the shard."""
+  if any(k != present[0] for k in present):
+    return 'entries lifted onto axis 1 combined with other values of the batch'
+  rank = op.outputs[0].shape.rank
+  if rank is None or (op.type not in ARITHMETIC and rank < 3):
+    return 'an op within each row of entries lifted onto axis 1, along their batch axis'
+  for t, k in zip(op.inputs, kinds):
+    at = None if t.shape.rank is None else 1 - (rank - t.shape.rank)
+    if k is None and (at is None or (at >= 0 and t.shape[at] != 1)):
+      return 'entries lifted onto axis 1 combined with values along their batch axis'
+  return present[0]
 
 
 def _rows_with_constants(reader, op, kinds, kind):

@@ -14,6 +14,19 @@ a table by the rows' ids keeps the ids' rows; `tf.unique` of them is the
 batch's distinct values (`embedding_lookup_sparse`'s), rows again only where
 a sparse segment reduction sums them back per example. Gathers, partitions
 and stitches across the batch axis mix it.
+
+Positions: `tf.where`'s indices are positions in the shard's rows (of a
+mask of rows: the first column is the example) or in its flat rows (of a
+flat mask: a position in the flattening of `per` entries per example). A
+`gather_nd` by them keeps each entry with its example only where they are
+positions in the same rows: rows by a mask of rows, flat rows of `per`
+entries by a flat mask of the same `per`; any other values used as
+positions pick other examples' rows and mix them. A `scatter_nd` of
+entries back to those positions (`updates` one per index, in the same
+order: gathered by those indices, or computed from such) into a tensor of
+the batch size times `per` rows (`tf.shape(x)[0] * T`, the pad-removing
+FFN's re-padding) is flat rows of `per` entries again (rows for positions
+of rows); any other scatter of the batch's rows mixes them.
 """
 
 from __future__ import annotations
@@ -24,9 +37,10 @@ import numpy as np
 import tensorflow as tf
 
 from estimator_towers.rows.elementwise import not_rows
-from estimator_towers.rows.kinds import (FLAT, FLAT_KIND, MIXED, ROWS, ROWS_KIND, SHAPE, SHAPE_KIND,
-                                         SIZE, SIZE_KIND, SPLITS, SPLITS_KIND, STAT, STAT_KIND,
-                                         UNIQUE, UNIQUE_KIND, stat_of)
+from estimator_towers.rows.kinds import (FLAT, FLAT_KIND, LIFTED_SHAPE, MIXED, POSITIONS, ROWS,
+                                         ROWS_KIND,
+                                         SHAPE, SHAPE_KIND, SIZE, SIZE_KIND, SPLITS, SPLITS_KIND,
+                                         STAT, STAT_KIND, UNIQUE, UNIQUE_KIND, Kind, stat_of)
 from estimator_towers.rows.op_tables import SPARSE_SEGMENTS
 from estimator_towers.rows.static_values import axes_of, static_value
 
@@ -37,12 +51,14 @@ def input_kinds(inputs: Sequence[tf.Tensor]) -> dict:
   while i < len(inputs):
     window = inputs[i:i + 3]
     if len(window) == 3 and _sparse(*window):
-      kinds.update({window[0].name: FLAT_KIND, window[1].name: FLAT_KIND,
+      entries = Kind(FLAT, per=f'sparse:{window[0].name}')
+      kinds.update({window[0].name: entries, window[1].name: entries,
                     window[2].name: SHAPE_KIND})
       i += 3
       continue
     if len(window) >= 2 and _ragged(*window[:2]):
-      kinds.update({window[0].name: FLAT_KIND, window[1].name: SPLITS_KIND})
+      kinds.update({window[0].name: Kind(FLAT, per=f'ragged:{window[0].name}'),
+                    window[1].name: SPLITS_KIND})
       i += 2
       continue
     kinds[inputs[i].name] = ROWS_KIND
@@ -100,7 +116,7 @@ def _sparse_segments(reader, op, kinds):
 
 def _sparse_reshape(reader, op, kinds):
   if [k and k.tag for k in kinds] == [FLAT, SHAPE, SHAPE]:
-    return [FLAT_KIND, SHAPE_KIND]
+    return [kinds[0], SHAPE_KIND]   # the same entries, in the same order
   return 'a sparse reshape of the batch axis'
 
 
@@ -166,10 +182,18 @@ def _gather(reader, op, kinds):
       axis = axis + rank if rank is not None else -1
   if op.type == 'ResourceGather':
     params = None if params is None or params.tag != MIXED else params
+  if indices is not None and indices.tag == POSITIONS:
+    if params is not None and axis == 0 and _positions_of(params, indices):
+      return Kind(FLAT, per=indices.per)   # tf.boolean_mask: entries at their own positions
+    if params is not None and axis == 0 and params.tag == FLAT and params.per is None:
+      return FLAT_KIND   # entries whose count per example the reader lost: as read before
+    return 'a gather at tf.where\'s positions in other rows than the ones gathered'
   if params is None:   # a table looked up by ids: the ids' rows
     if indices.tag in (ROWS, FLAT, UNIQUE):
       return indices
     return indices if indices.tag in (STAT,) else 'a gather of the batch size\'s values'
+  if params.tag == LIFTED_SHAPE and indices is None and axis == 0:
+    return _lifted_shape_gather(op)
   if params.tag in (STAT, SIZE, SHAPE) and indices is None:
     if params.tag == SHAPE:
       value = static_value(op.inputs[1])
@@ -181,27 +205,103 @@ def _gather(reader, op, kinds):
     return params
   if params.tag in (ROWS, FLAT) and axis > 0 and indices is None:
     return params
-  if params.tag in (ROWS, FLAT) and axis == 0 and indices is not None and indices.tag in (ROWS, FLAT):
-    return FLAT_KIND   # rows picked by the rows' own values (tf.boolean_mask)
   if params.tag in (STAT, SIZE) and indices is not None and indices.tag in (STAT, SIZE):
     return stat_of(kinds)
   return 'a gather across the batch axis'
 
 
+def _lifted_shape_gather(op):
+  """Sizes of [1, n, ...] picked by static indices: [1, n] again (tensordot), n, or static."""
+  value = static_value(op.inputs[1])
+  if value is None:
+    return SIZE_KIND
+  picked = [int(i) for i in np.reshape(value, [-1])]
+  if value.ndim == 1 and picked[:2] == [0, 1] and 1 not in picked[2:]:
+    return Kind(LIFTED_SHAPE)
+  return SIZE_KIND if 1 in picked else None
+
+
+def _positions_of(params, indices) -> bool:
+  """Whether `indices` (kinds) are `tf.where`'s positions in rows like `params`'s."""
+  if indices.tag != POSITIONS or indices.index is None:
+    return False
+  if indices.index == 'rows':
+    return params.tag == ROWS and params.blocks == 1
+  return params.tag == FLAT and params.per is not None and params.per == indices.index
+
+
 def _gather_nd(reader, op, kinds):
   params, indices = kinds
+  if indices is not None and indices.tag == POSITIONS and params is not None and (
+      _positions_of(params, indices)):
+    return Kind(FLAT, per=indices.per)   # each example's entries, in example order
+  if indices is not None and indices.tag == POSITIONS or (
+      params is not None and params.tag in (ROWS, FLAT) and indices is not None and (
+          indices.tag in (ROWS, FLAT))):
+    return ('a gather_nd at positions that are not tf.where\'s positions in the same rows '
+            '(values used as positions pick other examples\' rows)')
   if params is None:
     return indices if indices.tag in (ROWS, FLAT, STAT) else 'a gather of the batch size\'s values'
-  if indices is not None and indices.tag in (ROWS, FLAT) and params.tag in (ROWS, FLAT):
-    return FLAT_KIND
   if params.tag in (STAT,) and indices is None:
     return params
   return 'a gather across the batch axis'
 
 
 def where(op, kinds):
-  """`tf.where`'s indices (one input): flat for rows."""
-  return FLAT_KIND if kinds[0].tag in (ROWS, FLAT) else not_rows(op, kinds[0])
+  """`tf.where`'s indices (one input): positions in the mask's rows or flat rows."""
+  mask = kinds[0]
+  if mask.tag == ROWS and mask.blocks == 1:
+    return Kind(POSITIONS, per=f'where:{op.name}', index='rows')
+  if mask.tag in (ROWS, FLAT):
+    return Kind(POSITIONS, per=f'where:{op.name}', index=mask.per if mask.tag == FLAT else None)
+  return not_rows(op, mask)
+
+
+def scatter_nd(reader, op, kinds):
+  """`tf.scatter_nd` of entries back to `tf.where`'s positions: flat rows or rows again."""
+  indices, updates, shape = kinds
+  why = 'a scatter of the batch\'s rows to positions that are not their own examples\''
+  if indices is None or indices.tag != POSITIONS or indices.index is None or (
+      updates is None) or updates.tag != FLAT or (
+      updates.per != indices.per) or shape is None or op.inputs[2].op.type != 'Pack':
+    return why
+  elements = op.inputs[2].op.inputs
+  if any(reader.kind(e) is not None for e in elements[1:]) or (
+      op.inputs[0].shape.rank != 2 or op.inputs[0].shape[-1] != 1):
+    return why
+  per = 1 if indices.index == 'rows' else indices.index
+  if not isinstance(per, int) or not _batch_size_times(reader, elements[0], per):
+    return why
+  return ROWS_KIND if indices.index == 'rows' else Kind(FLAT, per=per)
+
+
+def _batch_size_times(reader, t, per: int) -> bool:
+  """Whether `t` is the shard's batch size times `per` (`tf.shape(x)[0] * T`, T static)."""
+  value = static_value(t)
+  if value is not None:
+    return reader.examples is not None and int(value) == reader.examples * per
+  if per == 1 and _batch_size(reader, t):
+    return True
+  if t.op.type != 'Mul':
+    return False
+  a, b = t.op.inputs
+  for size, factor in ((a, b), (b, a)):
+    if _batch_size(reader, size) and static_value(factor) is not None and (
+        int(static_value(factor)) == per):
+      return True
+  return False
+
+
+def _batch_size(reader, t) -> bool:
+  """Whether `t` is `tf.shape(x)[0]` of rows `x` (one row per example)."""
+  op = t.op
+  if op.type != 'StridedSlice' or op.inputs[0].op.type != 'Shape':
+    return False
+  rows = reader.kind(op.inputs[0].op.inputs[0])
+  begin = static_value(op.inputs[1])
+  return (rows is not None and rows.tag == ROWS and rows.blocks == 1 and begin is not None
+          and int(np.reshape(begin, [-1])[0]) == 0 and op.get_attr('shrink_axis_mask') & 1
+          and not op.get_attr('ellipsis_mask') & 1 and not op.get_attr('new_axis_mask') & 1)
 
 
 # Op type -> the reader of its kinds (reader, op, kinds): the dispatch of `reader`.

@@ -4,7 +4,10 @@ The rule. Every tensor between the shard's inputs and a target that depends
 on the shard has one `Kind`: its `tag` (rows, flat, columns, statistic,
 batch size, shape, distinct values, row splits, mixed: `row_dependence`'s
 module doc says what each means), for rows how many copies of the examples
-are stacked on axis 0, for a statistic whether it is a batch norm's. A
+are stacked on axis 0, for a statistic whether it is a batch norm's, for
+flat rows how many each example has, for `tf.where`'s positions which rows
+they are positions of; for entries lifted onto axis 1 (`[1, n, ...]`,
+the pad-removing FFN's `expand_dims(x, 0)`) whether they were rows or flat. A
 tensor that depends on no input of the shard has none. The readers return
 one of the shared kinds below (`ROWS_KIND`, ...) or a `Kind` they build.
 This module owns the kinds and the result types (`Mixing`, `RowDependence`)
@@ -21,6 +24,12 @@ import tensorflow as tf
 ROWS, FLAT, COLS, STAT, SIZE, SHAPE, UNIQUE, SPLITS, MIXED = (
     'rows', 'flat', 'columns', 'statistic', 'batch size', 'shape', 'distinct values',
     'row splits', 'mixed')
+# `tf.where`'s indices: positions in the shard's rows or flat rows (the shard's layout, not an
+# example's values: only a gather or scatter of the same rows by them keeps each example's).
+POSITIONS = 'positions'
+# Rows or flat rows behind a new leading axis of 1 ([1, n, ...]: the batch on axis 1, each
+# entry still its example's), and the shape of such a tensor ([1, n, ...]).
+LIFTED, LIFTED_SHAPE = 'lifted', 'lifted shape'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,16 +40,38 @@ class Kind:
   are stacked on axis 0 (1: one row per example; flat rows in 2 blocks: a
   reshape of 2 stacked views to [2n * T, d], each view's entries in example
   order). `norm`: for a statistic, a batch norm's.
+  `of`: for lifted entries, the tag they had before the new axis (rows or
+  flat). `per`: for flat rows (and lifted ones), how many rows each example
+  has (in each block): an int for a reshape that merged static axes into the
+  batch axis, a `'where:<op>'` name for a count only the values decide (a
+  `tf.where`'s positions and what gathers by them), None when unknown.
+  `index`: for positions, what they are positions of: `'rows'` (the first
+  column is the example) or the `per` of the flat rows whose positions they
+  are (None: unknown).
   """
   tag: str
   blocks: int = 1
   norm: bool = False
+  of: str = ''
+  per: object = None
+  index: object = None
 
 
 ROWS_KIND, FLAT_KIND, COLS_KIND = Kind(ROWS), Kind(FLAT), Kind(COLS)
 SIZE_KIND, SHAPE_KIND, UNIQUE_KIND, MIXED_KIND = Kind(SIZE), Kind(SHAPE), Kind(UNIQUE), Kind(MIXED)
 SPLITS_KIND = Kind(SPLITS)
 STAT_KIND, NORM_KIND = Kind(STAT), Kind(STAT, norm=True)
+LIFTED_SHAPE_KIND = Kind(LIFTED_SHAPE)
+
+
+def lifted(kind: Kind) -> Kind:
+  """Rows or flat rows of `kind` behind a new leading axis of 1."""
+  return Kind(LIFTED, kind.blocks, of=kind.tag, per=kind.per)
+
+
+def unlifted(kind: Kind) -> Kind:
+  """Lifted entries of `kind` without their leading axis of 1: rows or flat rows again."""
+  return Kind(kind.of, kind.blocks, per=kind.per)
 
 
 def stat_of(kinds: Sequence) -> Kind:

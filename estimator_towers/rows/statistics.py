@@ -12,15 +12,18 @@ and the other's weights do not depend on it (also [n, ..., a, b] rows
 times [b, c] weights, broadcast over the batch), and mixes where both
 operands' batch axes stay (an in-batch similarity matrix) or rows meet a
 statistic that is not a batch norm's. Ops across workers give totals of statistics
-(`cross_worker`, sync batch norm) and mix anything else.
+(`cross_worker`, sync batch norm) and mix anything else. Entries lifted onto
+axis 1 ([1, n, ...]) are summed over the batch by a reduction over axis 1,
+kept by one over later axes and by a batched product with weights.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, NORM_KIND, ROWS, ROWS_KIND, SHAPE,
-                                         SIZE, SIZE_KIND, STAT, STAT_KIND, Kind, stat_of)
+from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, LIFTED, LIFTED_SHAPE, NORM_KIND,
+                                         ROWS, ROWS_KIND, SHAPE, SIZE, SIZE_KIND, STAT, STAT_KIND,
+                                         Kind, stat_of, unlifted)
 from estimator_towers.rows.op_tables import FUSED_BATCH_NORMS, REDUCTIONS
 from estimator_towers.rows.static_values import axes_of
 
@@ -50,11 +53,16 @@ def _reduction(reader, op, kinds):
   kind, axes_kind = kinds[0], kinds[1]
   if axes_kind is not None:
     return 'a reduction over axes that depend on the batch'
-  if kind.tag in (STAT, SIZE, SHAPE):
+  if kind.tag in (STAT, SIZE, SHAPE, LIFTED_SHAPE):
     return kind if kind.tag == STAT else SIZE_KIND
   axes = axes_of(op.inputs[1], op.inputs[0].shape.rank)
   if axes is None:
     return 'a reduction over axes unknown when the graph is built'
+  if kind.tag == LIFTED:   # [1, n, ...]: the batch on axis 1
+    if 1 in axes:
+      return _statistic(op, unlifted(kind))
+    return kind if all(a >= 2 for a in axes) else (
+        'a reduction of the new axis before entries lifted onto axis 1')
   if kind.tag == COLS:
     return STAT_KIND if 1 in axes or not axes else kind
   if 0 in axes or kind.tag == FLAT and not axes:
@@ -63,13 +71,16 @@ def _reduction(reader, op, kinds):
 
 
 def _l2_loss(reader, op, kinds):
-  return _statistic(op, kinds[0])
+  return _statistic(op, unlifted(kinds[0]) if kinds[0].tag == LIFTED else kinds[0])
 
 
 def _matmul(reader, op, kinds):
   a, b = kinds[0], kinds[1]
   batched = op.type != 'MatMul'
   ranks = [t.shape.rank for t in op.inputs[:2]]
+  if batched and a is not None and a.tag == LIFTED and b is None and ranks[0] and (
+      ranks[0] >= 3 and ranks[1] and ranks[1] <= 2 and not op.get_attr('adj_x')):
+    return a   # the same weights for every entry
   if batched and any(r is not None and r >= 3 for r in ranks):
     if a is not None and b is not None and a.tag == b.tag == ROWS and a.blocks == b.blocks and (
         all(r >= 3 for r in ranks if r is not None)):
@@ -113,7 +124,7 @@ def _matmul(reader, op, kinds):
   if place == 'summed':
     return STAT_KIND
   if places[0] is not None:
-    return Kind(a.tag, a.blocks) if a.tag != COLS else ROWS_KIND
+    return Kind(a.tag, a.blocks, per=a.per) if a.tag != COLS else ROWS_KIND
   return COLS_KIND
 
 
