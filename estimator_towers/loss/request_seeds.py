@@ -119,9 +119,22 @@ def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
   if isinstance(built, str):
     return built
   whole, shards, stops, where = built
+  shards = [_differentiable(ys, grads) for ys, grads in shards]
   logs.info_once_per_graph(
       f'estimator_towers: the loss {loss.name} depends on {found.mixing[0].describe()}, '
       f'which mixes the batch\'s rows: its head ({len(found.frontier)} gathered tensor(s) '
       f'to the loss) runs on the whole batch {where}'
       f'{", on the rows of a first pass over the micro-batches" if micro else ""}.')
   return seeds_lib.Seeds(shards, whole, stops)
+
+
+def _differentiable(ys: list, grad_ys: list) -> tuple[list, list]:
+  """A shard's frontier tensors and seeds, but those no gradient flows through.
+
+  A frontier tensor of booleans or integers (`tf.reduce_any(xent > c)`'s
+  comparison, `tf.reduce_max(labels)`'s labels) is read by the head but has
+  no gradient: it seeds nothing.
+  """
+  kept = [(y, g) for y, g in zip(ys, grad_ys)
+          if y.dtype.is_floating or y.dtype.is_complex]
+  return [y for y, _ in kept], [g for _, g in kept]
