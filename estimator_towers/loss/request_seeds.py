@@ -65,6 +65,10 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
     gates: with micro-batches, `gates(i)`: the Identity ops shard i's inputs
       pass through.
   """
+  if len(ys[0]) > 1:   # several tensors: the request's gradient is one scalar's
+    combined = _one_target(ys, grad_ys, inputs)
+    if combined is not None:
+      ys, grad_ys = [[c] for c in combined], [[None] for _ in combined]
   loss = ys[0][0] if len(ys[0]) == 1 else None
   find = counterparts.in_losses([y[0] for y in ys]) if loss is not None else None
   head = _whole_batch_head(loss, ys[0], inputs, grad_ys, find, nonempty, sizes, batch,
@@ -92,6 +96,34 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
                             statistics_lib.tower_weights(rule, sizes, batch, range(len(sizes))))
 
 
+def _one_target(ys: Sequence[list], grad_ys: Sequence[list], inputs: Sequence[tf.Tensor]
+                ) -> list | None:
+  """Per shard, the scalar sum_i <g_i, y_i> of a request of several tensors, or None.
+
+  Its gradient is the request's (the initial gradients g_i, ones where None,
+  are constants of the backward pass), so a request of several losses, one
+  of them mixing the batch's rows, is one loss: its head on the whole batch,
+  or rebuilt by the loss algebra. None (each y seeded by the example-count
+  rule) where an initial gradient depends on the shard, the shards' requests
+  differ in form, or the ys differ in dtype.
+  """
+  given = [g for g in grad_ys[0] if isinstance(g, tf.Tensor)]
+  if given and row_dependence.classify(given, inputs).kinds.keys() & {g.name for g in given}:
+    return None
+  kept = [i for i, y in enumerate(ys[0]) if isinstance(y, tf.Tensor) and y.dtype.is_floating]
+  if not kept or len({ys[0][i].dtype for i in kept}) != 1 or any(
+      len(y) != len(ys[0]) or [g is None for g in gs] != [g is None for g in grad_ys[0]]
+      for y, gs in zip(ys, grad_ys)):
+    return None
+  combined = []
+  for k, (shard_ys, shard_grads) in enumerate(zip(ys, grad_ys)):
+    with tf.device(shard_ys[kept[0]].device), tf.name_scope(f'request_targets_{k}'):
+      terms = [tf.reduce_sum(shard_ys[i] if shard_grads[i] is None else
+                             shard_ys[i] * tf.stop_gradient(shard_grads[i])) for i in kept]
+      combined.append(tf.add_n(terms) if len(terms) > 1 else terms[0])
+  return combined
+
+
 def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
                       grad_ys: Sequence[list], find: Callable | None, nonempty: Sequence,
                       sizes: Sequence, batch: Any, micro: tuple | None, across: Any = None
@@ -109,7 +141,8 @@ def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
   if not found.mixing:
     return None
   if not isinstance(loss, tf.Tensor):
-    return 'the gradient request is of several tensors, and the head takes one loss'
+    return ('the gradient request is of several tensors whose initial gradients depend on '
+            'the batch, and the head takes one loss')
   if micro is None:
     built = whole_batch_head.build(found, loss, grad_ys[0][0], find, sizes, nonempty, batch,
                                    across, split=row_wise_head.build)
