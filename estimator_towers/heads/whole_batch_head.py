@@ -40,9 +40,9 @@ head made of rows then runs in row chunks, one at a time per device
 (`chunked_head`).
 
 What it does not do (the warning of `row_dependence` stays): a frontier
-tensor some tower has no counterpart of, a gradient request of several
-tensors, and a static batch size whose shape reads are constants of the graph
-the head reads.
+tensor some tower has no counterpart of, and a static batch size whose shape
+reads are constants of the graph the head reads. (A gradient request of
+several tensors is one scalar's: `request_seeds`.)
 """
 
 from __future__ import annotations

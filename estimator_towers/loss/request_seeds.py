@@ -19,8 +19,13 @@
   whose coefficients depend on a numerator is refused at graph construction.
 - a loss that mixes the batch's rows (`row_dependence`): its head on the
   whole batch (`whole_batch_head`); each shard's frontier tensors are seeded
-  with their rows of the head's gradient. With micro-batches the head reads
-  the rows of a first pass over the micro-batches (`cached_gradients`).
+  with their rows of the head's gradient (those of no float dtype, the
+  comparison a `reduce_any` reads, seed nothing). With micro-batches the head
+  reads the rows of a first pass over the micro-batches (`cached_gradients`).
+
+A request of several tensors y_i (initial gradients g_i, ones where None) is
+the request of one scalar per shard, sum_i <g_i, y_i> with the g_i held
+constant: the same gradient, and one loss for the rules above.
 """
 
 from __future__ import annotations
