@@ -150,6 +150,51 @@ def test_three_micro_batches_and_features_a_tensor_labels_none(name, warnings):
   _assert_as_plain(name, 1, 3, warnings, labels=False)
 
 
+# --- How the row reader reads them ----------------------------------------------
+
+def _kinds(make):
+  """(the kind of `make(x)`, the mixing ops' descriptions) on a shard x of [None, 3]."""
+  from estimator_towers.rows import row_dependence as rd  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+    out = make(x)
+    found = rd.classify([out], [x])
+    return found.kind(out).tag, [m.describe() for m in found.mixing]
+
+
+@pytest.mark.parametrize('make,op,what', [
+    (lambda x: tf.reduce_max(x, 0), 'Max', 'a max'),
+    (lambda x: tf.reduce_max(x), 'Max', 'a max'),
+    (lambda x: tf.reduce_min(x, 0), 'Min', 'a min'),
+    (lambda x: tf.argmax(x, 0), 'ArgMax', 'an arg-max'),
+    (lambda x: tf.argmin(x[:, 0]), 'ArgMin', 'an arg-min'),
+    (lambda x: tf.reduce_prod(x, 0), 'Prod', 'a product'),
+    (lambda x: tf.reduce_any(x > 0, 0), 'Any', 'a logical or'),
+    (lambda x: tf.reduce_all(x > 0), 'All', 'a logical and'),
+    (lambda x: tf.reduce_logsumexp(x, 0), 'Max', 'a max'),
+    (lambda x: tf.reduce_max(tf.transpose(x), 1), 'Max', 'a max'),   # columns
+])
+def test_reductions_over_the_batch_that_are_not_sums_mix(make, op, what):
+  tag, mixing = _kinds(make)
+  assert tag == 'mixed'
+  assert mixing[0].startswith(f'{op} op ') and mixing[0].endswith(
+      f"({what} over the batch, which no sum of the shards' statistics gives)"), mixing
+
+
+@pytest.mark.parametrize('make,tag', [
+    (lambda x: tf.reduce_sum(x, 0), 'statistic'),
+    (lambda x: tf.reduce_mean(x), 'statistic'),
+    (tf.nn.l2_loss, 'statistic'),
+    (lambda x: tf.nn.moments(x, [0])[1], 'statistic'),   # a batch norm's
+    (lambda x: tf.reduce_max(x, 1), 'rows'),
+    (lambda x: tf.argmax(x, 1), 'rows'),
+    (lambda x: tf.reduce_logsumexp(x, 1), 'rows'),
+    (lambda x: tf.reduce_max(tf.stack([tf.reduce_mean(x), tf.reduce_sum(x)])), 'statistic'),
+])
+def test_sums_and_reductions_within_rows_do_not_mix(make, tag):
+  assert _kinds(make) == (tag, [])
+
+
 # --- Several losses in one gradient request --------------------------------------
 
 def _request(kind, xent, logits, tvars):
