@@ -47,7 +47,9 @@ several tensors is one scalar's: `request_seeds`.)
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -60,7 +62,7 @@ _HEAD_KINDS = (rd.MIXED, rd.STAT, rd.SIZE, rd.SHAPE, rd.COLS, rd.UNIQUE)
 
 def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
           sizes: Sequence, nonempty: Sequence, batch: Any, across: Any = None,
-          split: Callable | None = None, cached: Callable | None = None
+          split: Callable | None = None, cached: Callable | None = None, record: bool = True
           ) -> tuple[tf.Tensor, list, list, str] | str:
   """The whole batch's head of tower 0's `loss`, or why it cannot be built.
 
@@ -84,6 +86,8 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     cached: `cached(i, t)`, the value the head reads for shard i's rows of
       tower 0's per-example `t`, where it is not the towers' own (micro-batches:
       `cached_gradients`' first pass); None: the towers' own.
+    record: a head built once is recorded for `built_once` (False: a value
+      only reported, not differentiated: `loss/reported`).
 
   Returns:
     (whole-batch loss, per shard (frontier tensors, their initial
@@ -116,11 +120,35 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     if not isinstance(built, str):
       return built
   try:
-    return _build(found, loss, grad_y, head, frontier, shapes, (per_shard, values), sizes,
-                  nonempty, batch, across, cached or (lambda i, t: t)) + (
-                      f'on {loss.op.device or "the first tower"}',)
+    built = _build(found, loss, grad_y, head, frontier, shapes, (per_shard, values), sizes,
+                   nonempty, batch, across, cached or (lambda i, t: t))
   except (ValueError, TypeError) as error:
     return f'building it on the whole batch failed ({error})'
+  device = loss.op.device or 'the first tower'
+  if record:
+    _once.setdefault(loss.graph, []).append(Once(found.mixing[0], device))
+  return built + (f'{_ONCE}{device}',)
+
+
+@dataclasses.dataclass(frozen=True)
+class Once:
+  """A head built once, on the whole batch: its first mixing op and its device."""
+  mixing: rd.Mixing
+  device: str
+
+
+_ONCE = 'on '
+_once: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # graph -> [Once]
+
+
+def runs_once(where: str) -> bool:
+  """Whether `build`'s `where` is the head built once on one device (not split per tower)."""
+  return where.startswith(_ONCE)
+
+
+def built_once(graph: tf.Graph) -> list:
+  """The heads `build` built once, on the whole batch, in `graph` (`Once`s, in order)."""
+  return list(_once.get(graph, ()))
 
 
 def static_size(head: list, found: rd.RowDependence, frontier: list) -> str | None:

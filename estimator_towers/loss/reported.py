@@ -84,5 +84,6 @@ def _head_value(loss: tf.Tensor, shards: shards_lib.Shards, find: Any, batch: An
   if not found.mixing:
     return None
   sizes = [shards.sizes[k] for k in shards.active]
-  built = whole_batch_head.build(found, loss, None, find, sizes, shards.nonempty, batch, across)
+  built = whole_batch_head.build(found, loss, None, find, sizes, shards.nonempty, batch, across,
+                                 record=False)   # forward only: the gradient's head is counted
   return None if isinstance(built, str) else built[0]

@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from estimator_towers.base import logs
+from estimator_towers.base import spelling
 from estimator_towers.heads import cached_gradients
 from estimator_towers.heads import row_wise_head
 from estimator_towers.heads import whole_batch_head
@@ -50,7 +51,7 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
                 variables: Sequence, ys: Sequence[list], grad_ys: Sequence[list],
                 nonempty: Sequence, sizes: Sequence, batch: Any,
                 ungated: Callable | None, across: Any = None, per_shard: bool = False,
-                gates: Callable | None = None) -> seeds_lib.Seeds:
+                gates: Callable | None = None, cross_example: str = 'auto') -> seeds_lib.Seeds:
   """The seeds of one gradient request, per shard (shard 0 the primary).
 
   Args:
@@ -69,6 +70,12 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
       tower's backward pass its own: `tower_copies`).
     gates: with micro-batches, `gates(i)`: the Identity ops shard i's inputs
       pass through.
+    cross_example: the plan's ('refuse': a head that runs once, on the whole
+      batch, on one device is an error).
+
+  Raises:
+    ValueError: with cross_example='refuse', for a loss whose head runs once
+      on the whole batch.
   """
   if len(ys[0]) > 1:   # several tensors: the request's gradient is one scalar's
     combined = _one_target(ys, grad_ys, inputs)
@@ -78,7 +85,7 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
   find = counterparts.in_losses([y[0] for y in ys]) if loss is not None else None
   head = _whole_batch_head(loss, ys[0], inputs, grad_ys, find, nonempty, sizes, batch,
                            None if ungated is None else (ungated, gates or (lambda i: [])),
-                           across)
+                           across, cross_example)
   if isinstance(head, seeds_lib.Seeds):
     return head
   analysis = loss_algebra.analyse(loss, inputs, variables, loss_reduction,
@@ -131,8 +138,8 @@ def _one_target(ys: Sequence[list], grad_ys: Sequence[list], inputs: Sequence[tf
 
 def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
                       grad_ys: Sequence[list], find: Callable | None, nonempty: Sequence,
-                      sizes: Sequence, batch: Any, micro: tuple | None, across: Any = None
-                      ) -> seeds_lib.Seeds | str | None:
+                      sizes: Sequence, batch: Any, micro: tuple | None, across: Any = None,
+                      cross_example: str = 'auto') -> seeds_lib.Seeds | str | None:
   """A loss that mixes the batch's rows, its head on the whole batch (`whole_batch_head`).
 
   Each shard's backward pass starts from its frontier tensors' rows of the
@@ -157,6 +164,8 @@ def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
   if isinstance(built, str):
     return built
   whole, shards, stops, where = built
+  if cross_example == 'refuse' and whole_batch_head.runs_once(where):
+    _refuse(loss, found, where)
   shards = [_differentiable(ys, grads) for ys, grads in shards]
   logs.info_once_per_graph(
       f'estimator_towers: the loss {loss.name} depends on {found.mixing[0].describe()}, '
@@ -176,3 +185,16 @@ def _differentiable(ys: list, grad_ys: list) -> tuple[list, list]:
   kept = [(y, g) for y, g in zip(ys, grad_ys)
           if y.dtype.is_floating or y.dtype.is_complex]
   return [y for y, _ in kept], [g for _, g in kept]
+
+
+def _refuse(loss: tf.Tensor, found: Any, where: str) -> None:
+  """cross_example='refuse': a head built once on the whole batch is an error (see `for_request`)."""
+  raise ValueError(
+      f'{spelling.setting("cross_example", "refuse")}: the loss {loss.name} depends on '
+      f'{found.mixing[0].describe()}, which mixes the batch\'s rows (as far as the library '
+      f'can tell), and everything from it to the loss cannot be split per tower: it would '
+      f'run once, on the whole batch, {where}, while the other devices wait. Keep each '
+      f'example\'s rows apart up to the ops that must see the whole batch (the ops the row '
+      f'reader knows: docs/cross_example.md), or pass '
+      f'{spelling.setting("cross_example", "auto")} to train it that way (exact, not '
+      f'data-parallel).')
