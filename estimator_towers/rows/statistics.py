@@ -1,20 +1,22 @@
 """Statistics: reductions over the batch axis, matrix products, batch norms.
 
-The rule. A reduction over the batch axis of rows or flat rows that adds
-up over the shards (a sum, a mean, `L2Loss`) is a statistic; `tf.nn.moments`
+The rule. A reduction over the batch axis of rows or flat rows that adds up
+over the shards (a sum, a mean, `L2Loss`) is a statistic; `tf.nn.moments`
 over axis 0 and a fused batch norm's are a batch norm's, which normalising
-rows keeps them rows (`sync_batch_norm`'s choice). A reduction over the
-batch axis that no sum of the shards' values gives (a max, a min, an
-arg-max or arg-min, a product, `reduce_all` / `reduce_any`, a Euclidean
-norm; a logsumexp, made from a max) mixes the rows: the loss that reads it
-trains through its head on the whole batch. A reduction over other axes
-keeps the rows. A matrix product sums over the batch (a statistic) where both
-operands' batch axes are summed, keeps it where one operand is the batch's
-and the other's weights do not depend on it (also [n, ..., a, b] rows
-times [b, c] weights, broadcast over the batch), and mixes where both
-operands' batch axes stay (an in-batch similarity matrix) or rows meet a
-statistic that is not a batch norm's. Ops across workers give totals of statistics
-(`cross_worker`, sync batch norm) and mix anything else.
+rows keeps them rows (`sync_batch_norm`'s choice); a fused batch norm of
+flat rows (a batch norm over every token: [n * T, 1, 1, d]) keeps them flat,
+in their blocks. A reduction over the batch axis that no sum of the shards'
+values gives (a max, a min, an arg-max or arg-min, a product, `reduce_all` /
+`reduce_any`, a Euclidean norm; a logsumexp, made from a max) mixes the
+rows: the loss that reads it trains through its head on the whole batch. A
+reduction over other axes keeps the rows. A matrix product sums over the
+batch (a statistic) where both operands' batch axes are summed, keeps it
+where one operand is the batch's and the other's weights do not depend on it
+(also [n, ..., a, b] rows times [b, c] weights, broadcast over the batch),
+and mixes where both operands' batch axes stay (an in-batch similarity
+matrix) or rows meet a statistic that is not a batch norm's. Ops across
+workers give totals of statistics (`cross_worker`, sync batch norm) and mix
+anything else.
 """
 
 from __future__ import annotations
@@ -151,8 +153,10 @@ def _batch_norm(reader, op, kinds):
     return 'a batch norm whose scale or offset depends on the batch'
   if any(k is not None and k.tag != STAT for k in kinds[3:]):
     return 'a batch norm whose statistics are not the batch\'s statistics'
-  if kinds[0].tag != ROWS:
+  if kinds[0].tag not in (ROWS, FLAT):
     return 'a batch norm of values that are not one row per example'
+  # Rows or flat rows (a reshape of [n, T, d] to [n * T, 1, 1, d]): the statistics are
+  # over every entry of the batch's examples, the normalised entries stay where they were.
   return [kinds[0]] + [NORM_KIND] * (len(op.outputs) - 1)
 
 
