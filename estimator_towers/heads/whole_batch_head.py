@@ -44,10 +44,11 @@ head made of rows then runs in row chunks, one at a time per device
 (`chunked_head`).
 
 What it does not do (the warning of `row_dependence` stays): a frontier
-tensor some tower has no counterpart of, a gradient request of several
-tensors, a static batch size whose shape reads are constants of the graph
-the head reads, and a head that holds a synchronised batch norm (mixing ops
-before a batch norm with `sync_batch_norm`: `synchronised`).
+tensor some tower has no counterpart of, a static batch size whose shape
+reads are constants of the graph the head reads, and a head that holds a
+synchronised batch norm (mixing ops before a batch norm with
+`sync_batch_norm`: `synchronised`). (A gradient request of several tensors
+is one scalar's: `request_seeds`.)
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ _HEAD_KINDS = (rd.MIXED, rd.STAT, rd.SIZE, rd.SHAPE, rd.COLS, rd.UNIQUE)
 
 def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
           sizes: Sequence, nonempty: Sequence, batch: Any, across: Any = None,
-          split: Callable | None = None, cached: Callable | None = None
+          split: Callable | None = None, cached: Callable | None = None, record: bool = True
           ) -> tuple[tf.Tensor, list, list, str] | str:
   """The whole batch's head of tower 0's `loss`, or why it cannot be built.
 
@@ -92,6 +93,8 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     cached: `cached(i, t)`, the value the head reads for shard i's rows of
       tower 0's per-example `t`, where it is not the towers' own (micro-batches:
       `cached_gradients`' first pass); None: the towers' own.
+    record: a head built once is recorded for `built_once` (False: a value
+      only reported, not differentiated: `loss/reported`).
 
   Returns:
     (whole-batch loss, per shard (frontier tensors, their initial
@@ -129,7 +132,8 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
   except (ValueError, TypeError) as error:
     return f'building it on the whole batch failed ({error})'
   device = loss.op.device or 'the first tower'
-  _once.setdefault(loss.graph, []).append(Once(found.mixing[0], device))
+  if record:
+    _once.setdefault(loss.graph, []).append(Once(found.mixing[0], device))
   return built + (f'{_ONCE}{device}',)
 
 

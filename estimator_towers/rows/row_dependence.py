@@ -29,8 +29,9 @@ target (the loss), and gives each tensor in between one *kind*:
   the same rows (`flat`); a cast or copy keeps them; anything else on them
   mixes. A head on the whole batch computes them again from the gathered
   mask, never gathers them.
-- **statistic**: a reduction over the batch axis of rows (a sum, a mean, a
-  max, a batch norm's moments), and arithmetic on such values: what the
+- **statistic**: a reduction over the batch axis of rows that adds up over
+  the shards (a sum, a mean, `L2Loss`, a batch norm's moments), and
+  arithmetic on such values: what the
   loss algebra rebuilds (or says it cannot) and what sync batch norm joins.
   A batch norm's statistics (`tf.nn.moments` over axis 0, a fused batch
   norm) normalising rows keep them rows: that is `sync_batch_norm`'s choice.
@@ -47,7 +48,9 @@ target (the loss), and gives each tensor in between one *kind*:
 - **mixed**: a row depends on other examples of the batch. The first op that
   makes a mixed tensor out of none is a *mixing op*: a matrix product of two
   batch operands, a transpose, top-k, reverse, gather or slice across the
-  batch axis, a concat on the batch axis of rows with other values, rows
+  batch axis, a reduction over the batch axis no sum of the shards' values
+  gives (a max, a min, an arg-max, a product, `reduce_all` / `reduce_any`),
+  a concat on the batch axis of rows with other values, rows
   combined with a statistic that is not a batch norm's or with a batch-size
   value, and any op the reader does not know (a function call, a
   `py_func`, a functional `If`/`While`) fed by the batch: an op that cannot
