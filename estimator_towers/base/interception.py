@@ -39,6 +39,14 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
   them anyway cost some 14 graph ops and Keras' update bookkeeping per batch
   norm and tower (about a tenth of building a ResNet tower), so they are not
   built there.
+- Shape reads kept in the graph. `tf.shape`, `tf.size`, `tf.zeros_like` and
+  `tf.ones_like` of a tensor whose shape is static give a constant of the
+  graph (`array_ops.shape_internal`, `size_internal`, `array_like_impl` with
+  `optimize=True`); while a tower is built they give the Shape, Size,
+  ZerosLike or OnesLike op instead (`optimize=False`, the path of a shape known
+  only at run time), so that a head on the whole batch reads the whole
+  batch's size where tower 0 read its shard's (`rows`, `heads`). Static
+  shape inference is unchanged, and the values are the same.
 - The loss reduction. `tf.compat.v1.losses` and Keras' loss utilities record
   the reduction of the last loss they built on the graph
   (`Graph._last_loss_reduction`), which is how TensorFlow's own distribution
@@ -83,6 +91,7 @@ from tensorflow.python.eager import backprop  # pylint: disable=g-direct-tensorf
 from tensorflow.python.eager import record  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import importer  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import random_seed  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import array_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import gen_nn_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import gradients_util  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
@@ -208,6 +217,56 @@ def batch_norm_updates_skipped() -> Iterator[None]:
         else:
           base.add_update = _skip_patch['own']
         # base and own stay: a call that looked the patch up just before stays valid.
+
+
+# The shape reads' patch: installed while any thread builds a tower, active in those threads.
+_unfolding = threading.local()
+_unfold_patch = {'users': 0, 'saved': None}
+_unfold_lock = threading.Lock()
+
+
+def _unfolded(original: Callable, position: int) -> Callable:
+  """`original` with its `optimize` argument (at `position`) False in a thread that unfolds."""
+
+  def call(*args, **kwargs):
+    if getattr(_unfolding, 'depth', 0):
+      if len(args) > position:
+        args = args[:position] + (False,) + args[position + 1:]
+      else:
+        kwargs['optimize'] = False
+    return original(*args, **kwargs)
+  return call
+
+
+@contextlib.contextmanager
+def shape_reads_kept() -> Iterator[None]:
+  """While active, shape reads in this thread are ops of the graph, never constants.
+
+  `tf.shape(x)`, `tf.size(x)`, `tf.zeros_like(x)`, `tf.ones_like(x)` (and
+  TensorFlow's own calls of them) of an `x` with a static shape give the
+  Shape, Size, ZerosLike or OnesLike op that they give for a shape known only
+  at run time, instead of a constant holding the shape: the graph then
+  says which values are the shard's size. Other threads are unaffected.
+  """
+  with _unfold_lock:
+    if _unfold_patch['users'] == 0:
+      saved = (array_ops.shape_internal, array_ops.size_internal, array_ops.array_like_impl)
+      _unfold_patch['saved'] = saved
+      array_ops.shape_internal = _unfolded(saved[0], 2)
+      array_ops.size_internal = _unfolded(saved[1], 2)
+      array_ops.array_like_impl = _unfolded(saved[2], 5)
+    _unfold_patch['users'] += 1
+  depth = getattr(_unfolding, 'depth', 0)
+  _unfolding.depth = depth + 1
+  try:
+    yield
+  finally:
+    _unfolding.depth = depth
+    with _unfold_lock:
+      _unfold_patch['users'] -= 1
+      if _unfold_patch['users'] == 0:
+        (array_ops.shape_internal, array_ops.size_internal,
+         array_ops.array_like_impl) = _unfold_patch['saved']
 
 
 def device_stack(graph: tf.Graph) -> Any:
