@@ -121,15 +121,13 @@ def test_train_with_a_whole_batch_head_does_not_warn(warnings):
   assert not _ours(warnings), _ours(warnings)
 
 
-def test_a_static_batch_size_warns_that_the_head_cannot_be_built(warnings):
-  """tf.shape(q)[0] of a static shard is tower 0's constant: no head, one warning saying so."""
-  _build('in_batch_softmax', static=True)
-  found = _ours(warnings)
-  assert len(found) == 1, found
-  assert ("the whole batch's head cannot be built here: the batch size is static, so shape "
-          "reads of the shard are constants of the graph, and the head reads range:0, made "
-          "from the constant Shape:0 that holds the shard's size (4); leave the batch "
-          "dimension unknown") in found[0], found[0]
+@pytest.mark.parametrize('name', ['in_batch_softmax', 'clip', 'simclr'])
+def test_a_static_batch_size_builds_the_head_without_warning(name, warnings):
+  """tf.shape(q)[0] of a static shard stays a shape read: the head reads the whole batch's
+  size (tests/test_static_batch.py trains it)."""
+  _build(name, static=True)
+  _build(name, num_devices=1, static=True, micro_batches=3)
+  assert not _ours(warnings), _ours(warnings)
 
 
 def test_loss_reduction_exact_makes_it_an_error():
@@ -139,13 +137,13 @@ def test_loss_reduction_exact_makes_it_an_error():
 
 
 def test_micro_batches_without_a_head_is_an_error_saying_why():
-  """A static batch size: no whole-batch head, so micro-batches cannot train the loss."""
+  """A gradient request of two tensors: no whole-batch head, so micro-batches cannot train it."""
   with pytest.raises(ValueError, match=r"micro_batches > 1 cannot train this model_fn: the "
-                                       r"loss .* depends on MatMul op 'MatMul'.*so such a loss "
+                                       r"tensors .* on MatMul op 'MatMul'.*so such a loss "
                                        r"trains only through its head on the whole batch, which "
-                                       r"cannot be built here: the batch size is static.*Use "
-                                       r"micro_batches=1"):
-    _build('in_batch_softmax', num_devices=1, static=True, micro_batches=3)
+                                       r"cannot be built here: the gradient request is of "
+                                       r"several tensors.*Use micro_batches=1"):
+    _build_two_tensors('in_batch_softmax', micro_batches=2)
 
 
 @pytest.mark.parametrize('mode', [ModeKeys.TRAIN, ModeKeys.EVAL])

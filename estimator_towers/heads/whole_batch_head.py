@@ -39,10 +39,18 @@ argument of `build`), and the seeds go to the micro-batches' own tensors; a
 head made of rows then runs in row chunks, one at a time per device
 (`chunked_head`).
 
+A static batch size changes nothing: while a tower is built its shape reads
+(`tf.shape`, `tf.size`, `tf.zeros_like`, `tf.ones_like`) stay ops of the
+graph (`interception.shape_reads_kept`), which the head reads as the whole
+batch's. A batch size read in Python (`x.shape[0]`) is a constant of the
+graph: a head that reads a constant holding the shard's static size in its
+value (`static_size`), or in its shape where the head does not build on the
+whole batch, is an error at graph construction naming the constant and the
+fix (`tf.shape(x)[0]`); the graph cannot tell it from a hyper-parameter.
+
 What it does not do (the warning of `row_dependence` stays): a frontier
-tensor some tower has no counterpart of, a gradient request of several
-tensors, and a static batch size whose shape reads are constants of the graph
-the head reads.
+tensor some tower has no counterpart of, and a gradient request of several
+tensors.
 """
 
 from __future__ import annotations
