@@ -147,3 +147,15 @@ def test_a_python_int_batch_size_is_an_error_naming_the_constant(model, const, w
       rf"{where}: a batch size read as a Python int \(x\.shape\[0\], "
       rf"x\.shape\.as_list\(\)\[0\]\).*Read the batch size with tf\.shape\(x\)\[0\]")):
     _build(model, num_devices, micro_batches)
+
+
+def test_simclr_on_shards_of_2_is_not_taken_for_a_python_int(warnings):
+  """`one_hot(range(batch), batch * 2)` on static shards of 2: the factor 2 of a batch-size
+  value is no size read in Python; the head builds, without warning."""
+  towered = et.replicate_model_fn(functools.partial(_model_fn, patterns.simclr),
+                                  devices=testlib.cpu_devices(3))
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    x = np.random.RandomState(0).randn(6, patterns.F).astype(np.float32)
+    towered({'x': tf.constant(x)}, tf.zeros([6], tf.int32), ModeKeys.TRAIN, None, None)
+  assert not [w for w in warnings if 'estimator_towers' in w], warnings

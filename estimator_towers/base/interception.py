@@ -46,7 +46,8 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
   ZerosLike or OnesLike op instead (`optimize=False`, the path of a shape known
   only at run time), so that a head on the whole batch reads the whole
   batch's size where tower 0 read its shard's (`rows`, `heads`). Static
-  shape inference is unchanged, and the values are the same.
+  shape inference is unchanged, and the values are the same. `tf.rank`
+  (`rank_internal`) stays a constant, recorded as a rank's.
 - The loss reduction. `tf.compat.v1.losses` and Keras' loss utilities record
   the reduction of the last loss they built on the graph
   (`Graph._last_loss_reduction`), which is how TensorFlow's own distribution
@@ -84,6 +85,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import weakref
 from typing import Any, Callable, Iterator
 
 import tensorflow as tf
@@ -238,6 +240,26 @@ def _unfolded(original: Callable, position: int) -> Callable:
   return call
 
 
+_folded_ranks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {op name}
+
+
+def _rank_recorded(original: Callable) -> Callable:
+  """`original` (`rank_internal`), its constant results recorded in a thread that unfolds."""
+
+  def call(*args, **kwargs):
+    result = original(*args, **kwargs)
+    if getattr(_unfolding, 'depth', 0) and isinstance(result, tf.Tensor) and (
+        not tf.executing_eagerly() and result.op.type == 'Const'):
+      _folded_ranks.setdefault(result.graph, set()).add(result.op.name)
+    return result
+  return call
+
+
+def is_folded_rank(tensor: tf.Tensor) -> bool:
+  """Whether `tensor` is a `tf.rank` folded into a constant while a tower was built."""
+  return tensor.op.name in _folded_ranks.get(tensor.graph, ())
+
+
 @contextlib.contextmanager
 def shape_reads_kept() -> Iterator[None]:
   """While active, shape reads in this thread are ops of the graph, never constants.
@@ -246,15 +268,19 @@ def shape_reads_kept() -> Iterator[None]:
   TensorFlow's own calls of them) of an `x` with a static shape give the
   Shape, Size, ZerosLike or OnesLike op that they give for a shape known only
   at run time, instead of a constant holding the shape: the graph then
-  says which values are the shard's size. Other threads are unaffected.
+  says which values are the shard's size. `tf.rank` stays a constant (the
+  rank does not depend on the batch), recorded as one (`is_folded_rank`).
+  Other threads are unaffected.
   """
   with _unfold_lock:
     if _unfold_patch['users'] == 0:
-      saved = (array_ops.shape_internal, array_ops.size_internal, array_ops.array_like_impl)
+      saved = (array_ops.shape_internal, array_ops.size_internal, array_ops.array_like_impl,
+               array_ops.rank_internal)
       _unfold_patch['saved'] = saved
       array_ops.shape_internal = _unfolded(saved[0], 2)
       array_ops.size_internal = _unfolded(saved[1], 2)
       array_ops.array_like_impl = _unfolded(saved[2], 5)
+      array_ops.rank_internal = _rank_recorded(saved[3])
     _unfold_patch['users'] += 1
   depth = getattr(_unfolding, 'depth', 0)
   _unfolding.depth = depth + 1
@@ -265,8 +291,8 @@ def shape_reads_kept() -> Iterator[None]:
     with _unfold_lock:
       _unfold_patch['users'] -= 1
       if _unfold_patch['users'] == 0:
-        (array_ops.shape_internal, array_ops.size_internal,
-         array_ops.array_like_impl) = _unfold_patch['saved']
+        (array_ops.shape_internal, array_ops.size_internal, array_ops.array_like_impl,
+         array_ops.rank_internal) = _unfold_patch['saved']
 
 
 def device_stack(graph: tf.Graph) -> Any:

@@ -148,7 +148,9 @@ def static_size(head: list, found: rd.RowDependence, frontier: list) -> str | No
   batch's. What is left is a size read in Python (`x.shape[0]`), a constant
   of the graph from the model_fn's call, which the head cannot tell from a
   hyper-parameter. A constant that is a factor or a term of a batch-size
-  value (`2 * tf.shape(x)[0]`) is not one.
+  value (`2 * tf.shape(x)[0]`) is not one, nor is an axis, a begin or a
+  stride (`_POSITIONS`), nor a float (a size read in Python feeds a range,
+  an identity matrix, a one-hot's depth, a shape: integers).
   """
   rows = _static_rows(head, found, frontier)
   if not rows:
@@ -158,13 +160,30 @@ def static_size(head: list, found: rd.RowDependence, frontier: list) -> str | No
         found.kind(t) is not None and found.kind(t).tag in (rd.SIZE, rd.SHAPE)
         for t in op.inputs):
       continue
-    for t in op.inputs:
+    for t in _sizes_read(op):
       if found.kind(t) is not None:
         continue
       const = _constant_with(t, found, lambda c: _holds(tf.get_static_value(c), rows))
       if const is not None:
         return _python_size(t, const, rows, 'value')
   return None
+
+
+# Op type -> its inputs that are positions (axes, begins, strides), never a size (negative:
+# counted from the last input).
+_POSITIONS = {'Slice': (1,), 'StridedSlice': (1, 3), 'ConcatV2': (-1,), 'Concat': (0,),
+              'Transpose': (1,), 'Split': (0,), 'SplitV': (2,), 'GatherV2': (2,),
+              'ExpandDims': (1,), 'ReverseV2': (1,), 'ArgMax': (1,), 'ArgMin': (1,),
+              'Cumsum': (1,), 'Cumprod': (1,),
+              **dict.fromkeys(('Sum', 'Mean', 'Max', 'Min', 'Prod', 'All', 'Any',
+                               'EuclideanNorm'), (1,))}
+
+
+def _sizes_read(op: tf.Operation) -> list:
+  """`op`'s inputs but those that are positions (`_POSITIONS`)."""
+  positions = _POSITIONS.get(op.type, ())
+  return [t for i, t in enumerate(op.inputs)
+          if i not in positions and i - len(op.inputs) not in positions]
 
 
 def _static_rows(head: list, found: rd.RowDependence, frontier: list) -> set:
@@ -206,11 +225,11 @@ def _python_size(t: tf.Tensor, const: tf.Tensor, rows: set, where: str) -> str:
 
 
 def _holds(value: Any, rows: set) -> bool:
-  """Whether a constant's value holds one of `rows` (a scalar, or a vector of sizes)."""
+  """Whether an integer constant's value holds one of `rows` (a scalar, or a vector of sizes)."""
   if value is None:
     return False
   value = np.asarray(value)
-  return value.ndim <= 1 and value.dtype.kind in 'iuf' and bool(np.isin(value, list(rows)).any())
+  return value.ndim <= 1 and value.dtype.kind in 'iu' and bool(np.isin(value, list(rows)).any())
 
 
 _VARIABLE_READS = frozenset(('ReadVariableOp', 'VarHandleOp', 'VariableV2', 'Variable',
@@ -227,14 +246,14 @@ def _constant_with(t: tf.Tensor, found: rd.RowDependence, holds: Callable,
   while pending and len(seen) < limit:
     x = pending.pop()
     if (x.op.name in seen or x.op.type in _VARIABLE_READS or x.op.type in _SHAPE_READS
-        or found.kind(x) is not None):
+        or found.kind(x) is not None or interception.is_folded_rank(x)):
       continue
     seen.add(x.op.name)
     if x.op.type == 'Const':
       if holds(x):
         return x
       continue
-    pending.extend(x.op.inputs)
+    pending.extend(_sizes_read(x.op))
   return None
 
 
