@@ -159,3 +159,40 @@ def test_simclr_on_shards_of_2_is_not_taken_for_a_python_int(warnings):
     x = np.random.RandomState(0).randn(6, patterns.F).astype(np.float32)
     towered({'x': tf.constant(x)}, tf.zeros([6], tf.int32), ModeKeys.TRAIN, None, None)
   assert not [w for w in warnings if 'estimator_towers' in w], warnings
+
+
+# --- Cuts (batch_mixing): mixup at the input, attention mid-network --------------------
+
+class _GraphOf(tf.compat.v1.train.SessionRunHook):
+  def begin(self):
+    self.graph = tf.compat.v1.get_default_graph()
+
+
+@pytest.mark.parametrize('name', ['mixup', 'attention'])
+def test_cuts_on_a_static_batch_equal_plain_and_run_the_network_on_the_towers(name, warnings):
+  """The mixing ops computed once on the whole batch (`batch_mixing`), the layers after them
+  on each tower's rows: no whole-batch head, as with an unknown batch size."""
+  model_fn = functools.partial(_model_fn, getattr(patterns, name))
+  est = testlib.stepwise_estimator(
+      et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(3)), num_cpus=3)
+  hook = _GraphOf()
+  towered = testlib.train_and_read(est, _input_fn(BATCH), at=(1, STEPS), hooks=[hook])
+  for mine, plain in zip(towered, _plain(name)):
+    testlib.assert_variables_close(mine, plain)
+  names = [op.name for op in hook.graph.get_operations()]
+  assert any(n.startswith('batch_mixing/') for n in names)
+  assert not any(n.startswith(('whole_batch_head/', 'row_wise_head/')) for n in names)
+  assert not [w for w in warnings if 'estimator_towers' in w], warnings
+
+
+def test_a_number_of_classes_equal_to_the_shard_size_is_not_refused(warnings):
+  """Mixup's `one_hot(y, 3)` on static shards of 3: the depth of the examples' own labels is
+  a number of classes, not a size read in Python; the loss trains (no error, no warning)."""
+  towered = et.replicate_model_fn(functools.partial(_model_fn, patterns.mixup),
+                                  devices=testlib.cpu_devices(3))
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    x = np.random.RandomState(0).randn(9, patterns.F).astype(np.float32)
+    towered({'x': tf.constant(x)}, tf.constant(np.arange(9, dtype=np.int32) % 3),
+            ModeKeys.TRAIN, None, None)
+  assert not [w for w in warnings if 'estimator_towers' in w], warnings

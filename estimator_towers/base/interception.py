@@ -47,7 +47,8 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
   only at run time), so that a head on the whole batch reads the whole
   batch's size where tower 0 read its shard's (`rows`, `heads`). Static
   shape inference is unchanged, and the values are the same. `tf.rank`
-  (`rank_internal`) stays a constant, recorded as a rank's.
+  (`rank_internal`) stays a constant, recorded as a rank's. The library's
+  own ops, built while a gradient request is answered, fold as ever.
 - The loss reduction. `tf.compat.v1.losses` and Keras' loss utilities record
   the reduction of the last loss they built on the graph
   (`Graph._last_loss_reduction`), which is how TensorFlow's own distribution
@@ -123,10 +124,12 @@ def gradient_requests(handler: Handler) -> Iterator[None]:
   """
 
   def graph_request(*args, **kwargs):
-    return handler('graph', graph_gradients, args, kwargs)
+    with shape_reads_folded():
+      return handler('graph', graph_gradients, args, kwargs)
 
   def tape_request(*args, **kwargs):
-    return handler('tape', tape_gradient, args, kwargs)
+    with shape_reads_folded():
+      return handler('tape', tape_gradient, args, kwargs)
 
   saved = (gradients_util._GradientsHelper, backprop.GradientTape.gradient)  # pylint: disable=protected-access
   gradients_util._GradientsHelper = graph_request  # pylint: disable=protected-access
@@ -293,6 +296,19 @@ def shape_reads_kept() -> Iterator[None]:
       if _unfold_patch['users'] == 0:
         (array_ops.shape_internal, array_ops.size_internal, array_ops.array_like_impl,
          array_ops.rank_internal) = _unfold_patch['saved']
+
+
+@contextlib.contextmanager
+def shape_reads_folded() -> Iterator[None]:
+  """While active, shape reads in this thread fold as TensorFlow's do (`shape_reads_kept`
+  set aside): the library's own ops (a gradient request's answer, the backward passes, the
+  heads) are built as ever; a tower built meanwhile keeps its shape reads again."""
+  depth = getattr(_unfolding, 'depth', 0)
+  _unfolding.depth = 0
+  try:
+    yield
+  finally:
+    _unfolding.depth = depth
 
 
 def device_stack(graph: tf.Graph) -> Any:

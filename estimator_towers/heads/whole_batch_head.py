@@ -160,7 +160,7 @@ def static_size(head: list, found: rd.RowDependence, frontier: list) -> str | No
         found.kind(t) is not None and found.kind(t).tag in (rd.SIZE, rd.SHAPE)
         for t in op.inputs):
       continue
-    for t in _sizes_read(op):
+    for t in _sizes_read(op, found):
       if found.kind(t) is not None:
         continue
       const = _constant_with(t, found, lambda c: _holds(tf.get_static_value(c), rows))
@@ -179,9 +179,13 @@ _POSITIONS = {'Slice': (1,), 'StridedSlice': (1, 3), 'ConcatV2': (-1,), 'Concat'
                                'EuclideanNorm'), (1,))}
 
 
-def _sizes_read(op: tf.Operation) -> list:
-  """`op`'s inputs but those that are positions (`_POSITIONS`)."""
+def _sizes_read(op: tf.Operation, found: rd.RowDependence | None = None) -> list:
+  """`op`'s inputs but those that are positions (`_POSITIONS`), and but a one-hot's depth
+  where its indices are the examples' own (labels: a number of classes)."""
   positions = _POSITIONS.get(op.type, ())
+  if op.type == 'OneHot' and found is not None and found.kind(op.inputs[0]) is not None and (
+      found.kind(op.inputs[0]).tag in (rd.ROWS, rd.FLAT)):
+    positions = (1,)
   return [t for i, t in enumerate(op.inputs)
           if i not in positions and i - len(op.inputs) not in positions]
 
@@ -253,7 +257,7 @@ def _constant_with(t: tf.Tensor, found: rd.RowDependence, holds: Callable,
       if holds(x):
         return x
       continue
-    pending.extend(_sizes_read(x.op))
+    pending.extend(_sizes_read(x.op, found))
   return None
 
 
