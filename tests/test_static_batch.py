@@ -169,9 +169,11 @@ class _GraphOf(tf.compat.v1.train.SessionRunHook):
 
 
 @pytest.mark.parametrize('name', ['mixup', 'attention'])
-def test_cuts_on_a_static_batch_equal_plain_and_run_the_network_on_the_towers(name, warnings):
-  """The mixing ops computed once on the whole batch (`batch_mixing`), the layers after them
-  on each tower's rows: no whole-batch head, as with an unknown batch size."""
+def test_cuts_on_a_static_batch_equal_plain(name, warnings):
+  """Mixup: its reverses computed once on the whole batch (`batch_mixing`), the network after
+  them on each tower's rows, no whole-batch head, as with an unknown batch size. Attention
+  (`h h^T`, whose columns are the batch's: the static shard's layers after it were built for
+  the shard's columns): not cut, the whole batch's head from h."""
   model_fn = functools.partial(_model_fn, getattr(patterns, name))
   est = testlib.stepwise_estimator(
       et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(3)), num_cpus=3)
@@ -180,8 +182,10 @@ def test_cuts_on_a_static_batch_equal_plain_and_run_the_network_on_the_towers(na
   for mine, plain in zip(towered, _plain(name)):
     testlib.assert_variables_close(mine, plain)
   names = [op.name for op in hook.graph.get_operations()]
-  assert any(n.startswith('batch_mixing/') for n in names)
-  assert not any(n.startswith(('whole_batch_head/', 'row_wise_head/')) for n in names)
+  head = any(n.startswith(('whole_batch_head/', 'row_wise_head/')) for n in names)
+  assert head == (name == 'attention'), name
+  if name == 'mixup':
+    assert any(n.startswith('batch_mixing/') and n.endswith('ReverseV2') for n in names)
   assert not [w for w in warnings if 'estimator_towers' in w], warnings
 
 
