@@ -4,9 +4,17 @@ With a static batch dimension the shard's shape is static, and `tf.shape(q)[0]`
 would be a constant of the graph holding the shard's size; while a tower is
 built shape reads stay ops of the graph (`interception.shape_reads_kept`), so
 the head on the whole batch reads the whole batch's size, on towers and on
-micro-batches, as with an unknown batch size. A size read as a Python int
-(`q.shape[0]`) is baked into the graph as a constant the head cannot tell from
-a hyper-parameter: a clear error at graph construction names it and the fix.
+micro-batches, as with an unknown batch size: the in-batch softmax on 3 towers,
+1 x 2, 1 x 3 and 2 x 2 (and on uneven static shards), CLIP and SimCLR on 3
+towers, each against the undecorated model_fn on the same static batches
+(every variable and Momentum slot within 1e-5 after steps 1 and 2), with no
+warning; mixup cut at the input (`batch_mixing`) and attention's head.
+
+A size read as a Python int (`q.shape[0]`, `q.shape.as_list()[0]`) is baked
+into the graph as a constant the head cannot tell from a hyper-parameter: a
+clear error at graph construction names it and the fix. Constants that are no
+size read (a factor of a batch-size value, a folded rank, an axis, a one-hot
+depth of the examples' labels) are not taken for one.
 """
 
 import functools
