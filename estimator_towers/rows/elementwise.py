@@ -39,7 +39,9 @@ def elementwise(reader, op, kinds: list):
       return 'rows of different stacked layouts combined'
     return _rows_with_constants(reader, op, kinds, present[0])
   if tags <= {FLAT}:
-    return FLAT_KIND
+    blocks = {k.blocks for k in present}
+    return Kind(FLAT, blocks.pop()) if len(blocks) == 1 else (
+        'flat rows of different stacked layouts combined')
   if tags <= {STAT}:
     return NORM_KIND if all(k.norm for k in present) else STAT_KIND
   if tags == {SHAPE}:

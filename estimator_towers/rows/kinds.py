@@ -27,8 +27,10 @@ ROWS, FLAT, COLS, STAT, SIZE, SHAPE, UNIQUE, SPLITS, MIXED = (
 class Kind:
   """A tensor's rows: `tag` one of the kinds above.
 
-  `blocks`: for rows, how many copies of the shard's examples are stacked on
-  axis 0 (1: one row per example). `norm`: for a statistic, a batch norm's.
+  `blocks`: for rows and flat rows, how many copies of the shard's examples
+  are stacked on axis 0 (1: one row per example; flat rows in 2 blocks: a
+  reshape of 2 stacked views to [2n * T, d], each view's entries in example
+  order). `norm`: for a statistic, a batch norm's.
   """
   tag: str
   blocks: int = 1

@@ -7,7 +7,10 @@ diagonal of it are `batch size` values, the same on every shard only in
 form (`tf.shape(x)[0]`, `tf.size`). An op whose `shape` input is a `shape`
 (`tf.zeros([n, d])`, random noise of `tf.shape(x)`, `tf.fill`) makes rows
 of constants; shaped by another value of the batch, it mixes. A statistic's
-shape does not depend on the batch; the rank never does.
+shape does not depend on the batch; the rank never does. A diagonal or band
+of rows (`tf.linalg.diag` of [n, m] rows, the diagonal of [n, m, m] ones,
+what `tf.linalg.logdet` and `tf.eye(batch_shape=...)` make) is rows, one
+matrix per example; where the batch axis is a matrix axis it mixes.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from estimator_towers.rows.kinds import (FLAT, ROWS, ROWS_KIND, SHAPE, SHAPE_KIND, SIZE, SIZE_KIND,
                                          STAT, UNIQUE, UNIQUE_KIND, Kind, stat_of)
 from estimator_towers.rows.op_tables import SHAPED, SHAPES
+from estimator_towers.rows.static_values import static_value
 
 # Ops of a matrix's diagonal or band: an identity matrix of the batch size, its diagonal.
 _MATRICES = ('MatrixDiag', 'MatrixDiagV2', 'MatrixDiagV3', 'MatrixSetDiag',
@@ -69,6 +73,8 @@ def _shaped(reader, op, kinds):
 
 def _batch_size_value(reader, op, kinds):
   present = [k for k in kinds if k is not None]
+  if op.type.startswith('Matrix') and present and all(k.tag in (ROWS, FLAT) for k in present):
+    return _per_matrix(op, kinds)
   if all(k.tag == UNIQUE for k in present):
     return UNIQUE_KIND   # positions in the batch's distinct values
   if all(k.tag in (SIZE, SHAPE) for k in present):
@@ -76,6 +82,19 @@ def _batch_size_value(reader, op, kinds):
   if all(k.tag in (SIZE, SHAPE, STAT) for k in present):
     return stat_of(present)
   return f'a {op.type} of the batch\'s rows'
+
+
+def _per_matrix(op, kinds):
+  """A diagonal or band of rows: per example where the batch axis is not a matrix axis."""
+  data = kinds[:2] if op.type.startswith('MatrixSetDiag') else kinds[:1]
+  if None in data or len(set(data)) > 1 or any(k is not None for k in kinds[len(data):]):
+    return f'a {op.type} of the batch\'s rows with other values or by a value of the batch'
+  rank = op.inputs[0].shape.rank
+  k = static_value(op.inputs[1]) if op.type in ('MatrixDiagV2', 'MatrixDiagV3') else None
+  single = op.type == 'MatrixDiag' or (k is not None and (k.size == 1 or k.min() == k.max()))
+  if rank is not None and (rank >= 3 or rank == 2 and single):
+    return data[0]   # [n, m] diagonals to [n, m, m] matrices, or [n, m, m] matrices' parts
+  return f'a {op.type} whose matrix axes include the batch axis (rank {rank})'
 
 
 # Op type -> the reader of its kinds (reader, op, kinds): the dispatch of `reader`.

@@ -7,7 +7,9 @@ split of them back into 2 is rows again. A reshape, transpose, tile,
 expand_dims, squeeze, concat, stack, unstack, split, slice or pad that
 leaves axis 0 alone (or changes only the axes after it) keeps the rows; a
 transpose of [n, d] puts the batch on axis 1 (columns) and back; a reshape
-that merges the batch axis with the next ones makes flat rows (`flat`).
+that merges the batch axis with the next ones makes flat rows (`flat`) in
+the rows' blocks, a reshape of them to the rows' shape rows in those blocks
+again, and a split of flat rows in blocks keeps their blocks apart as rows'.
 Whatever moves values between the batch's rows (a slice, reverse, top-k,
 cumulative sum or pad across axis 0, a stack before it, a concat on
 it of rows with other values) mixes them, and so does an axis the graph
@@ -32,7 +34,7 @@ def _reshape(reader, op, kinds):
   if x.tag in (STAT, SIZE, SHAPE):
     return x if x.tag == STAT else SIZE_KIND
   if shape is not None and shape.tag == SHAPE:
-    return Kind(ROWS, x.blocks) if x.tag == ROWS else ROWS_KIND
+    return Kind(ROWS, x.blocks) if x.tag in (ROWS, FLAT) else ROWS_KIND
   out, in_shape = op.outputs[0].shape, op.inputs[0].shape
   value = static_value(op.inputs[1]) if shape is None else None
   if value is not None and value.ndim == 1 and out.rank == len(value):
@@ -47,7 +49,7 @@ def _reshape(reader, op, kinds):
     first = static_value(elements[0]) if len(elements) > 1 else None
     if sized == [0] and all(reader.kind(e) is None or reader.kind(e).tag == SIZE
                             for e in elements):
-      return Kind(ROWS, x.blocks) if x.tag == ROWS else ROWS_KIND
+      return Kind(ROWS, x.blocks) if x.tag in (ROWS, FLAT) else ROWS_KIND
     if sized == [1] and len(elements) == 2 and first is not None and first == 1 and (
         in_shape.rank == 1):
       return COLS_KIND
@@ -73,10 +75,10 @@ def _reshape(reader, op, kinds):
     if inner_in == inner_out and x.tag == ROWS:
       return x
     if inner_out and inner_in % inner_out == 0:
-      return FLAT_KIND   # the batch axis merged with the next ones
+      return Kind(FLAT, x.blocks)   # the batch axis merged with the next ones, blocks kept
     return 'a reshape that moves values between the batch\'s rows'
   if out.rank == 1:
-    return FLAT_KIND
+    return Kind(FLAT, x.blocks)
   return 'a reshape whose rows cannot be told from the graph'
 
 
@@ -213,8 +215,8 @@ def _split(op, kind, axis_tensor, num_split, sizes_kind=None):
   if axes[0] != 0:
     return [kind] * len(op.outputs)
   count = len(op.outputs)
-  if kind.tag == ROWS and num_split is not None and kind.blocks % count == 0:
-    return [Kind(ROWS, kind.blocks // count)] * count
+  if kind.tag in (ROWS, FLAT) and num_split is not None and kind.blocks % count == 0:
+    return [Kind(kind.tag, kind.blocks // count)] * count   # the stacked views apart again
   return 'a split of the batch axis'
 
 
