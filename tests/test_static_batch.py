@@ -181,7 +181,8 @@ def test_cuts_on_a_static_batch_equal_plain(name, warnings):
   """Mixup: its reverses computed once on the whole batch (`batch_mixing`), the network after
   them on each tower's rows, no whole-batch head, as with an unknown batch size. Attention
   (`h h^T`, whose columns are the batch's: the static shard's layers after it were built for
-  the shard's columns): not cut, the whole batch's head from h."""
+  the shard's columns): not cut, the whole batch's head from h, exact, with the warning that
+  it runs once on one device."""
   model_fn = functools.partial(_model_fn, getattr(patterns, name))
   est = testlib.stepwise_estimator(
       et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(3)), num_cpus=3)
@@ -192,9 +193,12 @@ def test_cuts_on_a_static_batch_equal_plain(name, warnings):
   names = [op.name for op in hook.graph.get_operations()]
   head = any(n.startswith(('whole_batch_head/', 'row_wise_head/')) for n in names)
   assert head == (name == 'attention'), name
+  ours = [w for w in warnings if 'estimator_towers' in w]
   if name == 'mixup':
     assert any(n.startswith('batch_mixing/') and n.endswith('ReverseV2') for n in names)
-  assert not [w for w in warnings if 'estimator_towers' in w], warnings
+    assert not ours, ours
+  else:   # exact; the one warning: the head runs once, on one device (`work_share`)
+    assert len(ours) == 1 and 'runs once, on the whole batch' in ours[0], ours
 
 
 def test_a_number_of_classes_equal_to_the_shard_size_is_not_refused(warnings):
