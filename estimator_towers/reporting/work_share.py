@@ -69,7 +69,7 @@ def report(graph: tf.Graph, tower_devices: Sequence[str]) -> None:
   once = whole_batch_head.built_once(graph)
   if len(counts) > 1 and total:
     logs.info_once_per_graph(
-        'estimator_towers: train graph: heavy ops (matrix products, einsums, convolutions '
+        'estimator_towers: train graph\'s heavy ops (matrix products, einsums, convolutions '
         'and their gradients) per device: '
         + ', '.join(f'{d} {n} ({n / total:.0%})' for d, n in counts.items()) + '.', graph)
   if once:

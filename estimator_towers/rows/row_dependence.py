@@ -62,7 +62,8 @@ result types), `op_tables` (the op types by how they treat rows),
 `elementwise`, `statistics`, `einsum`, `flat` and `stacked` (the families of
 ops), `reader` (the walk, the mixing ops and the frontier), `messages` (the
 warning or error). This module holds the entry points (`classify`, `check`,
-`in_eval_spec`, `add_rows`, `cut_rows`) and re-exports the names callers use.
+`in_eval_spec`, `add_rows`, `cut_rows`) and re-exports the names callers use (`einsum_subscripts`: an equation's subscripts per
+operand, for the heads that split an einsum's rows).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ import weakref
 import tensorflow as tf
 
 from estimator_towers.rows import messages
+from estimator_towers.rows.einsum import subscripts as einsum_subscripts
 from estimator_towers.rows.flat import input_kinds
 from estimator_towers.rows.kinds import (COLS, FLAT, MIXED, ROWS, ROWS_KIND, SHAPE, SIZE, SPLITS,
                                          STAT, UNIQUE, Kind, Mixing, RowDependence)
@@ -83,7 +85,7 @@ from estimator_towers.rows.reader import read
 # re-exported from `kinds` and `op_tables`).
 __all__ = ['ARITHMETIC', 'COLS', 'FLAT', 'MIXED', 'ROWS', 'SHAPE', 'SIZE', 'SPLITS', 'STAT',
            'UNIQUE', 'Kind', 'Mixing', 'RowDependence', 'add_rows', 'check', 'classify',
-           'cut_rows', 'in_eval_spec']
+           'cut_rows', 'einsum_subscripts', 'in_eval_spec']
 
 _cut_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {tensor name}
 

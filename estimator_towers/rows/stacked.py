@@ -8,8 +8,10 @@ expand_dims, squeeze, concat, stack, unstack, split, slice or pad that
 leaves axis 0 alone (or changes only the axes after it) keeps the rows; a
 transpose of [n, d] puts the batch on axis 1 (columns) and back; a reshape
 that merges the batch axis with the next ones makes flat rows (`flat`) in
-the rows' blocks, a reshape of them to the rows' shape rows in those blocks
-again, and a split of flat rows in blocks keeps their blocks apart as rows'.
+the rows' blocks (also where the axes merged are unknown but the ones kept
+are the input's last: `[n, T, V]` to `[-1, V]`), a reshape of them to the
+rows' shape rows in those blocks again, and a split of flat rows in blocks
+keeps their blocks apart as rows'.
 Whatever moves values between the batch's rows (a slice, reverse, top-k,
 cumulative sum or pad across axis 0, a stack before it, a concat on
 it of rows with other values) mixes them, and so does an axis the graph
@@ -77,9 +79,22 @@ def _reshape(reader, op, kinds):
     if inner_out and inner_in % inner_out == 0:
       return Kind(FLAT, x.blocks)   # the batch axis merged with the next ones, blocks kept
     return 'a reshape that moves values between the batch\'s rows'
+  if _merges_batch(in_shape, value):
+    return Kind(FLAT, x.blocks)   # [n, T, ..., d] to [-1, ..., d], T unknown: merged
   if out.rank == 1:
     return Kind(FLAT, x.blocks)
   return 'a reshape whose rows cannot be told from the graph'
+
+
+def _merges_batch(in_shape, value) -> bool:
+  """Is `value` [-1, d...], with d... the last axes of a shape of more axes (the ones
+  before unknown): the batch axis merged with the next ones (`tf.nn.sparse_softmax_cross_
+  entropy_with_logits` of [n, T, V] logits, T unknown, reshapes them to [-1, V])."""
+  if value is None or value.ndim != 1 or len(value) < 2 or int(value[0]) != -1 or (
+      in_shape.rank is None or in_shape.rank <= len(value)):
+    return False
+  kept = in_shape.as_list()[in_shape.rank - len(value) + 1:]
+  return all(d is not None and d == int(v) for d, v in zip(kept, value[1:]))
 
 
 def _tile(reader, op, kinds):
