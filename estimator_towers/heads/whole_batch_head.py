@@ -43,9 +43,17 @@ argument of `build`), and the seeds go to the micro-batches' own tensors; a
 head made of rows then runs in row chunks, one at a time per device
 (`chunked_head`).
 
+A static batch size changes nothing: while a tower is built its shape reads
+(`tf.shape`, `tf.size`, `tf.zeros_like`, `tf.ones_like`) stay ops of the
+graph (`interception.shape_reads_kept`), which the head reads as the whole
+batch's. A batch size read in Python (`x.shape[0]`) is a constant of the
+graph: a head that reads a constant holding the shard's static size in its
+value (`static_size`), or in its shape where the head does not build on the
+whole batch, is an error at graph construction naming the constant and the
+fix (`tf.shape(x)[0]`); the graph cannot tell it from a hyper-parameter.
+
 What it does not do (the warning of `row_dependence` stays): a frontier
-tensor some tower has no counterpart of, a static batch size whose shape
-reads are constants of the graph the head reads, and a head that holds a
+tensor some tower has no counterpart of, and a head that holds a
 synchronised batch norm (mixing ops before a batch norm with
 `sync_batch_norm`: `synchronised`). (A gradient request of several tensors
 is one scalar's: `request_seeds`.)
@@ -114,9 +122,12 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     per_shard.append(mine)
   values = per_shard if cached is None else [[cached(i, t) for t in frontier]
                                              for i in range(len(sizes))]
-  static = static_size(head, found, frontier) or synchronised(head)
+  static = static_size(head, found, frontier)
   if static is not None:
-    return static
+    raise ValueError(_refused(found, loss, static))
+  synced = synchronised(head)
+  if synced is not None:
+    return synced
   if split is not None:   # micro-batches: on the first pass's rows, seeds at their own
     extra = {} if cached is None else {'own': per_shard, 'cached': cached}
     try:
@@ -130,6 +141,9 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     built = _build(found, loss, grad_y, head, frontier, shapes, (per_shard, values), sizes,
                    nonempty, batch, across, cached or (lambda i, t: t))
   except (ValueError, TypeError) as error:
+    shaped = _shaped_by_size(head, found, frontier)
+    if shaped is not None:
+      raise ValueError(_refused(found, loss, shaped)) from error
     return f'building it on the whole batch failed ({error})'
   device = loss.op.device or 'the first tower'
   if record:
@@ -175,52 +189,130 @@ def synchronised(head: list) -> str | None:
   return None
 
 
-def static_size(head: list, found: rd.RowDependence, frontier: list) -> str | None:
-  """Why not, if a constant the head reads may hold the shard's static size.
+def _refused(found: rd.RowDependence, loss: tf.Tensor, why: str) -> str:
+  return (f'estimator_towers: the loss {loss.name} depends on {found.mixing[0].describe()}, '
+          f'which mixes the batch\'s rows, so it trains through its head on the whole batch; '
+          f'but {why} (see docs/cross_example.md).')
 
-  With a static batch size, `tf.shape(x)` of a shard tensor is a constant of
-  the graph (`tf.range(tf.shape(q)[0])` is tower 0's range), which the head
-  on the whole batch cannot tell from a hyper-parameter.
+
+def static_size(head: list, found: rd.RowDependence, frontier: list) -> str | None:
+  """Why not, if a constant the head reads holds the shard's static size in its value.
+
+  Shape reads of a tower's tensors are ops of the graph even for a static
+  shape (`interception.shape_reads_kept`): the head reads them as the whole
+  batch's. What is left is a size read in Python (`x.shape[0]`), a constant
+  of the graph from the model_fn's call, which the head cannot tell from a
+  hyper-parameter. A constant that is a factor or a term of a batch-size
+  value (`2 * tf.shape(x)[0]`) is not one, nor is an axis, a begin or a
+  stride (`_POSITIONS`), nor a float (a size read in Python feeds a range,
+  an identity matrix, a one-hot's depth, a shape: integers).
   """
+  rows = _static_rows(head, found, frontier)
+  if not rows:
+    return None
+  for op in head:
+    if op.type in rd.ARITHMETIC and any(
+        found.kind(t) is not None and found.kind(t).tag in (rd.SIZE, rd.SHAPE)
+        for t in op.inputs):
+      continue
+    for t in _sizes_read(op, found):
+      if found.kind(t) is not None:
+        continue
+      const = _constant_with(t, found, lambda c: _holds(tf.get_static_value(c), rows))
+      if const is not None:
+        return _python_size(t, const, rows, 'value')
+  return None
+
+
+# Op type -> its inputs that are positions (axes, begins, strides), never a size (negative:
+# counted from the last input).
+_POSITIONS = {'Slice': (1,), 'StridedSlice': (1, 3), 'ConcatV2': (-1,), 'Concat': (0,),
+              'Transpose': (1,), 'Split': (0,), 'SplitV': (2,), 'GatherV2': (2,),
+              'ExpandDims': (1,), 'ReverseV2': (1,), 'ArgMax': (1,), 'ArgMin': (1,),
+              'Cumsum': (1,), 'Cumprod': (1,),
+              **dict.fromkeys(('Sum', 'Mean', 'Max', 'Min', 'Prod', 'All', 'Any',
+                               'EuclideanNorm'), (1,))}
+
+
+def _sizes_read(op: tf.Operation, found: rd.RowDependence | None = None) -> list:
+  """`op`'s inputs but those that are positions (`_POSITIONS`), and but a one-hot's depth
+  where its indices are the examples' own (labels: a number of classes)."""
+  positions = _POSITIONS.get(op.type, ())
+  if op.type == 'OneHot' and found is not None and found.kind(op.inputs[0]) is not None and (
+      found.kind(op.inputs[0]).tag in (rd.ROWS, rd.FLAT)):
+    positions = (1,)
+  return [t for i, t in enumerate(op.inputs)
+          if i not in positions and i - len(op.inputs) not in positions]
+
+
+def _static_rows(head: list, found: rd.RowDependence, frontier: list) -> set:
+  """The static sizes of the shard's rows the head reads (1 left out: a broadcast's)."""
   rows = {t.shape[0] for t in frontier if t.shape.rank and t.shape[0] is not None}
   rows |= {t.shape[0] for op in head for t in op.inputs
            if t.shape.rank and t.shape[0] is not None and found.kind(t) is not None
            and found.kind(t).tag in (rd.ROWS, rd.FLAT)}
   rows.discard(1)
-  if not rows:
-    return None
-  for op in head:
+  return rows
+
+
+def _shaped_by_size(head: list, found: rd.RowDependence, frontier: list) -> str | None:
+  """Why not, if a constant the head reads has the shard's static size in its shape.
+
+  Asked where the head on the whole batch failed to build (`tf.eye(n)` of a
+  Python int `n` against the whole batch's B x B matrix).
+  """
+  rows = _static_rows(head, found, frontier)
+  for op in head if rows else ():
     for t in op.inputs:
-      if found.kind(t) is not None:
-        continue
-      const = _constant_with(t, rows)
-      if const is not None:
-        return (f'the batch size is static, so shape reads of the shard are constants of '
-                f'the graph, and the head reads {t.name}, made from the constant '
-                f'{const.name} that holds the shard\'s size ({sorted(rows)[0]}); leave the '
-                f'batch dimension unknown (batch without drop_remainder) for the whole '
-                f'batch\'s head')
+      if found.kind(t) is None:
+        const = _constant_with(t, found, lambda c: any(d in rows for d in c.shape.as_list()))
+        if const is not None:
+          return _python_size(t, const, rows, 'shape')
   return None
+
+
+def _python_size(t: tf.Tensor, const: tf.Tensor, rows: set, where: str) -> str:
+  return (f'its head on the whole batch reads the constant {const.name}'
+          f'{"" if t.name == const.name else f" (through {t.name})"}, which holds the '
+          f'shard\'s static size ({sorted(rows)[0]}) in its {where}: a batch size read as a '
+          f'Python int (x.shape[0], x.shape.as_list()[0]) is a constant of the graph from '
+          f'when the model_fn was called, which the head on the whole batch would use as '
+          f'the whole batch\'s. Read the batch size with tf.shape(x)[0] (a shape read, '
+          f'which the head reads as the whole batch\'s size); if {const.name} is a '
+          f'hyper-parameter that only equals the shard\'s size, pick a batch size whose '
+          f'shards differ from it, or train on one device')
+
+
+def _holds(value: Any, rows: set) -> bool:
+  """Whether an integer constant's value holds one of `rows` (a scalar, or a vector of sizes)."""
+  if value is None:
+    return False
+  value = np.asarray(value)
+  return value.ndim <= 1 and value.dtype.kind in 'iu' and bool(np.isin(value, list(rows)).any())
 
 
 _VARIABLE_READS = frozenset(('ReadVariableOp', 'VarHandleOp', 'VariableV2', 'Variable',
                              'ResourceGather'))
+_SHAPE_READS = frozenset(('Shape', 'ShapeN', 'Size', 'Rank'))
 
 
-def _constant_with(t: tf.Tensor, values: set, limit: int = 200) -> tf.Tensor | None:
-  """A constant `t` is computed from (not through a variable) whose value holds one of `values`."""
+def _constant_with(t: tf.Tensor, found: rd.RowDependence, holds: Callable,
+                   limit: int = 200) -> tf.Tensor | None:
+  """A constant `t` is computed from for which `holds(constant)`, not through a
+  variable, a shape read or a tensor of the shard (those the head reads as the
+  whole batch's)."""
   pending, seen = [t], set()
   while pending and len(seen) < limit:
     x = pending.pop()
-    if x.op.name in seen or x.op.type in _VARIABLE_READS:
+    if (x.op.name in seen or x.op.type in _VARIABLE_READS or x.op.type in _SHAPE_READS
+        or found.kind(x) is not None or interception.is_folded_rank(x)):
       continue
     seen.add(x.op.name)
     if x.op.type == 'Const':
-      value = tf.get_static_value(x)
-      if value is not None and np.isin(np.asarray(value), list(values)).any():
+      if holds(x):
         return x
       continue
-    pending.extend(x.op.inputs)
+    pending.extend(_sizes_read(x.op, found))
   return None
 
 
