@@ -116,6 +116,18 @@ def test_cross_example_refuse_leaves_data_parallel_models_alone(said):
   _graph({'pattern': patterns.in_batch_softmax}, cross_example='refuse')
 
 
+def _max_of_losses(x, y):
+  """A max over the batch of per-example losses: its head (B scalars) runs once, no heavy op."""
+  _, xent = patterns.logits_and_xent(x, y)
+  return tf.reduce_mean(xent) + 0.5 * tf.reduce_max(xent), []
+
+
+def test_cross_example_refuse_leaves_a_head_without_heavy_ops_alone(said):
+  graph = _graph({'pattern': _max_of_losses}, cross_example='refuse')
+  assert len(set(heavy_ops.per_device(graph).values())) == 1, heavy_ops.per_device(graph)
+  assert not [m for level, m in said if level == 'W'], said
+
+
 def test_cross_example_must_be_auto_or_refuse():
   with pytest.raises(ValueError, match=re.escape(
       "cross_example must be one of ('auto', 'refuse'), got 'never'")):

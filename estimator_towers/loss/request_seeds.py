@@ -44,6 +44,7 @@ from estimator_towers.loss import micro_batch_seeds
 from estimator_towers.loss import seeds as seeds_lib
 from estimator_towers.loss import statistics as statistics_lib
 from estimator_towers.rows import row_dependence
+from estimator_towers.rows.op_tables import HEAVY
 from estimator_towers.towers import counterparts
 
 
@@ -71,7 +72,7 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
     gates: with micro-batches, `gates(i)`: the Identity ops shard i's inputs
       pass through.
     cross_example: the plan's ('refuse': a head that runs once, on the whole
-      batch, on one device is an error).
+      batch, on one device, and holds heavy ops (`op_tables.HEAVY`) is an error).
 
   Raises:
     ValueError: with cross_example='refuse', for a loss whose head runs once
@@ -155,6 +156,7 @@ def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
   if not isinstance(loss, tf.Tensor):
     return ('the gradient request is of several tensors whose initial gradients depend on '
             'the batch, and the head takes one loss')
+  start = len(loss.graph.get_operations())
   if micro is None:
     built = whole_batch_head.build(found, loss, grad_ys[0][0], find, sizes, nonempty, batch,
                                    across, split=row_wise_head.build)
@@ -164,8 +166,9 @@ def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
   if isinstance(built, str):
     return built
   whole, shards, stops, where = built
-  if cross_example == 'refuse' and whole_batch_head.runs_once(where):
-    _refuse(loss, found, where)
+  if cross_example == 'refuse' and whole_batch_head.runs_once(where) and any(
+      op.type in HEAVY for op in loss.graph.get_operations()[start:]):
+    _refuse(loss, found, where)   # a head run once that holds heavy work (not a max of B losses)
   shards = [_differentiable(ys, grads) for ys, grads in shards]
   logs.info_once_per_graph(
       f'estimator_towers: the loss {loss.name} depends on {found.mixing[0].describe()}, '

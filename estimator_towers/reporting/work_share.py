@@ -30,13 +30,8 @@ from estimator_towers.base import logs
 from estimator_towers.base import spelling
 from estimator_towers.heads import whole_batch_head
 from estimator_towers.placement import devices as devices_lib
+from estimator_towers.rows.op_tables import HEAVY
 
-# Matrix products, einsums and convolutions, and the ops of their gradients.
-HEAVY = frozenset((
-    'MatMul', 'BatchMatMul', 'BatchMatMulV2', 'BatchMatMulV3', 'Einsum', 'Conv1D', 'Conv2D',
-    'Conv2DBackpropInput', 'Conv2DBackpropFilter', 'Conv3D', 'Conv3DBackpropInputV2',
-    'Conv3DBackpropFilterV2', 'DepthwiseConv2dNative', 'DepthwiseConv2dNativeBackpropInput',
-    'DepthwiseConv2dNativeBackpropFilter', 'SparseTensorDenseMatMul', 'SparseMatMul'))
 
 
 def heavy_ops(graph: tf.Graph, tower_devices: Sequence[str]) -> dict:

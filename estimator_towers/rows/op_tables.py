@@ -80,3 +80,10 @@ BATCHED_MATRICES = frozenset((
     'TridiagonalMatMul', 'BandedTriangularSolve', 'BatchMatrixInverse', 'BatchCholesky',
     'BatchMatrixDeterminant', 'BatchMatrixSolve', 'BatchMatrixTriangularSolve',
     'BatchMatrixSolveLs', 'BatchSelfAdjointEigV2', 'BatchSvd'))
+# Heavy ops: matrix products, einsums, convolutions and the ops of their gradients (what a
+# device's share of a step is counted in: `reporting.work_share`, `cross_example='refuse'`).
+HEAVY = frozenset((
+    'MatMul', 'BatchMatMul', 'BatchMatMulV2', 'BatchMatMulV3', 'Einsum', 'Conv1D', 'Conv2D',
+    'Conv2DBackpropInput', 'Conv2DBackpropFilter', 'Conv3D', 'Conv3DBackpropInputV2',
+    'Conv3DBackpropFilterV2', 'DepthwiseConv2dNative', 'DepthwiseConv2dNativeBackpropInput',
+    'DepthwiseConv2dNativeBackpropFilter', 'SparseTensorDenseMatMul', 'SparseMatMul'))
