@@ -55,7 +55,8 @@ import tensorflow as tf
 from estimator_towers.base import interception
 from estimator_towers.rows import row_dependence as rd
 
-_HEAD_KINDS = (rd.MIXED, rd.STAT, rd.SIZE, rd.SHAPE, rd.COLS, rd.UNIQUE)
+_HEAD_KINDS = (rd.MIXED, rd.STAT, rd.SIZE, rd.SHAPE, rd.COLS, rd.UNIQUE, rd.OFFSETS,
+               rd.INDICES)
 
 
 def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,

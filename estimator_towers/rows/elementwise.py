@@ -3,19 +3,23 @@
 The rule. An elementwise op (with broadcasting) or one applied within each
 row (a softmax, a layer: `op_tables`) keeps its operands' rows: rows with
 rows of the same stacked layout, or with values that depend on no input of
-the shard, are rows; flat with flat is flat; statistics and batch-size
-values combined stay such. Rows combined with a statistic of the batch
-(but a batch norm's: `sync_batch_norm`'s choice), with a batch-size value,
-with rows of another layout, or with a constant as long as a static batch
-mix the batch's rows. A layer mixes where its weights depend on the batch.
+the shard, are rows; flat with flat of the same rows per example is flat;
+statistics and batch-size values combined stay such. Rows combined with a
+statistic of the batch (but a batch norm's: `sync_batch_norm`'s choice),
+with a batch-size value, with rows of another layout, or with a value as
+long as a static batch (its row i meets example i; but one whose rows are
+all the same, `tf.ones([n, T, 1])`) mix the batch's rows. A layer mixes where its weights depend on the batch.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, FLAT_KIND, MIXED_KIND, NORM_KIND,
                                          ROWS, SHAPE, SHAPE_KIND, SIZE, SIZE_KIND, STAT, STAT_KIND,
-                                         UNIQUE, UNIQUE_KIND, Kind, stat_of)
+                                         UNIQUE, UNIQUE_KIND, Kind, flat_kind, stat_of)
 from estimator_towers.rows.op_tables import ELEMENTWISE, LAYERS
+from estimator_towers.rows.static_values import static_value
 
 
 def not_rows(op, kind: Kind):
@@ -39,11 +43,13 @@ def elementwise(reader, op, kinds: list):
       return 'rows of different stacked layouts combined'
     return _rows_with_constants(reader, op, kinds, present[0])
   if tags <= {FLAT}:
-    return FLAT_KIND
+    return _flat(op, present)
   if tags <= {STAT}:
     return NORM_KIND if all(k.norm for k in present) else STAT_KIND
-  if tags == {SHAPE}:
-    return SHAPE_KIND   # still the batch size first
+  if tags == {SHAPE}:   # still the batch size first
+    if len(set(present)) == 1 and op.type in KEEPS:
+      return present[0]
+    return SHAPE_KIND if all(k.layout is None for k in present) else SIZE_KIND
   if tags <= {SIZE, SHAPE}:
     return SIZE_KIND
   if tags <= {STAT, SIZE, SHAPE}:
@@ -59,14 +65,33 @@ def elementwise(reader, op, kinds: list):
   return 'rows combined with a value of the batch size'
 
 
+# Ops that keep their one operand's values (and so what they index or how they are laid out).
+KEEPS = frozenset(('Identity', 'Cast', 'StopGradient', 'Snapshot', 'CheckNumerics',
+                    'EnsureShape', 'PreventGradient'))
+
+
+def _flat(op, present):
+  """Flat rows combined: the same rows per example kept, another layout mixes them."""
+  pers = {k.per for k in present}
+  if len(pers) == 1:
+    return flat_kind(present[0].per)
+  if None in pers:
+    return FLAT_KIND
+  return 'flat rows of different rows per example combined'
+
+
 def _rows_with_constants(reader, op, kinds, kind):
-  """Rows and values independent of the shard; a constant as long as a static batch is a batch-size value."""
+  """Rows and values independent of the shard; one as long as a static batch (its row i
+  meets example i) mixes them, unless every row of it is the same (`tf.ones([n, T, 1])`)."""
   if reader.examples is not None and reader.examples > 1 and op.type != 'IdentityN':
     for t, k in zip(op.inputs, kinds):
       rank = t.shape.rank
-      if (k is None and rank and t.op.type == 'Const' and t.shape[0] == reader.examples * kind.blocks
+      if (k is None and rank and t.shape[0] == reader.examples * kind.blocks
           and any(i.shape.rank == rank for i, j in zip(op.inputs, kinds) if j is not None)):
-        return ('rows combined with a constant as long as the batch (a static batch '
+        value = static_value(t)
+        if value is not None and np.all(value == value[:1]):
+          continue   # the same row for every example
+        return ('rows combined with a value as long as the batch (a static batch '
                 'size made it a constant)')
   return kind
 

@@ -14,6 +14,18 @@ a table by the rows' ids keeps the ids' rows; `tf.unique` of them is the
 batch's distinct values (`embedding_lookup_sparse`'s), rows again only where
 a sparse segment reduction sums them back per example. Gathers, partitions
 and stitches across the batch axis mix it.
+
+Each example's own rows (`indexing`): `range(n) * T`, n the shard's
+examples, are offsets of stride T (each example's first row in a flat
+tensor of T rows per example; with a static batch, the constant [0, T, ...]
+of the shard), positions (rows, each in [0, T): the input's promise, as
+BERT's masked positions) plus them are indices of stride T, and so are
+`tf.where`'s indices of a vector of rows or flat rows (`tf.boolean_mask`).
+A gather of rows or flat rows by indices of their own rows per example is
+per-example: rows for indices of [n, P], flat rows of P per example for
+[n * P]. Indices of another stride, a gather of the batch's rows by any
+other positions (they index the whole batch, not each example's rows), and
+any other op on offsets or indices mix the rows.
 """
 
 from __future__ import annotations
@@ -23,12 +35,14 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from estimator_towers.rows.elementwise import not_rows
-from estimator_towers.rows.kinds import (FLAT, FLAT_KIND, MIXED, ROWS, ROWS_KIND, SHAPE, SHAPE_KIND,
-                                         SIZE, SIZE_KIND, SPLITS, SPLITS_KIND, STAT, STAT_KIND,
-                                         UNIQUE, UNIQUE_KIND, stat_of)
+from estimator_towers.rows.elementwise import KEEPS as _KEEPS, not_rows
+from estimator_towers.rows.kinds import (FLAT, FLAT_KIND, INDICES, MIXED, OFFSETS, RAGGED, ROWS,
+                                         ROWS_KIND, SHAPE, SHAPE_KIND, SIZE, SIZE_KIND, SPLITS,
+                                         SPLITS_KIND, STAT, STAT_KIND, UNIQUE, UNIQUE_KIND, Kind,
+                                         flat_kind, rows_per_example, stat_of)
 from estimator_towers.rows.op_tables import SPARSE_SEGMENTS
-from estimator_towers.rows.static_values import axes_of, static_value
+from estimator_towers.rows.sizes import size_symbol, batch_multiple
+from estimator_towers.rows.static_values import axes_of, product, static_value
 
 
 def input_kinds(inputs: Sequence[tf.Tensor]) -> dict:
@@ -176,13 +190,14 @@ def _gather(reader, op, kinds):
       if value is not None and value.size == 0:
         return None
       if value is not None and np.reshape(value, [-1])[0] == 0:
-        return SHAPE_KIND if value.ndim else SIZE_KIND
+        return params if value.ndim else SIZE_KIND
       return SIZE_KIND if value is None or 0 in np.reshape(value, [-1]) else None
     return params
   if params.tag in (ROWS, FLAT) and axis > 0 and indices is None:
     return params
   if params.tag in (ROWS, FLAT) and axis == 0 and indices is not None and indices.tag in (ROWS, FLAT):
-    return FLAT_KIND   # rows picked by the rows' own values (tf.boolean_mask)
+    return ('a gather of the batch\'s rows by positions that are not each example\'s own '
+            '(positions into a flat [n * T, ...] tensor need offsets range(n) * T)')
   if params.tag in (STAT, SIZE) and indices is not None and indices.tag in (STAT, SIZE):
     return stat_of(kinds)
   return 'a gather across the batch axis'
@@ -200,8 +215,112 @@ def _gather_nd(reader, op, kinds):
 
 
 def where(op, kinds):
-  """`tf.where`'s indices (one input): flat for rows."""
-  return FLAT_KIND if kinds[0].tag in (ROWS, FLAT) else not_rows(op, kinds[0])
+  """`tf.where`'s indices (one input): of a vector, the positions of its own true rows; else flat."""
+  kind = kinds[0]
+  if kind.tag in (ROWS, FLAT) and op.inputs[0].shape.rank == 1:
+    stride = rows_per_example(kind)
+    if stride is None and kind.tag == FLAT:
+      stride = RAGGED
+    return Kind(INDICES, stride=stride, layout=FLAT) if stride is not None else FLAT_KIND
+  return FLAT_KIND if kind.tag in (ROWS, FLAT) else not_rows(op, kind)
+
+
+_WHY_INDICES = ('an op on positions of the batch\'s rows (range(n) * T, tf.where\'s indices) '
+                'other than a gather of each example\'s own rows by them')
+
+
+def indexing(reader, op, kinds):
+  """Offsets and indices of each example's own rows (the module doc), or None: not such an op.
+
+  `range(n) * T` (n the shard's examples) is offsets of stride T; rows (positions,
+  each in [0, T): the input's promise) plus offsets are indices of stride T; a
+  gather of rows or flat rows of T rows per example by them, each example's own.
+  """
+  present = [k for k in kinds if k is not None]
+  if not any(k.tag in (OFFSETS, INDICES) for k in present):
+    return _offsets(reader, op, kinds)
+  if op.type in _KEEPS and len(op.inputs) == 1:
+    return kinds[0]
+  if op.type in ('Shape', 'Size'):
+    kind = kinds[0]
+    if op.type == 'Size':
+      return SIZE_KIND
+    return Kind(SHAPE, per=kind.per, layout=FLAT) if kind.layout == FLAT else SHAPE_KIND
+  if op.type in ('Reshape', 'Squeeze', 'ExpandDims') and all(k is None for k in kinds[1:]):
+    return _reindexed(op, kinds[0])
+  if op.type in ('AddV2', 'Add') and len(present) == 2:
+    return _own_indices(reader, op, kinds)
+  if op.type in ('GatherV2', 'Gather') and kinds[1] is not None and kinds[1].tag == INDICES and (
+      kinds[0] is not None and kinds[0].tag in (ROWS, FLAT)) and (
+          op.type == 'Gather' or static_value(op.inputs[2]) == 0) and all(
+              k is None for k in kinds[2:]):
+    params, indices = kinds[0], kinds[1]
+    each = rows_per_example(params)
+    if indices.stride != (RAGGED if each is None and params.tag == FLAT else each):
+      return ('a gather of flat rows by indices of another number of rows per example '
+              f'({indices.stride} against {each})')
+    if indices.layout == FLAT:
+      return flat_kind(indices.per)
+    return ROWS_KIND
+  return _WHY_INDICES
+
+
+def _offsets(reader, op, kinds):
+  """range(n) * T: offsets of stride T (n the shard's examples); with a static batch,
+  positions plus the constant [0, T, 2T, ...]: indices; None: neither."""
+  if len(kinds) != 2 or (kinds[0] is None) == (kinds[1] is None):
+    return None
+  a, b = op.inputs if kinds[0] is not None else reversed(op.inputs)
+  if op.type == 'Mul':
+    while a.op.type in ('Cast', 'Identity'):
+      a = a.op.inputs[0]
+    if a.op.type == 'Range' and static_value(a.op.inputs[0]) == 0 and (
+        static_value(a.op.inputs[2]) == 1) and batch_multiple(reader, a.op.inputs[1]) == 1:
+      stride = size_symbol(b)
+      return Kind(OFFSETS, stride=stride) if stride is not None else None
+    return None
+  kind = reader.kind(a)
+  if op.type in ('Add', 'AddV2') and kind.tag == ROWS and kind.blocks == 1 and (
+      a.dtype.is_integer):
+    stride = _static_offsets(reader, b)
+    return Kind(INDICES, stride=stride) if stride is not None else None
+  return None
+
+
+def _static_offsets(reader, t):
+  """T where `t` is the constant range(n) * T of a static batch of n examples (each row)."""
+  n = reader.examples
+  value = static_value(t) if n is not None and n > 1 and t.shape.rank else None
+  if value is None or value.shape[0] != n or not value.dtype.kind in 'iu':
+    return None
+  column = np.reshape(value, [n, -1])
+  stride = int(column[1, 0] - column[0, 0])
+  if stride > 0 and np.all(column == (np.arange(n) * stride)[:, None]):
+    return stride
+  return None
+
+
+def _reindexed(op, kind):
+  """Offsets or indices reshaped: [n] -> [n, 1], [n, P] -> [n * P] (flat, P per example)."""
+  in_shape, out = op.inputs[0].shape, op.outputs[0].shape
+  inner_in = product(in_shape[1:]) if in_shape.rank else None
+  inner_out = product(out[1:]) if out.rank else None
+  if inner_in is None or inner_out is None or not inner_out:
+    return _WHY_INDICES
+  if inner_in == inner_out:
+    return kind
+  if kind.tag == INDICES and kind.layout is None and inner_in % inner_out == 0:
+    return Kind(INDICES, stride=kind.stride, layout=FLAT, per=inner_in // inner_out)
+  return _WHY_INDICES
+
+
+def _own_indices(reader, op, kinds):
+  """Positions (rows) plus offsets of stride T: each example's own rows of a T-row flat tensor."""
+  offsets = [k for k in kinds if k is not None and k.tag == OFFSETS]
+  rows = [k for k in kinds if k is not None and k.tag == ROWS and k.blocks == 1]
+  if len(offsets) == 1 and len(rows) == 1 and all(t.dtype.is_integer for t in op.inputs):
+    return Kind(INDICES, stride=offsets[0].stride)
+  return _WHY_INDICES
 
 
 # Op type -> the reader of its kinds (reader, op, kinds): the dispatch of `reader`.

@@ -2,9 +2,12 @@
 
 The rule. Every tensor between the shard's inputs and a target that depends
 on the shard has one `Kind`: its `tag` (rows, flat, columns, statistic,
-batch size, shape, distinct values, row splits, mixed: `row_dependence`'s
-module doc says what each means), for rows how many copies of the examples
-are stacked on axis 0, for a statistic whether it is a batch norm's. A
+batch size, shape, distinct values, row splits, offsets, indices, mixed:
+`row_dependence`'s module doc says what each means), for rows how many
+copies of the examples are stacked on axis 0, for a statistic whether it is
+a batch norm's, for flat rows how many rows each example has when that is
+the same for every example (`per`), for offsets and indices the rows per
+example of the flat tensor they index (`stride`). A
 tensor that depends on no input of the shard has none. The readers return
 one of the shared kinds below (`ROWS_KIND`, ...) or a `Kind` they build.
 This module owns the kinds and the result types (`Mixing`, `RowDependence`)
@@ -18,9 +21,12 @@ from typing import Sequence
 
 import tensorflow as tf
 
-ROWS, FLAT, COLS, STAT, SIZE, SHAPE, UNIQUE, SPLITS, MIXED = (
+ROWS, FLAT, COLS, STAT, SIZE, SHAPE, UNIQUE, SPLITS, OFFSETS, INDICES, MIXED = (
     'rows', 'flat', 'columns', 'statistic', 'batch size', 'shape', 'distinct values',
-    'row splits', 'mixed')
+    'row splits', 'offsets', 'indices', 'mixed')
+# `Kind.stride` of indices made by `tf.where` of flat rows of no known `per` (a mask of
+# the same entries: `tf.boolean_mask` of a SparseTensor's values).
+RAGGED = 'ragged'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,16 +35,49 @@ class Kind:
 
   `blocks`: for rows, how many copies of the shard's examples are stacked on
   axis 0 (1: one row per example). `norm`: for a statistic, a batch norm's.
+  `per`: for flat rows (and for the shape of flat rows, for flat indices),
+  how many rows each example has, the same for every example: an int, a
+  `(coefficient, names)` product with sizes known only when the graph runs,
+  or None (unknown, or not the same for every example: a SparseTensor's).
+  `stride`: for offsets (`range(n) * T`, each example's first row in a flat
+  tensor of T rows per example) and indices (rows of the flat tensor each
+  example picks among its own), that flat tensor's rows per example (1: one
+  row per example; `RAGGED`: `tf.where`'s of flat rows of no known `per`).
+  `layout`: for a shape, indices: FLAT when they are flat rows' (per `per`),
+  else (None) rows'.
   """
   tag: str
   blocks: int = 1
   norm: bool = False
+  per: object = None
+  stride: object = None
+  layout: str | None = None
 
 
 ROWS_KIND, FLAT_KIND, COLS_KIND = Kind(ROWS), Kind(FLAT), Kind(COLS)
 SIZE_KIND, SHAPE_KIND, UNIQUE_KIND, MIXED_KIND = Kind(SIZE), Kind(SHAPE), Kind(UNIQUE), Kind(MIXED)
 SPLITS_KIND = Kind(SPLITS)
 STAT_KIND, NORM_KIND = Kind(STAT), Kind(STAT, norm=True)
+
+
+def flat_kind(per=None) -> Kind:
+  """Flat rows of `per` rows per example (None: unknown or not the same for each)."""
+  return Kind(FLAT, per=per)
+
+
+def rows_per_example(kind: Kind | None, blocks: bool = False):
+  """How many rows on axis 0 each example has, in example order, in a tensor of `kind`.
+
+  None: unknown, or not in example order (rows stacked in blocks, unless `blocks`:
+  then how many rows of axis 0 there are per example).
+  """
+  if kind is None:
+    return None
+  if kind.tag == ROWS:
+    return kind.blocks if kind.blocks == 1 or blocks else None
+  if kind.tag == FLAT:
+    return kind.per
+  return None
 
 
 def stat_of(kinds: Sequence) -> Kind:

@@ -25,8 +25,9 @@ from estimator_towers.rows import flat
 from estimator_towers.rows import sizes
 from estimator_towers.rows import stacked
 from estimator_towers.rows import statistics
-from estimator_towers.rows.kinds import (COLS, FLAT, FLAT_KIND, MIXED, MIXED_KIND, ROWS, SPLITS,
-                                         STAT_KIND, UNIQUE, UNIQUE_KIND, Kind, Mixing)
+from estimator_towers.rows.kinds import (COLS, FLAT, FLAT_KIND, INDICES, MIXED, MIXED_KIND,
+                                         OFFSETS, ROWS, SPLITS, STAT_KIND, UNIQUE, UNIQUE_KIND,
+                                         Kind, Mixing)
 from estimator_towers.rows.op_tables import FUNCTIONS, SEGMENT_SUMS, SPARSE_SEGMENTS
 
 _SEARCH_LIMIT = 200000
@@ -133,6 +134,10 @@ def _rule(reader: Reader, op: tf.Operation, kinds: list):
   if present and all(k.tag == UNIQUE for k in present) and t not in SPARSE_SEGMENTS and (
       t not in ('GatherV2', 'Gather', 'ResourceGather') or kinds[0] is not None):
     return UNIQUE_KIND   # values per distinct id, whatever computes them
+  if t in ('Mul', 'Add', 'AddV2') or any(k.tag in (OFFSETS, INDICES) for k in present):
+    found = flat.indexing(reader, op, kinds)
+    if found is not None:
+      return found
   if t in _RULES:
     return _RULES[t](reader, op, kinds)
   if t == 'Where' and len(op.inputs) == 1:

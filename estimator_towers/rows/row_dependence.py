@@ -16,7 +16,16 @@ target (the loss), and gives each tensor in between one *kind*:
   encoder run on the stacked views stays per-example.
 - **flat**: every row belongs to one example, in example order, but not one
   row per example (a reshape of [n, T, d] to [n * T, d], `tf.boolean_mask`'s
-  rows, `tf.where`'s indices); sums of it are still statistics.
+  rows, `tf.where`'s indices of a matrix); sums of it are still statistics.
+  Where each example has the same T rows (a reshape's), `per` is T, and a
+  reshape back to [n, T, d] is rows again.
+- **offsets** and **indices**: `range(n) * T` (each example's first row in a
+  flat tensor of T rows per example) and positions plus them, or
+  `tf.where`'s indices of a vector: positions of each example's own rows (as
+  BERT's `gather_indexes` makes them; a position must be in [0, T), the
+  input's promise). A gather of the flat rows by them is per-example; any
+  other op on them, or a gather of the batch's rows by other positions,
+  mixes the rows.
 - **statistic**: a reduction over the batch axis of rows (a sum, a mean, a
   max, a batch norm's moments), and arithmetic on such values: what the
   loss algebra rebuilds (or says it cannot) and what sync batch norm joins.
@@ -74,15 +83,15 @@ import tensorflow as tf
 
 from estimator_towers.rows import messages
 from estimator_towers.rows.flat import input_kinds
-from estimator_towers.rows.kinds import (COLS, FLAT, MIXED, ROWS, ROWS_KIND, SHAPE, SIZE, SPLITS,
-                                         STAT, UNIQUE, Kind, Mixing, RowDependence)
+from estimator_towers.rows.kinds import (COLS, FLAT, INDICES, MIXED, OFFSETS, ROWS, ROWS_KIND, SHAPE,
+                                         SIZE, SPLITS, STAT, UNIQUE, Kind, Mixing, RowDependence)
 from estimator_towers.rows.op_tables import ARITHMETIC, ASSIGNS
 from estimator_towers.rows.reader import read
 
 # The names the other stages read as `row_dependence.<name>` (the kinds and the op table
 # re-exported from `kinds` and `op_tables`).
-__all__ = ['ARITHMETIC', 'COLS', 'FLAT', 'MIXED', 'ROWS', 'SHAPE', 'SIZE', 'SPLITS', 'STAT',
-           'UNIQUE', 'Kind', 'Mixing', 'RowDependence', 'add_rows', 'check', 'classify',
+__all__ = ['ARITHMETIC', 'COLS', 'FLAT', 'INDICES', 'MIXED', 'OFFSETS', 'ROWS', 'SHAPE', 'SIZE',
+           'SPLITS', 'STAT', 'UNIQUE', 'Kind', 'Mixing', 'RowDependence', 'add_rows', 'check', 'classify',
            'cut_rows', 'in_eval_spec']
 
 _cut_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {tensor name}

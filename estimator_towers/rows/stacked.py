@@ -6,8 +6,13 @@ axis 0 (SimCLR's `concat(split(x, 2, -1), 0)`) are rows in 2 blocks, and a
 split of them back into 2 is rows again. A reshape, transpose, tile,
 expand_dims, squeeze, concat, stack, unstack, split, slice or pad that
 leaves axis 0 alone (or changes only the axes after it) keeps the rows; a
-transpose of [n, d] puts the batch on axis 1 (columns) and back; a reshape
-that merges the batch axis with the next ones makes flat rows (`flat`).
+transpose of [n, d] puts the batch on axis 1 (columns) and back. A reshape
+keeps each example's values together, in example order: to a leading size
+of k times the examples (`sizes.batch_multiple`: `tf.shape(x)[0] * T`, a
+static size of a static batch, -1 with the sizes after it known) it makes
+flat rows of k rows per example (`flat`), rows for k = 1, from rows or from
+flat rows whose rows per example are known; flat rows of no known `per`
+reshaped to the batch's size mix (their examples' rows differ in number).
 Whatever moves values between the batch's rows (a slice, reverse, top-k,
 cumulative sum or pad across axis 0, a stack before it, a concat on
 it of rows with other values) mixes them, and so does an axis the graph
@@ -20,7 +25,9 @@ import numpy as np
 
 from estimator_towers.rows.elementwise import elementwise
 from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, FLAT_KIND, ROWS, ROWS_KIND, SHAPE,
-                                         SHAPE_KIND, SIZE, SIZE_KIND, STAT, Kind, stat_of)
+                                         SHAPE_KIND, SIZE, SIZE_KIND, STAT, Kind, flat_kind,
+                                         rows_per_example, stat_of)
+from estimator_towers.rows.sizes import batch_multiple
 from estimator_towers.rows.static_values import axes_of, product, static_value
 
 
@@ -31,8 +38,10 @@ def _reshape(reader, op, kinds):
             else None)
   if x.tag in (STAT, SIZE, SHAPE):
     return x if x.tag == STAT else SIZE_KIND
-  if shape is not None and shape.tag == SHAPE:
-    return Kind(ROWS, x.blocks) if x.tag == ROWS else ROWS_KIND
+  if shape is not None and shape.tag == SHAPE and x.tag in (ROWS, FLAT):   # tf.shape(y)'s
+    if shape.layout != FLAT and x.tag == ROWS:
+      return x
+    return _to_layout(x, 1 if shape.layout != FLAT else shape.per)
   out, in_shape = op.outputs[0].shape, op.inputs[0].shape
   value = static_value(op.inputs[1]) if shape is None else None
   if value is not None and value.ndim == 1 and out.rank == len(value):
@@ -45,38 +54,66 @@ def _reshape(reader, op, kinds):
     elements = op.inputs[1].op.inputs
     sized = [i for i, e in enumerate(elements) if reader.kind(e) is not None]
     first = static_value(elements[0]) if len(elements) > 1 else None
-    if sized == [0] and all(reader.kind(e) is None or reader.kind(e).tag == SIZE
-                            for e in elements):
-      return Kind(ROWS, x.blocks) if x.tag == ROWS else ROWS_KIND
     if sized == [1] and len(elements) == 2 and first is not None and first == 1 and (
         in_shape.rank == 1):
       return COLS_KIND
     if sized == [0] and len(elements) == 2 and static_value(elements[1]) is not None and (
-        static_value(elements[1]) == 1) and in_shape.rank == 1:
+        static_value(elements[1]) == 1) and in_shape.rank == 1 and x.tag == ROWS:
       return x
+    if sized == [0] and x.tag in (ROWS, FLAT):
+      return _to_layout(x, batch_multiple(reader, elements[0]))
   if x.tag == COLS:
     if shape is not None and in_shape.rank and in_shape[0] == 1 and (
         op.inputs[1].op.type == 'Shape' or shape.tag == SHAPE):
       return ROWS_KIND   # [1, n, ...] back to the rows' shape
     return 'a reshape of values with the batch on axis 1'
+  if shape is not None:
+    return 'a reshape to sizes computed from the batch the library cannot relate to it'
   if out.rank == 0:
     return 'a reshape of the batch to one value'
   if out.rank is None:
     return 'a reshape to an unknown rank'
   if in_shape.rank == 1 and out.rank == 2 and out[0] == 1:
     return COLS_KIND   # [n] -> [1, n]
-  if reader.examples is not None and out[0] == reader.examples * x.blocks and x.tag == ROWS:
-    return Kind(ROWS, x.blocks)
+  if out[0] is not None and value is not None and value[0] >= 0:
+    return _to_layout(x, _static_multiple(reader, out[0]))
+  return _by_inner_sizes(x, in_shape, out)
+
+
+def _static_multiple(reader, size: int):
+  if reader.examples is None or size <= 0 or size % reader.examples:
+    return None
+  return size // reader.examples
+
+
+def _to_layout(x, k):
+  """`x` reshaped to k rows per example on axis 0 (a reshape keeps each example's values
+  together in example order): rows for 1, flat rows of `per` k, else why it mixes."""
+  if k is None:
+    return 'a reshape to a size the library cannot relate to the batch size'
+  if x.tag == ROWS and x.blocks > 1:
+    return x if k == x.blocks else 'a reshape of rows stacked in blocks'
+  if rows_per_example(x) is None:
+    return ('a reshape of flat rows whose rows per example are unknown to a size of the '
+            'batch')
+  return ROWS_KIND if k == 1 else flat_kind(k)
+
+
+def _by_inner_sizes(x, in_shape, out):
+  """A reshape to [-1, ...]: the rows per example from the sizes after axis 0."""
   inner_in = product(in_shape[1:]) if in_shape.rank else None
   inner_out = product(out[1:])
-  if inner_in is not None and inner_out is not None:
-    if inner_in == inner_out and x.tag == ROWS:
+  each = rows_per_example(x)
+  if inner_in is not None and inner_out:
+    if inner_in == inner_out:
       return x
-    if inner_out and inner_in % inner_out == 0:
-      return FLAT_KIND   # the batch axis merged with the next ones
+    if isinstance(each, int) and (each * inner_in) % inner_out == 0:
+      return _to_layout(x, each * inner_in // inner_out)
+    if x.tag == FLAT and each is None and inner_in % inner_out == 0:
+      return FLAT_KIND   # the flat rows' entries split further
     return 'a reshape that moves values between the batch\'s rows'
-  if out.rank == 1:
-    return FLAT_KIND
+  if out.rank == 1 and x.tag in (ROWS, FLAT):
+    return FLAT_KIND   # each example's values, in example order
   return 'a reshape whose rows cannot be told from the graph'
 
 
@@ -98,7 +135,7 @@ def _tile(reader, op, kinds):
       return COLS_KIND   # a constant column repeated for every example
   if multiples is not None and multiples.tag == SHAPE and (x is None) and (
       op.inputs[0].shape.rank and op.inputs[0].shape[0] == 1):
-    return ROWS_KIND
+    return ROWS_KIND if multiples.layout != FLAT else flat_kind(multiples.per)
   if x is not None and x.tag in (STAT, SIZE) and multiples is None:
     return x
   return 'a tile of the batch axis'
@@ -146,6 +183,7 @@ def _squeeze(reader, op, kinds):
 
 def _concat(reader, op, kinds):
   kinds, axis_kind, axis_tensor = kinds[:-1], kinds[-1], op.inputs[-1]
+  kinds = [k for k, t in zip(kinds, op.inputs) if t.shape.num_elements() != 0]   # not [] (shape[:0])
   if axis_kind is not None:
     return 'a concat along an axis computed from the batch'
   rank = op.outputs[0].shape.rank
@@ -161,9 +199,9 @@ def _concat(reader, op, kinds):
   if tags == {FLAT} and len(present) == len(kinds):
     return FLAT_KIND
   if kinds[0] is not None and kinds[0].tag == SHAPE and tags == {SHAPE}:
-    return SHAPE_KIND
+    return kinds[0]
   if kinds[0] is not None and kinds[0].tag == SHAPE and len(present) == 1:
-    return SHAPE_KIND   # the batch size first, then sizes that do not depend on it
+    return kinds[0]   # the batch size first, then sizes that do not depend on it
   if tags <= {STAT, SIZE, SHAPE}:
     return stat_of(present) if STAT in tags else SIZE_KIND
   return 'a concat on the batch axis of rows with other values'
@@ -177,8 +215,11 @@ def _pack(reader, op, kinds):
       axis > 0 or axis + op.outputs[0].shape.rank > 0):
     return elementwise(reader, op, kinds)
   if tags <= {SIZE} and kinds[0] is not None and all(
-      t.shape.rank == 0 for t in op.inputs):
-    return SHAPE_KIND
+      t.shape.rank == 0 for t in op.inputs):   # [k * n, ...]: a shape of k rows per example
+    k = batch_multiple(reader, op.inputs[0])
+    if k is None:
+      return SIZE_KIND
+    return SHAPE_KIND if k == 1 else Kind(SHAPE, per=k, layout=FLAT)
   if tags <= {STAT, SIZE}:
     return stat_of(present) if STAT in tags else SIZE_KIND
   if tags == {ROWS} and len(present) == len(kinds) and len({k.blocks for k in present}) == 1:
@@ -235,6 +276,8 @@ def _strided_slice(reader, op, kinds):
   ellipsis, new_axis = op.get_attr('ellipsis_mask'), op.get_attr('new_axis_mask')
   shrink = op.get_attr('shrink_axis_mask')
   if x.tag == SHAPE:
+    if op.outputs[0].shape.num_elements() == 0:
+      return None   # no size at all (shape[:0])
     if begin is None:
       return SIZE_KIND
     if ellipsis & 1 or new_axis & 1:
@@ -247,7 +290,7 @@ def _strided_slice(reader, op, kinds):
       return SIZE_KIND
     if shrink & 1:
       return SIZE_KIND if start == 0 else None
-    return SHAPE_KIND if start == 0 else None
+    return x if start == 0 else None
   if x.tag in (STAT, SIZE):
     return x
   if ellipsis & 1:
@@ -275,7 +318,7 @@ def _slice(reader, op, kinds):
   if x.tag == SHAPE:
     if begin is not None and begin[0] > 0 and static_value(op.outputs[0]) is not None:
       return None   # static sizes after the batch's: the same on every shard
-    return SHAPE_KIND if begin is not None and begin[0] == 0 else SIZE_KIND
+    return x if begin is not None and begin[0] == 0 else SIZE_KIND
   if begin is not None and size is not None and begin[0] == 0 and size[0] == -1:
     return x
   return 'a slice of the batch axis'

@@ -107,7 +107,7 @@ def _matmul(reader, op, kinds):
   if place == 'summed':
     return STAT_KIND
   if places[0] is not None:
-    return Kind(a.tag, a.blocks) if a.tag != COLS else ROWS_KIND
+    return Kind(a.tag, a.blocks, per=a.per) if a.tag != COLS else ROWS_KIND
   return COLS_KIND
 
 
