@@ -72,3 +72,11 @@ FUNCTIONS = frozenset(('PartitionedCall', 'StatefulPartitionedCall', 'If', 'Stat
 ASSIGNS = frozenset(('AssignAddVariableOp', 'AssignSubVariableOp', 'AssignVariableOp',
                      'AssignAdd', 'AssignSub', 'Assign', 'ResourceScatterAdd', 'ScatterAdd',
                      'ResourceScatterUpdate', 'ScatterUpdate'))
+# Batched linear algebra: each op on every matrix of its [..., m, m] inputs alone.
+BATCHED_MATRICES = frozenset((
+    'MatrixInverse', 'Cholesky', 'MatrixDeterminant', 'LogMatrixDeterminant', 'MatrixSolve',
+    'MatrixTriangularSolve', 'MatrixSolveLs', 'Qr', 'Svd', 'SelfAdjointEigV2', 'Eig',
+    'MatrixExponential', 'MatrixLogarithm', 'MatrixSquareRoot', 'Lu', 'TridiagonalSolve',
+    'TridiagonalMatMul', 'BandedTriangularSolve', 'BatchMatrixInverse', 'BatchCholesky',
+    'BatchMatrixDeterminant', 'BatchMatrixSolve', 'BatchMatrixTriangularSolve',
+    'BatchMatrixSolveLs', 'BatchSelfAdjointEigV2', 'BatchSvd'))

@@ -5,10 +5,11 @@ into what computes a declared statistic, nor into another shard's inputs)
 and visits the ops in between in graph order, each after its inputs. An op
 that depends on no input of the shard gives no kind; one fed by a mixed
 tensor is mixed; otherwise its op type picks the family that reads it
-(`sizes`, `elementwise`, `statistics`, `flat`, `stacked`; a tf.cond's
-branches are read like the rest when the choice is not the batch's), and
-an op no family knows, a function call, a `py_func` or functional control
-flow fed by the batch mixes its rows: never per-example by default. A
+(`sizes`, `elementwise`, `statistics`, `einsum`, `flat`, `stacked`; a
+tf.cond's branches are read like the rest when the choice is not the
+batch's), and an op no family knows, a function call, a `py_func` or
+functional control flow fed by the batch mixes its rows: never
+per-example by default. A
 mixing op is recorded with why, and the rows or flat rows it reads (through
 the transposes that made them columns) are the frontier, each once.
 """
@@ -20,6 +21,7 @@ from typing import Callable, Sequence
 import tensorflow as tf
 
 from estimator_towers.base import interception
+from estimator_towers.rows import einsum
 from estimator_towers.rows import elementwise
 from estimator_towers.rows import flat
 from estimator_towers.rows import sizes
@@ -31,7 +33,7 @@ from estimator_towers.rows.kinds import (COLS, FLAT, FLAT_KIND, INDICES, MIXED, 
 from estimator_towers.rows.op_tables import FUNCTIONS, SEGMENT_SUMS, SPARSE_SEGMENTS
 
 _SEARCH_LIMIT = 200000
-_FAMILIES = (sizes, elementwise, statistics, flat, stacked)
+_FAMILIES = (sizes, elementwise, statistics, einsum, flat, stacked)
 # Op type -> its family's reader: (reader, op, kinds) -> a Kind, a list of Kinds (per
 # output), or a str (a mixing op: why). No type is read by two families.
 _RULES = {t: rule for family in _FAMILIES for t, rule in family.RULES.items()}
@@ -100,8 +102,10 @@ class Reader:
     if isinstance(found, str):   # a mixing op: why
       self.mixing.append(Mixing(op, found))
       for t, k in zip(op.inputs, kinds):
-        while k is not None and k.tag == COLS and t.op.type in ('Transpose', 'Reshape'):
-          t = t.op.inputs[0]   # the rows a transpose made columns of
+        while k is not None and k.tag == COLS and t.op.type in ('Transpose', 'Reshape',
+                                                                'Einsum'):
+          # the rows a transpose (or an einsum of one batch operand) made columns of
+          t = [i for i in t.op.inputs if self.kind(i) is not None][0]
           k = self.kind(t)
         if k is not None and k.tag in (ROWS, FLAT) and t.name not in self._frontier_names:
           self._frontier_names.add(t.name)

@@ -68,8 +68,8 @@ per-example gets nothing.
 The modules of `rows/`, each by what it reads: `kinds` (the kinds and the
 result types), `op_tables` (the op types by how they treat rows),
 `static_values` (values known when the graph is built), `sizes`,
-`elementwise`, `statistics`, `flat` and `stacked` (the families of ops),
-`reader` (the walk, the mixing ops and the frontier), `messages` (the
+`elementwise`, `statistics`, `einsum`, `flat` and `stacked` (the families of
+ops), `reader` (the walk, the mixing ops and the frontier), `messages` (the
 warning or error). This module holds the entry points (`classify`, `check`,
 `in_eval_spec`, `add_rows`, `cut_rows`) and re-exports the names callers use.
 """

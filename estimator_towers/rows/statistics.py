@@ -6,9 +6,10 @@ mean, a max, `L2Loss`, an arg-max) is a statistic; `tf.nn.moments` over axis
 them rows (`sync_batch_norm`'s choice). A reduction over other axes keeps
 the rows. A matrix product sums over the batch (a statistic) where both
 operands' batch axes are summed, keeps it where one operand is the batch's
-and the other's weights do not depend on it, and mixes where both operands'
-batch axes stay (an in-batch similarity matrix) or rows meet a statistic
-that is not a batch norm's. Ops across workers give totals of statistics
+and the other's weights do not depend on it (also [n, ..., a, b] rows
+times [b, c] weights, broadcast over the batch), and mixes where both
+operands' batch axes stay (an in-batch similarity matrix) or rows meet a
+statistic that is not a batch norm's. Ops across workers give totals of statistics
 (`cross_worker`, sync batch norm) and mix anything else.
 """
 
@@ -67,12 +68,15 @@ def _matmul(reader, op, kinds):
   a, b = kinds[0], kinds[1]
   batched = op.type != 'MatMul'
   ranks = [t.shape.rank for t in op.inputs[:2]]
-  if batched and all(r is not None and r >= 3 for r in ranks if r is not None):
-    if a is not None and b is not None and a.tag == b.tag == ROWS and a.blocks == b.blocks:
+  if batched and any(r is not None and r >= 3 for r in ranks):
+    if a is not None and b is not None and a.tag == b.tag == ROWS and a.blocks == b.blocks and (
+        all(r >= 3 for r in ranks if r is not None)):
       return a   # one product per example
-    if (a is not None and a.tag == ROWS and b is None and ranks[1] and ranks[1] <= 2) or (
-        b is not None and b.tag == ROWS and a is None and ranks[0] and ranks[0] <= 2):
-      return a if a is not None else b   # the same weights for every example
+    if (a is not None and a.tag in (ROWS, FLAT) and b is None and ranks[0] and ranks[0] >= 3
+        and ranks[1] and ranks[1] <= 2) or (
+            b is not None and b.tag in (ROWS, FLAT) and a is None and ranks[1] and
+            ranks[1] >= 3 and ranks[0] and ranks[0] <= 2):
+      return a if a is not None else b   # the same weights for every example (broadcast)
     if ranks[0] and ranks[0] >= 3 and ranks[1] and ranks[1] >= 3:
       return 'a batched matrix product of the batch with other values'
   flips = (op.get_attr('adj_x'), op.get_attr('adj_y')) if batched else (
