@@ -55,7 +55,8 @@ def model_fn(learning_rate: float = 1e-2):
       num_train_steps=NUM_TRAIN_STEPS, num_warmup_steps=0, use_tpu=False,
       use_one_hot_embeddings=False)
 
-  def fn(features, labels, mode, params):
+  def fn(features, labels, mode, params, config=None):
+    del config
     spec = bert_fn(features, labels, mode, params)
     return spec.as_estimator_spec()
   return fn

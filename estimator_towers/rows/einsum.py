@@ -119,8 +119,11 @@ def _einsum(reader, op, kinds):
 def _layout(kinds: list):
   """The kind of a per-example product of batch operands of `kinds`, or why they cannot meet."""
   tags = {k.tag for k in kinds}
-  if tags == {FLAT}:
-    return FLAT_KIND
+  if tags == {FLAT}:   # the same rows per example kept (`Kind.per`), unknown if any is
+    pers = {k.per for k in kinds}
+    if len(pers) > 1 and None not in pers:
+      return 'an einsum of flat rows of different rows per example'
+    return kinds[0] if len(pers) == 1 else FLAT_KIND
   if FLAT in tags:
     return 'an einsum of rows with values of another row layout'
   blocks = {k.blocks for k in kinds if k.tag == ROWS}
