@@ -6,7 +6,8 @@ under that name before BERT is imported (once: `bert.run_pretraining` defines
 absl flags when imported). `model_fn()` is `run_pretraining.model_fn_builder`'s
 model_fn on a tiny `BertConfig` without dropout (random draws per example are
 not what these tests check), its TPUEstimatorSpec turned into an
-EstimatorSpec; it trains with BERT's own optimizer (AdamWeightDecay, gradients
+EstimatorSpec, its initializers seeded by the variable names; it trains with
+BERT's own optimizer (AdamWeightDecay, gradients
 clipped by their global norm, the global step advanced by hand). `features()`
 are what BERT's input_fn gives (labels None).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import types
+import zlib
 
 import numpy as np
 import tensorflow as tf
@@ -57,9 +59,21 @@ def model_fn(learning_rate: float = 1e-2):
 
   def fn(features, labels, mode, params, config=None):
     del config
-    spec = bert_fn(features, labels, mode, params)
+    with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(), custom_getter=_seeded):
+      spec = bert_fn(features, labels, mode, params)
     return spec.as_estimator_spec()
   return fn
+
+
+def _seeded(getter, name, *args, **kwargs):
+  """BERT's truncated-normal initializers (unseeded) seeded by the variable's name: the
+  same initial values on one device and on towers, whatever ops come before."""
+  initializer = kwargs.get('initializer')
+  stddev = getattr(initializer, 'stddev', None)
+  if stddev is not None:
+    kwargs['initializer'] = tf.compat.v1.truncated_normal_initializer(
+        stddev=stddev, seed=zlib.crc32(name.encode()) % (2**31))
+  return getter(name, *args, **kwargs)
 
 
 def features(batch: int = 12, seed: int = 0) -> dict:
