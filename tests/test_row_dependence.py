@@ -282,6 +282,17 @@ def test_offsets_of_another_stride_mix():
   assert 'another number of rows per example' in found.mixing[0].why
 
 
+def test_offsets_read_elsewhere_are_batch_size_values():
+  """range(n) * 2 as labels of an in-batch softmax (not a gather's offsets) is what it was: a
+  batch-size value, its one-hot too."""
+  def model(x, positions):
+    labels = tf.one_hot(tf.range(tf.shape(x)[0]) * 2, 8)
+    return tf.reduce_sum(x) + tf.reduce_sum(labels), dict(labels=labels)
+  found, kinds = _layouts(model)
+  assert not found.mixing, [m.describe() for m in found.mixing]
+  assert kinds['labels'] == rd.Kind(rd.SIZE)
+
+
 @pytest.mark.parametrize('static', [False, True])
 def test_gather_by_positions_without_offsets_mixes(static):
   """tf.gather(reshape(x, [-1, d]), reshape(positions, [-1])): positions index the whole
@@ -360,3 +371,24 @@ def test_static_batch_constants_as_long_as_the_batch():
   assert not found.mixing, [m.describe() for m in found.mixing]
   found, _ = _layouts(ramp, static=True)
   assert [m.op.type for m in found.mixing] == ['Mul'], [m.describe() for m in found.mixing]
+
+
+def test_gathers_within_each_example():
+  """tf.gather(x, positions, axis=1, batch_dims=1) picks among each example's own values;
+  tf.gather_nd by tf.where of a mask of the rows gives flat rows; by other coordinates
+  (positions read as [example, token]) it mixes."""
+  def model(x, positions):
+    h = _dense(x, H, 'h')
+    by_positions = tf.gather(h, positions, axis=1, batch_dims=1)
+    masked = tf.gather_nd(h, tf.where(tf.reduce_sum(h, -1) > 0))
+    return tf.reduce_sum(by_positions) + tf.reduce_sum(masked), dict(
+        by_positions=by_positions, masked=masked)
+  found, kinds = _layouts(model)
+  assert not found.mixing, [m.describe() for m in found.mixing]
+  assert kinds == dict(by_positions=rd.Kind(rd.ROWS), masked=rd.Kind(rd.FLAT))
+
+  def coordinates(x, positions):
+    picked = tf.gather_nd(_dense(x, H, 'h'), tf.stack([positions[:, 0], positions[:, 1]], 1))
+    return tf.reduce_sum(picked), {}
+  found, _ = _layouts(coordinates)
+  assert [m.op.type for m in found.mixing] == ['GatherNd'], [m.describe() for m in found.mixing]

@@ -25,7 +25,8 @@ A gather of rows or flat rows by indices of their own rows per example is
 per-example: rows for indices of [n, P], flat rows of P per example for
 [n * P]. Indices of another stride, a gather of the batch's rows by any
 other positions (they index the whole batch, not each example's rows), and
-any other op on offsets or indices mix the rows.
+any other op on positions plus offsets mix the rows; any other op reads
+offsets as batch-size values and `tf.where`'s indices as flat rows.
 """
 
 from __future__ import annotations
@@ -195,6 +196,9 @@ def _gather(reader, op, kinds):
     return params
   if params.tag in (ROWS, FLAT) and axis > 0 and indices is None:
     return params
+  if op.type == 'GatherV2' and op.get_attr('batch_dims') > 0 and params.tag == ROWS and (
+      indices is not None and indices == params):
+    return params   # batch_dims: each example's positions pick among its own values
   if params.tag in (ROWS, FLAT) and axis == 0 and indices is not None and indices.tag in (ROWS, FLAT):
     return ('a gather of the batch\'s rows by positions that are not each example\'s own '
             '(positions into a flat [n * T, ...] tensor need offsets range(n) * T)')
@@ -208,10 +212,26 @@ def _gather_nd(reader, op, kinds):
   if params is None:
     return indices if indices.tag in (ROWS, FLAT, STAT) else 'a gather of the batch size\'s values'
   if indices is not None and indices.tag in (ROWS, FLAT) and params.tag in (ROWS, FLAT):
-    return FLAT_KIND
+    source = op.inputs[1]
+    while source.op.type in ('Identity', 'Cast'):
+      source = source.op.inputs[0]
+    mask = reader.kind(source.op.inputs[0]) if source.op.type == 'Where' else None
+    if mask is not None and mask == params == ROWS_KIND and _leading_dims_match(
+        source.op.inputs[0], op.inputs[0]):
+      return FLAT_KIND   # tf.where's coordinates of a mask of the params' own rows
+    return ('a gather of the batch\'s rows at coordinates that are not tf.where\'s of a '
+            'mask of them')
   if params.tag in (STAT,) and indices is None:
     return params
   return 'a gather across the batch axis'
+
+
+def _leading_dims_match(mask, params) -> bool:
+  """The mask's sizes after the batch axis are the params' next ones (known when built)."""
+  if mask.shape.rank is None or params.shape.rank is None or mask.shape.rank > params.shape.rank:
+    return False
+  inner = mask.shape[1:].as_list()
+  return None not in inner and inner == params.shape[1:mask.shape.rank].as_list()
 
 
 def where(op, kinds):
@@ -239,6 +259,26 @@ def indexing(reader, op, kinds):
   present = [k for k in kinds if k is not None]
   if not any(k.tag in (OFFSETS, INDICES) for k in present):
     return _offsets(reader, op, kinds)
+  found = _of_indices(reader, op, kinds, present)
+  if found == _WHY_INDICES and all(_degrades(k) for k in present):
+    return None   # read as before: batch-size values, tf.where's flat indices
+  return found
+
+
+def _degrades(kind) -> bool:
+  """Offsets, and tf.where's indices (flat, no `per`), read elsewhere as batch-size values
+  and flat rows (what they are, whatever they index)."""
+  return kind.tag not in (OFFSETS, INDICES) or kind.tag == OFFSETS or (
+      kind.layout == FLAT and kind.per is None)
+
+
+def degraded(kinds: list) -> list:
+  """`kinds` with offsets as batch-size values and tf.where's indices as flat rows."""
+  return [SIZE_KIND if k is not None and k.tag == OFFSETS else
+          FLAT_KIND if k is not None and k.tag == INDICES else k for k in kinds]
+
+
+def _of_indices(reader, op, kinds, present):
   if op.type in _KEEPS and len(op.inputs) == 1:
     return kinds[0]
   if op.type in ('Shape', 'Size'):

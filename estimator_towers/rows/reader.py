@@ -9,7 +9,9 @@ tensor is mixed; otherwise its op type picks the family that reads it
 tf.cond's branches are read like the rest when the choice is not the
 batch's), and an op no family knows, a function call, a `py_func` or
 functional control flow fed by the batch mixes its rows: never
-per-example by default. A
+per-example by default. Offsets and indices of each example's own rows
+(`range(n) * T`, positions plus them, `tf.where` of a vector) are read by
+`flat.indexing` before the families, whatever the op. A
 mixing op is recorded with why, and the rows or flat rows it reads (through
 the transposes that made them columns) are the frontier, each once.
 """
@@ -126,6 +128,12 @@ def _rule(reader: Reader, op: tf.Operation, kinds: list):
   """The kinds of `op`'s outputs: a Kind, a list of Kinds (per output), or a str (mixing: why)."""
   t = op.type
   present = [k for k in kinds if k is not None]
+  if t in ('Mul', 'Add', 'AddV2') or any(k.tag in (OFFSETS, INDICES) for k in present):
+    found = flat.indexing(reader, op, kinds)
+    if found is not None:
+      return found
+    kinds = flat.degraded(kinds)
+    present = [k for k in kinds if k is not None]
   if 'RaggedSplitsToSegmentIds/' in op.name and all(k.tag != MIXED for k in present):
     return FLAT_KIND   # which example each entry of a RaggedTensor belongs to
   if any(k.tag == SPLITS for k in present):
@@ -138,10 +146,6 @@ def _rule(reader: Reader, op: tf.Operation, kinds: list):
   if present and all(k.tag == UNIQUE for k in present) and t not in SPARSE_SEGMENTS and (
       t not in ('GatherV2', 'Gather', 'ResourceGather') or kinds[0] is not None):
     return UNIQUE_KIND   # values per distinct id, whatever computes them
-  if t in ('Mul', 'Add', 'AddV2') or any(k.tag in (OFFSETS, INDICES) for k in present):
-    found = flat.indexing(reader, op, kinds)
-    if found is not None:
-      return found
   if t in _RULES:
     return _RULES[t](reader, op, kinds)
   if t == 'Where' and len(op.inputs) == 1:
