@@ -282,6 +282,18 @@ def test_offsets_of_another_stride_mix():
   assert 'another number of rows per example' in found.mixing[0].why
 
 
+def test_offsets_not_on_the_batch_axis_mix():
+  """positions [n, P] + range(n) * T (not reshaped to [n, 1]) broadcasts the offsets along
+  the positions' last axis: example j's offset added to example i's position j."""
+  def model(x, positions):
+    batch = tf.shape(x)[0]
+    flat = tf.reshape(_dense(x, H, 'h'), [batch * T, H])
+    picked = tf.gather(flat, tf.reshape(positions + tf.range(batch) * T, [-1]))
+    return tf.reduce_sum(picked), {}
+  found, _ = _layouts(model)
+  assert [m.op.type for m in found.mixing] == ['AddV2'], [m.describe() for m in found.mixing]
+
+
 def test_offsets_read_elsewhere_are_batch_size_values():
   """range(n) * 2 as labels of an in-batch softmax (not a gather's offsets) is what it was: a
   batch-size value, its one-hot too."""

@@ -321,7 +321,7 @@ def _offsets(reader, op, kinds):
     return None
   kind = reader.kind(a)
   if op.type in ('Add', 'AddV2') and kind.tag == ROWS and kind.blocks == 1 and (
-      a.dtype.is_integer):
+      a.dtype.is_integer) and a.shape.rank is not None and a.shape.rank == b.shape.rank:
     stride = _static_offsets(reader, b)
     return Kind(INDICES, stride=stride) if stride is not None else None
   return None
@@ -358,7 +358,9 @@ def _own_indices(reader, op, kinds):
   """Positions (rows) plus offsets of stride T: each example's own rows of a T-row flat tensor."""
   offsets = [k for k in kinds if k is not None and k.tag == OFFSETS]
   rows = [k for k in kinds if k is not None and k.tag == ROWS and k.blocks == 1]
-  if len(offsets) == 1 and len(rows) == 1 and all(t.dtype.is_integer for t in op.inputs):
+  ranks = {t.shape.rank for t in op.inputs}
+  if len(offsets) == 1 and len(rows) == 1 and all(t.dtype.is_integer for t in op.inputs) and (
+      len(ranks) == 1 and None not in ranks):   # [n, P] + [n, 1]: the batch axes meet
     return Kind(INDICES, stride=offsets[0].stride)
   return _WHY_INDICES
 
