@@ -98,3 +98,37 @@ def test_towers_train_equal_to_plain(layout, warnings):
 def test_a_static_batch_trains_equal_to_plain(warnings):
   """drop_remainder=True: each shard's batch size (4) is static, and so are BERT's sizes."""
   _check_towered(3, 1, True, warnings)
+
+
+def _in_batch_model_fn(features, labels, mode, params):
+  """BERT's gather_indexes, then an in-batch softmax over the picked tokens (a head)."""
+  _, run_pretraining = bert_model.modules()
+  w = tf.compat.v1.get_variable('w', [8, 8],
+                                initializer=tf.compat.v1.initializers.glorot_uniform(seed=1))
+  hidden = tf.tanh(tf.einsum('btd,de->bte', features['x'], w))
+  picked = run_pretraining.gather_indexes(hidden, features['positions'])
+  similarities = tf.matmul(picked, picked, transpose_b=True)
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+      tf.range(tf.shape(picked)[0]), similarities))
+  train_op = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(
+      loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_a_head_after_gather_indexes_trains_equal_to_plain():
+  """The picked tokens (flat, 2 per example) are the head's frontier: gathered from the towers
+  in example order, the in-batch softmax on the whole batch's (before: the offsets' add was
+  the mixing op and the flat sequence was read as rows, 12 of its 72 rows gathered)."""
+  rng = np.random.RandomState(0)
+  data = {'x': rng.randn(BATCH, bert_model.SEQ, 8).astype(np.float32),
+          'positions': rng.randint(0, bert_model.SEQ, size=(BATCH, 2)).astype(np.int32)}
+
+  def input_fn():
+    return tf.data.Dataset.from_tensor_slices(data).repeat().batch(BATCH)
+  plain = testlib.train_and_read(testlib.stepwise_estimator(_in_batch_model_fn), input_fn,
+                                 at=(1, 2))
+  towered = testlib.train_and_read(testlib.stepwise_estimator(
+      et.replicate_model_fn(_in_batch_model_fn, devices=testlib.cpu_devices(3)), num_cpus=3),
+      input_fn, at=(1, 2))
+  for values, expected in zip(towered, plain):
+    testlib.assert_variables_close(values, expected)
