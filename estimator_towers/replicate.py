@@ -39,6 +39,7 @@ from estimator_towers.loss import reported
 from estimator_towers.placement import strategies as placement_lib
 from estimator_towers.reporting import throughput
 from estimator_towers.reporting import tower_summaries
+from estimator_towers.reporting import work_share
 from estimator_towers.rows import row_dependence
 from estimator_towers.settings import plan as plan_lib
 from estimator_towers.sync_points import batch_norm as batch_norm_sync
@@ -61,6 +62,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
                        loss_reduction: str = 'auto',
                        sync_batch_norm: bool = False,
                        micro_batches: int = 1,
+                       cross_example: str = 'auto',
                        plan: plan_lib.DevicePlan | None = None) -> Callable:
   """Turns a single-device Estimator model_fn into a towered one.
 
@@ -156,6 +158,10 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
       (by the same rule) that run one after another on that device within
       the step; the model_fn still receives the whole batch's gradient and
       updates once per global batch.
+    cross_example: 'auto' (a computation across examples that cannot be
+      split per tower runs once on the whole batch, on the first device:
+      exact, with a warning giving that device's share of the step's heavy
+      ops) or 'refuse' (an error at graph construction instead).
     plan: a `DevicePlan` from `make_plan`, instead of the arguments above.
 
   Returns:
@@ -189,7 +195,8 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   if model_fn is not None and not callable(model_fn):
     raise TypeError(f'model_fn must be callable, got {model_fn!r}.')
   plan = plan_lib.plan_from_arguments(plan, num_gpus, devices, variable_strategy,
-                                      loss_reduction, sync_batch_norm, micro_batches)
+                                      loss_reduction, sync_batch_norm, micro_batches,
+                                      cross_example)
 
   def decorate(fn: Callable) -> Callable:
     return _wrap(fn, plan)
@@ -326,7 +333,8 @@ def _build_train(builder: builder_lib.TowerBuilder, plan: plan_lib.DevicePlan, f
       variable_count=lambda: len(variable_sharing.variables),
       creation_spans=variable_sharing.creation_spans, inputs=shards.flat(builder.primary),
       nonempty=dict(zip(shards.active, shards.nonempty)),
-      ungated=lambda k: shards.ungated.get(k) or shards.flat(k), gates=shards.gates)
+      ungated=lambda k: shards.ungated.get(k) or shards.flat(k), gates=shards.gates,
+      cross_example=plan.cross_example)
   others.attach(broker)
   kept = {}
   if copies is not None:
@@ -348,6 +356,7 @@ def _build_train(builder: builder_lib.TowerBuilder, plan: plan_lib.DevicePlan, f
   tower_summaries.of_built_towers(shards.active, losses, shards.sizes)
   train_op = variable_sharing.refresh(spec.train_op)  # itself without copies
   merged = specs_lib.merge_train(spec, loss, train_op, others.counterparts)
+  work_share.report(graph, builder.tower_devices)
   if across is None:
     return merged
   merged = merged._replace(train_op=cross_worker.share_updates(

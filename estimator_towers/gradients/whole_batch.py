@@ -112,6 +112,8 @@ class WholeBatchGradients:
       before its micro-batch gates (aligned with `inputs`).
     gates: with micro-batches, per shard, the Identity ops its inputs pass
       through (a loss that mixes rows orders them after its head's gradient).
+    cross_example: the plan's ('refuse': a head run once on the whole batch
+      is an error).
   """
 
   def __init__(self, graph: tf.Graph, towers: Sequence[int], sizes: Sequence, batch: Any,
@@ -121,7 +123,8 @@ class WholeBatchGradients:
                variable_count: Callable[[], int],
                creation_spans: Sequence[tuple[int, int]] = (),
                inputs: Sequence[tf.Tensor] = (), nonempty: Any = None,
-               ungated: Callable[[int], list] | None = None, gates: dict | None = None):
+               ungated: Callable[[int], list] | None = None, gates: dict | None = None,
+               cross_example: str = 'auto'):
     self._graph = graph
     self.towers = list(towers)
     self._sizes = sizes
@@ -135,6 +138,7 @@ class WholeBatchGradients:
     self._nonempty = nonempty if nonempty is not None else {k: True for k in towers}
     self._ungated = ungated
     self._gates = gates or {}
+    self._cross_example = cross_example
     self.requests: list[Request] = []   # the primary's whole-batch requests
     self.variables_at: list[int] = []   # variables created before each request
     self.answers: list[list] = []       # the whole-batch gradients, per request
@@ -210,7 +214,8 @@ class WholeBatchGradients:
         self._batch,
         ungated=(lambda i: self._ungated(self.towers[i])) if per_shard else None,
         gates=lambda i: self._gates.get(self.towers[i], []) if len(self.requests) == 1 else [],
-        across=self._passes.sync.across, per_shard=self._passes.copied_towers)
+        across=self._passes.sync.across, per_shard=self._passes.copied_towers,
+        cross_example=self._cross_example)
     if cut == batch_mixing.JOINED:  # every tower's rows meet in a cut: one backward pass
       found = dataclasses.replace(found, one_pass=True)
     if found.loss is not None:

@@ -41,19 +41,23 @@ head made of rows then runs in row chunks, one at a time per device
 
 What it does not do (the warning of `row_dependence` stays): a frontier
 tensor some tower has no counterpart of, a gradient request of several
-tensors, and a static batch size whose shape reads are constants of the graph
-the head reads.
+tensors, a static batch size whose shape reads are constants of the graph
+the head reads, and a head that holds a synchronised batch norm (mixing ops
+before a batch norm with `sync_batch_norm`: `synchronised`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
+import weakref
 
 import numpy as np
 import tensorflow as tf
 
 from estimator_towers.base import interception
 from estimator_towers.rows import row_dependence as rd
+from estimator_towers.sync_points import join as sync_points
 
 _HEAD_KINDS = (rd.MIXED, rd.STAT, rd.SIZE, rd.SHAPE, rd.COLS, rd.UNIQUE, rd.OFFSETS,
                rd.INDICES)
@@ -104,7 +108,7 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     per_shard.append(mine)
   values = per_shard if cached is None else [[cached(i, t) for t in frontier]
                                              for i in range(len(sizes))]
-  static = static_size(head, found, frontier)
+  static = static_size(head, found, frontier) or synchronised(head)
   if static is not None:
     return static
   if split is not None:   # micro-batches: on the first pass's rows, seeds at their own
@@ -117,11 +121,51 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     if not isinstance(built, str):
       return built
   try:
-    return _build(found, loss, grad_y, head, frontier, shapes, (per_shard, values), sizes,
-                  nonempty, batch, across, cached or (lambda i, t: t)) + (
-                      f'on {loss.op.device or "the first tower"}',)
+    built = _build(found, loss, grad_y, head, frontier, shapes, (per_shard, values), sizes,
+                   nonempty, batch, across, cached or (lambda i, t: t))
   except (ValueError, TypeError) as error:
     return f'building it on the whole batch failed ({error})'
+  device = loss.op.device or 'the first tower'
+  _once.setdefault(loss.graph, []).append(Once(found.mixing[0], device))
+  return built + (f'{_ONCE}{device}',)
+
+
+@dataclasses.dataclass(frozen=True)
+class Once:
+  """A head built once, on the whole batch: its first mixing op and its device."""
+  mixing: rd.Mixing
+  device: str
+
+
+_ONCE = 'on '
+_once: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # graph -> [Once]
+
+
+def runs_once(where: str) -> bool:
+  """Whether `build`'s `where` is the head built once on one device (not split per tower)."""
+  return where.startswith(_ONCE)
+
+
+def built_once(graph: tf.Graph) -> list:
+  """The heads `build` built once, on the whole batch, in `graph` (`Once`s, in order)."""
+  return list(_once.get(graph, ()))
+
+
+def synchronised(head: list) -> str | None:
+  """Why not, if the head holds a sync point of the towers (`sync_batch_norm`'s join).
+
+  A copy of tower 0's synchronised batch norm on the whole batch's rows would
+  join the whole batch's statistics with the other towers' shard statistics
+  (and a fused one's gradient is its tower's own).
+  """
+  joins = sync_points.tables(head[0].graph) if head else frozenset()
+  for op in head:
+    if op.name in joins:
+      return (f'the head holds a batch norm synchronised across the towers '
+              f'(sync_batch_norm\'s join {op.name!r}), whose copy on the whole batch would '
+              f'combine the whole batch\'s statistics with the other towers\'; the batch norm '
+              f'reads rows that the mixing ops made')
+  return None
 
 
 def static_size(head: list, found: rd.RowDependence, frontier: list) -> str | None:
@@ -253,14 +297,18 @@ def _head(found: rd.RowDependence, loss: tf.Tensor):
 
 def gathered(parts: list, kind: rd.Kind, sizes: Sequence, nonempty: Sequence) -> tf.Tensor:
   """The shards' rows of one frontier tensor, in input order (blocks kept apart)."""
-  blocks = kind.blocks if kind.tag == rd.ROWS else 1
+  blocks = kind.blocks if kind.tag in (rd.ROWS, rd.FLAT) else 1
   pieces = [[] for _ in range(blocks)]
   for part, size, ne in zip(parts, sizes, nonempty):
     if kind.tag == rd.FLAT:   # entries of the shard's examples: all, or none if empty
-      if ne is True:
+      if ne is not True:
+        part = part[:tf.shape(part)[0] * tf.cast(ne, tf.int32)]
+      if blocks == 1:
         pieces[0].append(part)
-      else:
-        pieces[0].append(part[:tf.shape(part)[0] * tf.cast(ne, tf.int32)])
+        continue
+      entries = tf.shape(part)[0] // blocks   # a stacked layout's blocks: equal parts
+      for j in range(blocks):
+        pieces[j].append(part[j * entries:(j + 1) * entries])
       continue
     if blocks == 1:   # with a borrowed row, 1 row while size is 0
       pieces[0].append(part if isinstance(size, int) else part[:tf.cast(size, tf.int32)])
@@ -285,9 +333,9 @@ def across_workers(mine: tf.Tensor, kind: rd.Kind, across: Any, summed: bool = F
   A stacked layout's blocks stay apart (each worker's first views, then the
   second views).
   """
-  blocks = kind.blocks if kind.tag == rd.ROWS else 1
+  blocks = kind.blocks if kind.tag in (rd.ROWS, rd.FLAT) else 1
   if blocks > 1:
-    return tf.concat([across_workers(part, rd.Kind(rd.ROWS), across, summed)
+    return tf.concat([across_workers(part, rd.Kind(kind.tag), across, summed)
                       for part in tf.split(mine, blocks, 0)], 0)
 
   @tf.custom_gradient

@@ -49,6 +49,7 @@ towers and with micro-batches, are `seeds`'.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import Any, Callable, Sequence
 import weakref
@@ -293,8 +294,10 @@ class _Unrecognised(Exception):
 class _Parser:
   """Tower 0's loss -> leaves, or `_Unrecognised` naming the op."""
 
-  def __init__(self, dependence: Dependence, auto: bool, static_count: Callable | None):
+  def __init__(self, dependence: Dependence, auto: bool, static_count: Callable | None,
+               batch_norms: Callable[[tf.Tensor], bool] = lambda t: False):
     self.dependence = dependence
+    self.batch_norms = batch_norms
     self.auto = auto
     self.static_count = static_count
     self.leaves: dict = {}
@@ -376,7 +379,10 @@ class _Parser:
     """True if `x` is computed from a one-element reduction of the shard's values.
 
     Such an `x` is not per-example (a stack of losses, values divided by
-    their batch's sum), so a sum of it is not a sum of the shards' sums.
+    their batch's sum), so a sum of it is not a sum of the shards' sums. A
+    batch norm's statistic does not count: rows it normalises stay rows
+    (`row_dependence`; with `sync_batch_norm` the global batch's, whose
+    count a synchronised batch norm sums to one element).
     """
     if x.op.name in self._nested:
       return self._nested[x.op.name]
@@ -387,7 +393,8 @@ class _Parser:
       if op.name in seen:
         continue
       seen.add(op.name)
-      if op.type in _REDUCTIONS and op.outputs and _one_element(op.outputs[0]):
+      if op.type in _REDUCTIONS and op.outputs and _one_element(op.outputs[0]) and (
+          not self.batch_norms(op.outputs[0])):
         found = self.dependence.of(op.outputs[0], values=True)[0]
       pending.extend(t.op for t in op.inputs)
     self._nested[x.op.name] = found
@@ -428,7 +435,7 @@ def analyse(loss: Any, inputs: Sequence[tf.Tensor], variables: Sequence[Any],
   if not isinstance(loss, tf.Tensor) or not _one_element(loss):
     return Analysis(loss_reduction if not auto else fallback(), exact=not auto)
   dependence = Dependence(inputs, variables)
-  parser = _Parser(dependence, auto, static_count)
+  parser = _Parser(dependence, auto, static_count, functools.partial(_batch_norms, rows))
   try:
     parser.visit(loss)
   except _Unrecognised as unrecognised:
@@ -448,6 +455,12 @@ def analyse(loss: Any, inputs: Sequence[tf.Tensor], variables: Sequence[Any],
   if form == 'sum':
     return Analysis('sum')
   return Analysis('rebuild', expression)
+
+
+def _batch_norms(rows: row_dependence.RowDependence, t: tf.Tensor) -> bool:
+  """True for a batch norm's statistic (the row reader's reading of `t`)."""
+  kind = rows.kind(t)
+  return kind is not None and kind.tag == row_dependence.STAT and kind.norm
 
 
 def _form(expression: Expression, t: tf.Tensor) -> str | None:

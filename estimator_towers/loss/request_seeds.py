@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from estimator_towers.base import logs
+from estimator_towers.base import spelling
 from estimator_towers.heads import cached_gradients
 from estimator_towers.heads import row_wise_head
 from estimator_towers.heads import whole_batch_head
@@ -45,7 +46,7 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
                 variables: Sequence, ys: Sequence[list], grad_ys: Sequence[list],
                 nonempty: Sequence, sizes: Sequence, batch: Any,
                 ungated: Callable | None, across: Any = None, per_shard: bool = False,
-                gates: Callable | None = None) -> seeds_lib.Seeds:
+                gates: Callable | None = None, cross_example: str = 'auto') -> seeds_lib.Seeds:
   """The seeds of one gradient request, per shard (shard 0 the primary).
 
   Args:
@@ -64,12 +65,18 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
       tower's backward pass its own: `tower_copies`).
     gates: with micro-batches, `gates(i)`: the Identity ops shard i's inputs
       pass through.
+    cross_example: the plan's ('refuse': a head that runs once, on the whole
+      batch, on one device is an error).
+
+  Raises:
+    ValueError: with cross_example='refuse', for a loss whose head runs once
+      on the whole batch.
   """
   loss = ys[0][0] if len(ys[0]) == 1 else None
   find = counterparts.in_losses([y[0] for y in ys]) if loss is not None else None
   head = _whole_batch_head(loss, ys[0], inputs, grad_ys, find, nonempty, sizes, batch,
                            None if ungated is None else (ungated, gates or (lambda i: [])),
-                           across)
+                           across, cross_example)
   if isinstance(head, seeds_lib.Seeds):
     return head
   analysis = loss_algebra.analyse(loss, inputs, variables, loss_reduction,
@@ -94,8 +101,8 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
 
 def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
                       grad_ys: Sequence[list], find: Callable | None, nonempty: Sequence,
-                      sizes: Sequence, batch: Any, micro: tuple | None, across: Any = None
-                      ) -> seeds_lib.Seeds | str | None:
+                      sizes: Sequence, batch: Any, micro: tuple | None, across: Any = None,
+                      cross_example: str = 'auto') -> seeds_lib.Seeds | str | None:
   """A loss that mixes the batch's rows, its head on the whole batch (`whole_batch_head`).
 
   Each shard's backward pass starts from its frontier tensors' rows of the
@@ -119,9 +126,24 @@ def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
   if isinstance(built, str):
     return built
   whole, shards, stops, where = built
+  if cross_example == 'refuse' and whole_batch_head.runs_once(where):
+    _refuse(loss, found, where)
   logs.info_once_per_graph(
       f'estimator_towers: the loss {loss.name} depends on {found.mixing[0].describe()}, '
       f'which mixes the batch\'s rows: its head ({len(found.frontier)} gathered tensor(s) '
       f'to the loss) runs on the whole batch {where}'
       f'{", on the rows of a first pass over the micro-batches" if micro else ""}.')
   return seeds_lib.Seeds(shards, whole, stops)
+
+
+def _refuse(loss: tf.Tensor, found: Any, where: str) -> None:
+  """cross_example='refuse': a head built once on the whole batch is an error (see `for_request`)."""
+  raise ValueError(
+      f'{spelling.setting("cross_example", "refuse")}: the loss {loss.name} depends on '
+      f'{found.mixing[0].describe()}, which mixes the batch\'s rows (as far as the library '
+      f'can tell), and everything from it to the loss cannot be split per tower: it would '
+      f'run once, on the whole batch, {where}, while the other devices wait. Keep each '
+      f'example\'s rows apart up to the ops that must see the whole batch (the ops the row '
+      f'reader knows: docs/cross_example.md), or pass '
+      f'{spelling.setting("cross_example", "auto")} to train it that way (exact, not '
+      f'data-parallel).')

@@ -9,8 +9,9 @@ letter, once in its subscripts (no diagonal across examples), no operand
 that does not depend on the batch (weights) has it, and it is the output's
 first letter: Keras' `EinsumDense` (`abc,cde->abde`), BERT's and Keras'
 attention (`BTNH,BFNH->BNFT`, `aecd,abcd->acbe`). The batch letter as the
-output's second letter gives columns (`bi->ib`, of one batch operand); left out of the output it
-is summed over the examples, a statistic (`bi,bj->ij`, a Gram matrix).
+output's second letter gives columns (`bi->ib`, of one batch operand: the
+frontier before them is its rows); left out of the output it is summed
+over the examples, a statistic (`bi,bj->ij`, a Gram matrix).
 Everything else mixes: two batch letters pair different examples
 (`ab,cb->ac`, an in-batch similarity), the letter moved further, a batch
 operand's rows with weights indexed by the batch axis, or with a statistic
@@ -21,8 +22,9 @@ A batched linear algebra op (`tf.linalg`'s inverse, Cholesky, determinant,
 solves, decompositions: `op_tables.BATCHED_MATRICES`) works on each matrix
 of its [..., m, m] inputs alone: of rows (or flat rows) of rank 3 or more
 its outputs are such rows, with weights of rank 2 or less broadcast over the
-batch; of rank 2 the batch axis is a matrix axis, which mixes. The gradient
-of an einsum is einsums, but the reader reads the forward graph only.
+batch; of rank 2 the batch axis is a matrix axis, which mixes (a diagonal
+or band of rows: `sizes`). The gradient of an einsum is einsums, but the
+reader reads the forward graph only.
 """
 
 from __future__ import annotations
@@ -116,19 +118,21 @@ def _einsum(reader, op, kinds):
   return f'an einsum that moves the batch axis (equation {equation})'
 
 
-def _layout(kinds: list):
+def _layout(kinds: list, what: str = 'an einsum'):
   """The kind of a per-example product of batch operands of `kinds`, or why they cannot meet."""
   tags = {k.tag for k in kinds}
   if tags == {FLAT}:   # the same rows per example kept (`Kind.per`), unknown if any is
+    if len({k.blocks for k in kinds}) > 1:
+      return 'an einsum of flat rows of different stacked layouts'
     pers = {k.per for k in kinds}
     if len(pers) > 1 and None not in pers:
       return 'an einsum of flat rows of different rows per example'
-    return kinds[0] if len(pers) == 1 else FLAT_KIND
+    return kinds[0] if len(pers) == 1 else Kind(FLAT, kinds[0].blocks)
   if FLAT in tags:
-    return 'an einsum of rows with values of another row layout'
+    return f'{what} of rows with values of another row layout'
   blocks = {k.blocks for k in kinds if k.tag == ROWS}
   if len(blocks) > 1 or (COLS in tags and blocks - {1}):
-    return 'an einsum of rows of different stacked layouts'
+    return f'{what} of rows of different stacked layouts'
   return Kind(ROWS, blocks.pop()) if blocks and blocks != {1} else ROWS_KIND
 
 
@@ -148,8 +152,7 @@ def _batched_matrices(reader, op, kinds):
     return (f'a matrix op ({op.type}) whose matrix axes include the batch axis (rank '
             f'{min((r for r in ranks if r is not None), default="unknown")}, not a [n, m, m] '
             f'batch of matrices)')
-  layout = _layout(present)
-  return f'{layout} ({op.type})' if isinstance(layout, str) else layout
+  return _layout(present, f'a batched matrix op ({op.type})')
 
 
 # Op type -> the reader of its kinds (reader, op, kinds): the dispatch of `reader`.

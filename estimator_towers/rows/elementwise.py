@@ -72,11 +72,14 @@ KEEPS = frozenset(('Identity', 'Cast', 'StopGradient', 'Snapshot', 'CheckNumeric
 
 def _flat(op, present):
   """Flat rows combined: the same rows per example kept, another layout mixes them."""
+  blocks = {k.blocks for k in present}
+  if len(blocks) > 1:
+    return 'flat rows of different stacked layouts combined'
   pers = {k.per for k in present}
   if len(pers) == 1:
-    return flat_kind(present[0].per)
+    return flat_kind(present[0].per, present[0].blocks)
   if None in pers:
-    return FLAT_KIND
+    return flat_kind(None, present[0].blocks)
   return 'flat rows of different rows per example combined'
 
 

@@ -237,6 +237,8 @@ def _leading_dims_match(mask, params) -> bool:
 def where(op, kinds):
   """`tf.where`'s indices (one input): of a vector, the positions of its own true rows; else flat."""
   kind = kinds[0]
+  if kind.tag in (ROWS, FLAT) and kind.blocks != 1:
+    return flat_kind(None, kind.blocks)   # positions in the blocks' order
   if kind.tag in (ROWS, FLAT) and op.inputs[0].shape.rank == 1:
     stride = rows_per_example(kind)
     if stride is None and kind.tag == FLAT:
@@ -296,7 +298,8 @@ def _of_indices(reader, op, kinds, present):
               k is None for k in kinds[2:]):
     params, indices = kinds[0], kinds[1]
     each = rows_per_example(params)
-    if indices.stride != (RAGGED if each is None and params.tag == FLAT else each):
+    ragged = each is None and params.tag == FLAT and params.blocks == 1
+    if indices.stride != (RAGGED if ragged else each):
       return ('a gather of flat rows by indices of another number of rows per example '
               f'({indices.stride} against {each})')
     if indices.layout == FLAT:

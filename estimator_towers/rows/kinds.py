@@ -33,12 +33,15 @@ RAGGED = 'ragged'
 class Kind:
   """A tensor's rows: `tag` one of the kinds above.
 
-  `blocks`: for rows, how many copies of the shard's examples are stacked on
-  axis 0 (1: one row per example). `norm`: for a statistic, a batch norm's.
+  `blocks`: for rows and flat rows, how many copies of the shard's examples
+  are stacked on axis 0 (1: one row per example; flat rows in 2 blocks: a
+  reshape of 2 stacked views to [2n * T, d], each view's entries in example
+  order). `norm`: for a statistic, a batch norm's.
   `per`: for flat rows (and for the shape of flat rows, for flat indices),
-  how many rows each example has, the same for every example: an int, a
-  `(coefficient, names)` product with sizes known only when the graph runs,
-  or None (unknown, or not the same for every example: a SparseTensor's).
+  how many rows each example has (in each block), the same for every
+  example: an int, a `(coefficient, names)` product with sizes known only
+  when the graph runs, or None (unknown, or not the same for every example:
+  a SparseTensor's).
   `stride`: for offsets (`range(n) * T`, each example's first row in a flat
   tensor of T rows per example) and indices (rows of the flat tensor each
   example picks among its own), that flat tensor's rows per example (1: one
@@ -60,9 +63,9 @@ SPLITS_KIND = Kind(SPLITS)
 STAT_KIND, NORM_KIND = Kind(STAT), Kind(STAT, norm=True)
 
 
-def flat_kind(per=None) -> Kind:
-  """Flat rows of `per` rows per example (None: unknown or not the same for each)."""
-  return Kind(FLAT, per=per)
+def flat_kind(per=None, blocks: int = 1) -> Kind:
+  """Flat rows of `per` rows per example (None: unknown or not the same for each), in `blocks`."""
+  return Kind(FLAT, blocks, per=per)
 
 
 def rows_per_example(kind: Kind | None, blocks: bool = False):
@@ -73,10 +76,16 @@ def rows_per_example(kind: Kind | None, blocks: bool = False):
   """
   if kind is None:
     return None
+  if kind.blocks != 1 and not blocks:
+    return None
   if kind.tag == ROWS:
-    return kind.blocks if kind.blocks == 1 or blocks else None
-  if kind.tag == FLAT:
-    return kind.per
+    return kind.blocks
+  if kind.tag == FLAT and kind.per is not None:
+    if kind.blocks == 1:
+      return kind.per
+    if isinstance(kind.per, int):
+      return kind.blocks * kind.per
+    return (kind.blocks * kind.per[0], kind.per[1])
   return None
 
 

@@ -12,6 +12,10 @@ it mixes. A statistic's shape does not depend on the batch; the rank never
 does. `batch_multiple` says which sizes are a known multiple k of the
 shard's examples (`tf.shape(x)[0] * T`, a static size of a static batch):
 what a reshape's leading size makes of the rows (`stacked`).
+A diagonal or band
+of rows (`tf.linalg.diag` of [n, m] rows, the diagonal of [n, m, m] ones,
+what `tf.linalg.logdet` and `tf.eye(batch_shape=...)` make) is rows, one
+matrix per example; where the batch axis is a matrix axis it mixes.
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ def shape_of(kind: Kind | None) -> Kind | None:
   """The kind of the shape of a tensor of `kind`."""
   if kind is None:
     return None
-  if kind.tag == FLAT:
-    return Kind(SHAPE, per=kind.per, layout=FLAT)   # [n * T, ...]: shapes flat rows
+  if kind.tag == FLAT:   # [n * T, ...]: shapes flat rows
+    return Kind(SHAPE, kind.blocks, per=kind.per, layout=FLAT)
+  if kind.tag == ROWS and kind.blocks > 1:
+    return Kind(SHAPE, kind.blocks)   # [b * n, ...]
   if kind.tag in (ROWS, SIZE, SHAPE):
     return SHAPE_KIND
   return kind   # a statistic's shape does not depend on the batch (or is mixed)
@@ -71,7 +77,8 @@ def _shaped(reader, op, kinds):
   if shape.tag != SHAPE:
     return SIZE_KIND if shape.tag == SIZE and not rest else 'an op shaped by a value of the batch'
   if shape.layout == FLAT:
-    return flat_kind(shape.per) if not rest else 'an op shaped by flat rows, of other values'
+    return flat_kind(shape.per, shape.blocks) if not rest else (
+        'an op shaped by flat rows, of other values')
   if any(k.tag not in (ROWS, STAT) for k in rest):
     return 'an op shaped by the batch, of values that are not rows'
   if any(k.tag == STAT and not k.norm for k in rest):
@@ -173,6 +180,8 @@ def _shape_product(reader, op):
 
 def _batch_size_value(reader, op, kinds):
   present = [k for k in kinds if k is not None]
+  if op.type.startswith('Matrix') and present and all(k.tag in (ROWS, FLAT) for k in present):
+    return _per_matrix(op, kinds)
   if all(k.tag == UNIQUE for k in present):
     return UNIQUE_KIND   # positions in the batch's distinct values
   if all(k.tag in (SIZE, SHAPE) for k in present):
@@ -180,6 +189,19 @@ def _batch_size_value(reader, op, kinds):
   if all(k.tag in (SIZE, SHAPE, STAT) for k in present):
     return stat_of(present)
   return f'a {op.type} of the batch\'s rows'
+
+
+def _per_matrix(op, kinds):
+  """A diagonal or band of rows: per example where the batch axis is not a matrix axis."""
+  data = kinds[:2] if op.type.startswith('MatrixSetDiag') else kinds[:1]
+  if None in data or len(set(data)) > 1 or any(k is not None for k in kinds[len(data):]):
+    return f'a {op.type} of the batch\'s rows with other values or by a value of the batch'
+  rank = op.inputs[0].shape.rank
+  k = static_value(op.inputs[1]) if op.type in ('MatrixDiagV2', 'MatrixDiagV3') else None
+  single = op.type == 'MatrixDiag' or (k is not None and (k.size == 1 or k.min() == k.max()))
+  if rank is not None and (rank >= 3 or rank == 2 and single):
+    return data[0]   # [n, m] diagonals to [n, m, m] matrices, or [n, m, m] matrices' parts
+  return f'a {op.type} whose matrix axes include the batch axis (rank {rank})'
 
 
 # Op type -> the reader of its kinds (reader, op, kinds): the dispatch of `reader`.

@@ -7,12 +7,15 @@ split of them back into 2 is rows again. A reshape, transpose, tile,
 expand_dims, squeeze, concat, stack, unstack, split, slice or pad that
 leaves axis 0 alone (or changes only the axes after it) keeps the rows; a
 transpose of [n, d] puts the batch on axis 1 (columns) and back. A reshape
-keeps each example's values together, in example order: to a leading size
-of k times the examples (`sizes.batch_multiple`: `tf.shape(x)[0] * T`, a
-static size of a static batch, -1 with the sizes after it known) it makes
-flat rows of k rows per example (`flat`), rows for k = 1, from rows or from
-flat rows whose rows per example are known; flat rows of no known `per`
-reshaped to the batch's size mix (their examples' rows differ in number).
+keeps each example's values together, in example order (within each block
+of rows stacked in blocks): to a leading size of k times the examples
+(`sizes.batch_multiple`: `tf.shape(x)[0] * T`, a static size of a static
+batch, -1 with the sizes after it known) it makes flat rows of k rows per
+example (`flat`; in the rows' b blocks, k / b per example in each), rows
+for k = 1 (k = b), from rows or from flat rows whose rows per example are
+known; flat rows of no known `per` reshaped to the batch's size mix (their
+examples' rows differ in number). A split of flat rows in blocks keeps
+their blocks apart as rows'.
 Whatever moves values between the batch's rows (a slice, reverse, top-k,
 cumulative sum or pad across axis 0, a stack before it, a concat on
 it of rows with other values) mixes them, and so does an axis the graph
@@ -27,7 +30,7 @@ from estimator_towers.rows.elementwise import elementwise
 from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, FLAT_KIND, ROWS, ROWS_KIND, SHAPE,
                                          SHAPE_KIND, SIZE, SIZE_KIND, STAT, Kind, flat_kind,
                                          rows_per_example, stat_of)
-from estimator_towers.rows.sizes import batch_multiple
+from estimator_towers.rows.sizes import batch_multiple, times
 from estimator_towers.rows.static_values import axes_of, product, static_value
 
 
@@ -41,7 +44,7 @@ def _reshape(reader, op, kinds):
   if shape is not None and shape.tag == SHAPE and x.tag in (ROWS, FLAT):   # tf.shape(y)'s
     if shape.layout != FLAT and x.tag == ROWS:
       return x
-    return _to_layout(x, 1 if shape.layout != FLAT else shape.per)
+    return _to_layout(x, times(shape.blocks, 1 if shape.layout != FLAT else shape.per))
   out, in_shape = op.outputs[0].shape, op.inputs[0].shape
   value = static_value(op.inputs[1]) if shape is None else None
   if value is not None and value.ndim == 1 and out.rank == len(value):
@@ -88,32 +91,38 @@ def _static_multiple(reader, size: int):
 
 def _to_layout(x, k):
   """`x` reshaped to k rows per example on axis 0 (a reshape keeps each example's values
-  together in example order): rows for 1, flat rows of `per` k, else why it mixes."""
+  together in example order, within each of the b blocks): rows for k = b, flat rows of
+  `per` k / b in b blocks, else why it mixes."""
   if k is None:
     return 'a reshape to a size the library cannot relate to the batch size'
-  if x.tag == ROWS and x.blocks > 1:
-    return x if k == x.blocks else 'a reshape of rows stacked in blocks'
-  if rows_per_example(x) is None:
+  if rows_per_example(x, blocks=True) is None:
     return ('a reshape of flat rows whose rows per example are unknown to a size of the '
             'batch')
-  return ROWS_KIND if k == 1 else flat_kind(k)
+  b = x.blocks
+  coefficient, names = (k, ()) if isinstance(k, int) else k
+  if coefficient % b:
+    return 'a reshape of rows stacked in blocks to a size that mixes the blocks'
+  q = coefficient // b if not names else (coefficient // b, names)
+  if q == 1:
+    return x if x.tag == ROWS else Kind(ROWS, b)
+  return flat_kind(q, b)
 
 
 def _by_inner_sizes(x, in_shape, out):
   """A reshape to [-1, ...]: the rows per example from the sizes after axis 0."""
   inner_in = product(in_shape[1:]) if in_shape.rank else None
   inner_out = product(out[1:])
-  each = rows_per_example(x)
+  each = 1 if x.tag == ROWS else x.per   # rows per example in each block
   if inner_in is not None and inner_out:
     if inner_in == inner_out:
       return x
     if isinstance(each, int) and (each * inner_in) % inner_out == 0:
-      return _to_layout(x, each * inner_in // inner_out)
+      return _to_layout(x, x.blocks * each * inner_in // inner_out)
     if x.tag == FLAT and each is None and inner_in % inner_out == 0:
-      return FLAT_KIND   # the flat rows' entries split further
+      return flat_kind(None, x.blocks)   # the flat rows' entries split further
     return 'a reshape that moves values between the batch\'s rows'
   if out.rank == 1 and x.tag in (ROWS, FLAT):
-    return FLAT_KIND   # each example's values, in example order
+    return flat_kind(None, x.blocks)   # each example's values, in example order
   return 'a reshape whose rows cannot be told from the graph'
 
 
@@ -254,8 +263,8 @@ def _split(op, kind, axis_tensor, num_split, sizes_kind=None):
   if axes[0] != 0:
     return [kind] * len(op.outputs)
   count = len(op.outputs)
-  if kind.tag == ROWS and num_split is not None and kind.blocks % count == 0:
-    return [Kind(ROWS, kind.blocks // count)] * count
+  if kind.tag in (ROWS, FLAT) and num_split is not None and kind.blocks % count == 0:
+    return [Kind(kind.tag, kind.blocks // count, per=kind.per)] * count   # the views apart
   return 'a split of the batch axis'
 
 

@@ -3,7 +3,9 @@
 The rule. A reduction over the batch axis of rows or flat rows (a sum, a
 mean, a max, `L2Loss`, an arg-max) is a statistic; `tf.nn.moments` over axis
 0 and a fused batch norm's are a batch norm's, which normalising rows keeps
-them rows (`sync_batch_norm`'s choice). A reduction over other axes keeps
+them rows (`sync_batch_norm`'s choice); a fused batch norm of flat rows (a
+batch norm over every token: [n * T, 1, 1, d]) keeps them flat, in their
+blocks. A reduction over other axes keeps
 the rows. A matrix product sums over the batch (a statistic) where both
 operands' batch axes are summed, keeps it where one operand is the batch's
 and the other's weights do not depend on it (also [n, ..., a, b] rows
@@ -133,8 +135,10 @@ def _batch_norm(reader, op, kinds):
     return 'a batch norm whose scale or offset depends on the batch'
   if any(k is not None and k.tag != STAT for k in kinds[3:]):
     return 'a batch norm whose statistics are not the batch\'s statistics'
-  if kinds[0].tag != ROWS:
+  if kinds[0].tag not in (ROWS, FLAT):
     return 'a batch norm of values that are not one row per example'
+  # Rows or flat rows (a reshape of [n, T, d] to [n * T, 1, 1, d]): the statistics are
+  # over every entry of the batch's examples, the normalised entries stay where they were.
   return [kinds[0]] + [NORM_KIND] * (len(op.outputs) - 1)
 
 

@@ -47,6 +47,9 @@ class TowersConfig:
     staging_backend: the staged input_fn's backend: 'staging_area' (the only
       value).
     loss_reduction: 'auto', 'exact', 'mean' or 'sum', how the model_fn's loss reduces the batch.
+    cross_example: 'auto' or 'refuse': whether a computation across examples
+      that cannot be split per tower may run once on the whole batch, on the
+      first device (with a warning), or is an error.
     log_device_placement: log the device of every op when the session starts.
     allow_soft_placement: let TensorFlow move ops without a kernel for their
       device (summaries on a GPU tower, say) to another device. On by default,
@@ -77,6 +80,7 @@ class TowersConfig:
   staging_depth: int = 1
   staging_backend: str = 'staging_area'
   loss_reduction: str = 'auto'
+  cross_example: str = 'auto'
   log_device_placement: bool = False
   allow_soft_placement: bool = True
   gpu_memory_fraction: float = 0.0
@@ -97,6 +101,7 @@ class TowersConfig:
     return plan_lib.make_plan(num_gpus=self.num_gpus, devices=devices,
                               variable_strategy=self.variable_strategy,
                               loss_reduction=self.loss_reduction,
+                              cross_example=self.cross_example,
                               staging_depth=self.staging_depth,
                               staging_backend=self.staging_backend,
                               allow_cpu_fallback=self.allow_cpu_fallback,

@@ -121,6 +121,13 @@ def _definitions() -> dict[str, Callable[[flags.FlagValues], object]]:
           + _choices({name: _LOSS_REDUCTION_HELP.get(name, name)
                       for name in plan_lib.LOSS_REDUCTIONS}) + '.',
           flag_values=fv),
+      'cross_example': lambda fv: flags.DEFINE_enum(
+          'cross_example', 'auto', list(plan_lib.CROSS_EXAMPLE),
+          'A computation across examples that cannot be split per tower (an op '
+          'the library does not know, say): auto: it runs once on the whole '
+          'batch on the first device, exact, with a warning giving that '
+          'device\'s share of the step\'s heavy ops; refuse: an error when the '
+          'graph is built, so the towers stay data-parallel.', flag_values=fv),
       'sync_batch_norm': lambda fv: flags.DEFINE_bool(
           'sync_batch_norm', False,
           'In training, normalise every batch norm with the mean and variance '

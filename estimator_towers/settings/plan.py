@@ -16,6 +16,9 @@ from estimator_towers.placement import strategies as placement
 from estimator_towers.settings import staging_backends
 
 LOSS_REDUCTIONS = ('auto', 'exact', 'mean', 'sum')
+# What a computation across examples that would run once on the whole batch gets: 'auto' builds
+# it (exact; a warning says what share of the step then runs on one device), 'refuse' raises.
+CROSS_EXAMPLE = ('auto', 'refuse')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,11 @@ class DevicePlan:
       that warning an error), 'mean' (the loss is a mean over the batch:
       towers are weighted by their share of the batch) or 'sum' (towers add
       up).
+    cross_example: 'auto' (default: a computation across examples that
+      cannot be split per tower runs once, on the whole batch, on the first
+      device: exact, with a warning saying what share of the step's heavy
+      ops that puts on one device) or 'refuse' (that is an error at graph
+      construction: the towers must stay data-parallel).
     staging_depth: shards kept in flight per device by the staged input_fn.
     staging_backend: how the staged input_fn prefetches shards:
       'staging_area' (a StagingArea per device; the only value).
@@ -74,6 +82,7 @@ class DevicePlan:
   sync_batch_norm: bool = False
   micro_batches: int = 1
   worker_timeout_secs: float = 120.0
+  cross_example: str = 'auto'
 
   def resolve(self) -> tuple[str, ...]:
     """The devices the towers really get on this machine.
@@ -102,7 +111,8 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
               allow_cpu_fallback: bool = False,
               sync_batch_norm: bool = False,
               micro_batches: int = 1,
-              worker_timeout_secs: float = 120.0) -> DevicePlan:
+              worker_timeout_secs: float = 120.0,
+              cross_example: str = 'auto') -> DevicePlan:
   """Validates arguments and returns a DevicePlan.
 
   Give the plan to `replicate_model_fn(model_fn, plan=plan)` and, for staged
@@ -132,10 +142,15 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
       that run one after another on that device, within one step.
     worker_timeout_secs: variable_strategy='collective' across workers: a
       step waits this long for the other workers before failing.
+    cross_example: 'auto' (default: a computation across examples that
+      cannot be split per tower runs once on the whole batch, on the first
+      device, with a warning giving that device's share of the step's heavy
+      ops) or 'refuse' (an error instead: the towers stay data-parallel).
 
   Raises:
     ValueError: for a count together with devices, a negative count,
-      duplicate or malformed devices, an unknown strategy or reduction, or a
+      duplicate or malformed devices, an unknown strategy, reduction or
+      cross_example, or a
       negative staging depth, an unknown or removed staging backend, or
       micro_batches that is not a positive integer.
 
@@ -163,6 +178,7 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
         f'for "auto" that raises where it cannot, "mean" '
         f'when your loss averages over the batch (tf.compat.v1.losses and Keras '
         f'losses do) and "sum" when it adds up per-example losses.')
+  validate_cross_example(cross_example)
   if isinstance(staging_depth, bool) or not isinstance(staging_depth, int) or staging_depth < 0:
     raise ValueError(
         f'{spelling.name("staging_depth")} must be a non-negative integer '
@@ -196,13 +212,29 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
                     allow_cpu_fallback=allow_cpu_fallback,
                     sync_batch_norm=sync_batch_norm,
                     micro_batches=micro_batches,
-                    worker_timeout_secs=float(worker_timeout_secs))
+                    worker_timeout_secs=float(worker_timeout_secs),
+                    cross_example=cross_example)
+
+
+def validate_cross_example(value: object) -> None:
+  """Checks a `cross_example` setting.
+
+  Raises:
+    ValueError: for a value not in `CROSS_EXAMPLE`.
+  """
+  if value not in CROSS_EXAMPLE:
+    raise ValueError(
+        f'{spelling.name("cross_example")} must be one of {CROSS_EXAMPLE}, got '
+        f'{spelling.value("cross_example", value)}: use "auto" to run a computation '
+        f'across examples that cannot be split per tower once on the whole batch (exact, '
+        f'with a warning when it puts work on one device), or "refuse" to make that an '
+        f'error.')
 
 
 def plan_from_arguments(plan: DevicePlan | None, num_gpus: int | None,
                         devices: Sequence[str] | None, variable_strategy: str,
                         loss_reduction: str, sync_batch_norm: bool,
-                        micro_batches: int) -> DevicePlan:
+                        micro_batches: int, cross_example: str = 'auto') -> DevicePlan:
   """`replicate_model_fn`'s plan: the one it was given, or one made from its arguments.
 
   Raises:
@@ -215,7 +247,8 @@ def plan_from_arguments(plan: DevicePlan | None, num_gpus: int | None,
                      variable_strategy=variable_strategy,
                      loss_reduction=loss_reduction,
                      sync_batch_norm=sync_batch_norm,
-                     micro_batches=micro_batches)
+                     micro_batches=micro_batches,
+                     cross_example=cross_example)
   if num_gpus is not None or devices is not None:
     raise ValueError('Give either plan or num_gpus/devices, not both; the '
                      'plan already names the devices.')
@@ -225,7 +258,8 @@ def plan_from_arguments(plan: DevicePlan | None, num_gpus: int | None,
       ('variable_strategy', variable_strategy, 'cpu'),
       ('loss_reduction', loss_reduction, 'auto'),
       ('sync_batch_norm', sync_batch_norm, False),
-      ('micro_batches', micro_batches, 1)) if value != default}
+      ('micro_batches', micro_batches, 1),
+      ('cross_example', cross_example, 'auto')) if value != default}
   if overridden:
     settings = ', '.join(f'{name}={value!r}' for name, value in overridden.items())
     raise ValueError(

@@ -12,15 +12,26 @@ towers' devices: TensorFlow sends the parts to the first tower's device and
 the result back.
 
 `SyncPoint` is one statistic's joins: forward, and one per backward pass.
+`tables(graph)` names the joins' tables built in a graph: an op that reads
+one reads every tower's part (what a copy of a tower's ops must not copy).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
+import weakref
 
 import tensorflow as tf
 
 from estimator_towers.base import interception
+
+
+_tables: 'weakref.WeakKeyDictionary[tf.Graph, set]' = weakref.WeakKeyDictionary()
+
+
+def tables(graph: tf.Graph) -> frozenset:
+  """The names of the joins' tables (every tower's part stacked) built in `graph`."""
+  return frozenset(_tables.get(graph, ()))
 
 
 class Exchange:
@@ -63,6 +74,7 @@ class Exchange:
     first = graph.version
     table = tf.stack([self._values.get(k, value) for k in self._towers])
     self._table = table.op
+    _tables.setdefault(graph, set()).add(table.op.name)
     self._slots = {k: i for i, k in enumerate(self._towers) if k not in self._values}
     self._result, self._per_tower = fn(table), per_tower
     self.made = graph.get_operations()[first:]
