@@ -404,3 +404,23 @@ def test_gathers_within_each_example():
     return tf.reduce_sum(picked), {}
   found, _ = _layouts(coordinates)
   assert [m.op.type for m in found.mixing] == ['GatherNd'], [m.describe() for m in found.mixing]
+
+
+def test_flat_rows_in_blocks_keep_their_rows_per_example():
+  """Two stacked views [2n, T, d] reshaped to [2n * T, d]: flat rows in 2 blocks of T per
+  example; back to [tf.shape(views)[0], T, d]: rows in 2 blocks; to [tf.shape(x)[0], ...]
+  (n, not 2n) the blocks would mix."""
+  def model(x, positions):
+    views = tf.concat(tf.split(_dense(x, H, 'h'), 2, -1), 0)
+    flat = tf.reshape(views, [-1, H // 2])
+    back = tf.reshape(flat, [tf.shape(views)[0], T, H // 2])
+    return tf.reduce_sum(back), dict(flat=flat, back=back)
+  found, kinds = _layouts(model)
+  assert not found.mixing, [m.describe() for m in found.mixing]
+  assert kinds == dict(flat=rd.Kind(rd.FLAT, 2, per=T), back=rd.Kind(rd.ROWS, 2))
+
+  def halved(x, positions):
+    views = tf.concat(tf.split(_dense(x, H, 'h'), 2, -1), 0)
+    return tf.reduce_sum(tf.reshape(views, [tf.shape(x)[0], -1])), {}
+  found, _ = _layouts(halved)
+  assert [m.op.type for m in found.mixing] == ['Reshape'], [m.describe() for m in found.mixing]

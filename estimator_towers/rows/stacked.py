@@ -42,8 +42,6 @@ def _reshape(reader, op, kinds):
   if x.tag in (STAT, SIZE, SHAPE):
     return x if x.tag == STAT else SIZE_KIND
   if shape is not None and shape.tag == SHAPE and x.tag in (ROWS, FLAT):   # tf.shape(y)'s
-    if shape.layout != FLAT and x.tag == ROWS:
-      return x
     return _to_layout(x, times(shape.blocks, 1 if shape.layout != FLAT else shape.per))
   out, in_shape = op.outputs[0].shape, op.inputs[0].shape
   value = static_value(op.inputs[1]) if shape is None else None
