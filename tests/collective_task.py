@@ -190,10 +190,27 @@ def attention_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(loss, params))
 
 
+def batch_reductions_model_fn(features, labels, mode, params):
+  """A max, a min, the row an arg-max picks and a logsumexp over the batch: rows mix.
+
+  Two gradient requests, summed: the max and the min alone in the first (no other op mixes
+  its rows there), the arg-max's row and the logsumexp in the second.
+  """
+  logits = _dense(features['x'])
+  xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+  first = tf.reduce_mean(xent) + 0.3 * tf.reduce_max(xent) + 0.2 * tf.reduce_min(xent)
+  second = 0.2 * tf.gather(xent, tf.argmax(logits[:, 0])) + 0.1 * tf.reduce_logsumexp(xent)
+  optimizer = tf.compat.v1.train.MomentumOptimizer(params['learning_rate'], 0.9)
+  grads = [(a + b, v) for (a, v), (b, _) in zip(optimizer.compute_gradients(first),
+                                                optimizer.compute_gradients(second))]
+  train_op = optimizer.apply_gradients(grads, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=first + second, train_op=train_op)
+
+
 MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_model_fn,
           'bn': bn_model_fn, 'clip': clip_model_fn, 'top_k': top_k_model_fn,
           'clip_weighted': clip_weighted_model_fn, 'mixup': mixup_model_fn,
-          'attention': attention_model_fn}
+          'attention': attention_model_fn, 'batch_reductions': batch_reductions_model_fn}
 
 
 def input_fn(data, suffix, batch, features_only=False):

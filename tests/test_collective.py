@@ -196,14 +196,16 @@ def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize('model, micro_batches', [
-    ('clip', 1), ('clip_weighted', 1), ('top_k', 1), ('mixup', 1), ('attention', 1), ('clip', 2)])
+    ('clip', 1), ('clip_weighted', 1), ('top_k', 1), ('mixup', 1), ('attention', 1), ('clip', 2),
+    ('batch_reductions', 1)])
 def test_cross_example_losses_across_two_workers_of_two_towers(tmp_path, model, micro_batches):
   """Issue 33: an in-batch softmax with a trained temperature (and a trained weight of its
   two terms), a batch top-k: the head on the cluster's rows (all-gathered in rank order; CLIP's
   row-wise, each worker its own rows against the cluster's columns; the worker's input ends
   first, so the global batches are 12, 12, 8, 6, 6), every worker's rows and gradients exact.
   Mixup: its input stage on the cluster's rows, each tower reading its own. Attention: a sync
-  point on the cluster's hidden rows, their gradient summed over the workers.
+  point on the cluster's hidden rows, their gradient summed over the workers. Batch
+  reductions: a max, a min, an arg-max's row and a logsumexp over the cluster's batch.
   With micro-batches the head reads a first pass's rows, gathered across the workers once
   per step."""
   data = _data(tmp_path / 'data.npz', SIZES)

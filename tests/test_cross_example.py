@@ -13,7 +13,8 @@ micro-batches and its gradient seeds each micro-batch's backward pass
 refused.
 
 Never silently wrong: where the library does not compute such an op on the
-whole batch (EVAL, a gradient request of several tensors), one warning at
+whole batch (a static batch size whose shape reads the head would take for
+constants), one warning at
 graph construction names it and says why, not the loss algebra's;
 `loss_reduction='exact'` makes it an error, and micro-batches refuse it. A
 per-example model gets no warning.
@@ -29,6 +30,7 @@ import cross_example_models as patterns
 import testlib
 import estimator_towers as et
 from estimator_towers.base import logs
+from estimator_towers.heads import whole_batch_head
 from estimator_towers.towers import unsplit as towers
 
 ModeKeys = tf.estimator.ModeKeys
@@ -69,45 +71,49 @@ def _ours(found):
 
 
 def _two_tensors_model_fn(pattern, features, labels, mode):
-  """A gradient request of two tensors: no whole-batch head (it takes one loss)."""
+  """A gradient request of two tensors: one scalar's gradient (`request_seeds`), exact."""
   loss, _ = pattern(features['x'], labels)
   tvars = tf.compat.v1.trainable_variables()
   grads = tf.gradients([loss, 0.5 * loss], tvars)
-  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).apply_gradients(
+  train_op = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).apply_gradients(
       zip(grads, tvars), tf.compat.v1.train.get_global_step())
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def _build_two_tensors(name, **plan):
-  model_fn = functools.partial(_two_tensors_model_fn, patterns.PATTERNS[name][0])
-  towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(3), **plan)
-  with tf.Graph().as_default():
-    tf.compat.v1.train.create_global_step()
-    towered({'x': tf.compat.v1.placeholder(tf.float32, [None, patterns.F])},
-            tf.compat.v1.placeholder(tf.int32, [None]), ModeKeys.TRAIN, None, None)
+_STATIC = 'no head here (a stand-in for a head that cannot be built)'
 
 
-@pytest.mark.parametrize('name,op', [
-    ('in_batch_softmax', "MatMul op 'MatMul'"),
-    ('top_k', "TopKV2 op 'TopKV2' (a top-k across the batch axis)"),
+@pytest.fixture
+def no_head(monkeypatch):
+  """The whole batch's head cannot be built (what remains without one: the message)."""
+  monkeypatch.setattr(whole_batch_head, 'build', lambda *a, **k: _STATIC)
+
+
+@pytest.mark.parametrize('name,op,why', [
+    ('in_batch_softmax', "MatMul op 'MatMul'", _STATIC),
+    ('top_k', "TopKV2 op 'TopKV2' (a top-k across the batch axis)", _STATIC),
     ('opaque', "PartitionedCall op 'PartitionedCall' (a function call the library cannot see "
                "inside, fed by the batch's rows), which may make a row depend on other "
-               "examples of the batch"),
+               "examples of the batch",
+     # the function's static shapes are the shard's: its gradient on 10 rows fails
+     'building it on the whole batch failed (Incompatible shapes'),
 ])
-def test_without_a_head_a_mixing_op_warns_once_naming_it(name, op, warnings):
-  _build_two_tensors(name)
+def test_without_a_head_a_mixing_op_warns_once_naming_it(name, op, why, warnings, monkeypatch):
+  """No head: the opaque function's static shapes; the others, a head that cannot be built."""
+  if why == _STATIC:
+    monkeypatch.setattr(whole_batch_head, 'build', lambda *a, **k: _STATIC)
+  _build(name, static=True)
   found = _ours(warnings)
   assert len(found) == 1, found
   assert op in found[0], found[0]
   assert 'a row depend on other examples of the batch' in found[0]
-  assert ("the whole batch's head cannot be built here: the gradient request is of several "
-          "tensors") in found[0], found[0]
+  assert f"the whole batch's head cannot be built here: {why}" in found[0], found[0]
   assert 'loss algebra' not in found[0] and 'arithmetic on statistics' not in found[0]
   assert "Pass loss_reduction='exact' to make this an error" in found[0]
 
 
-def test_the_warning_says_why_and_counts_the_other_ops(warnings):
-  _build_two_tensors('simclr')
+def test_the_warning_says_why_and_counts_the_other_ops(warnings, no_head):
+  _build('simclr', static=True)
   found = _ours(warnings)
   assert len(found) == 1, found
   assert ("a matrix product of two operands that depend on the batch) (and 3 more such ops"
@@ -121,31 +127,28 @@ def test_train_with_a_whole_batch_head_does_not_warn(warnings):
   assert not _ours(warnings), _ours(warnings)
 
 
-def test_a_static_batch_size_warns_that_the_head_cannot_be_built(warnings):
-  """tf.shape(q)[0] of a static shard is tower 0's constant: no head, one warning saying so."""
-  _build('in_batch_softmax', static=True)
-  found = _ours(warnings)
-  assert len(found) == 1, found
-  assert ("the whole batch's head cannot be built here: the batch size is static, so shape "
-          "reads of the shard are constants of the graph, and the head reads range:0, made "
-          "from the constant Shape:0 that holds the shard's size (4); leave the batch "
-          "dimension unknown") in found[0], found[0]
+@pytest.mark.parametrize('name', ['in_batch_softmax', 'clip', 'simclr'])
+def test_a_static_batch_size_builds_the_head_without_warning(name, warnings):
+  """tf.shape(q)[0] of a static shard stays a shape read: the head reads the whole batch's
+  size (tests/test_static_batch.py trains it)."""
+  _build(name, static=True)
+  _build(name, num_devices=1, static=True, micro_batches=3)
+  assert not _ours(warnings), _ours(warnings)
 
 
-def test_loss_reduction_exact_makes_it_an_error():
+def test_loss_reduction_exact_makes_it_an_error(no_head):
   with pytest.raises(ValueError, match=r"depends on TopKV2 op 'TopKV2' \(a top-k across the "
                                        r"batch axis\).*loss_reduction='exact' makes this an error"):
-    _build_two_tensors('top_k', loss_reduction='exact')
+    _build('top_k', static=True, loss_reduction='exact')
 
 
-def test_micro_batches_without_a_head_is_an_error_saying_why():
-  """A static batch size: no whole-batch head, so micro-batches cannot train the loss."""
+def test_micro_batches_without_a_head_is_an_error_saying_why(no_head):
+  """No whole-batch head, so micro-batches cannot train it."""
   with pytest.raises(ValueError, match=r"micro_batches > 1 cannot train this model_fn: the "
-                                       r"loss .* depends on MatMul op 'MatMul'.*so such a loss "
+                                       r"loss .* on MatMul op 'MatMul'.*so such a loss "
                                        r"trains only through its head on the whole batch, which "
-                                       r"cannot be built here: the batch size is static.*Use "
-                                       r"micro_batches=1"):
-    _build('in_batch_softmax', num_devices=1, static=True, micro_batches=3)
+                                       r"cannot be built here: no head here.*Use micro_batches=1"):
+    _build('in_batch_softmax', num_devices=1, micro_batches=2)
 
 
 @pytest.mark.parametrize('mode', [ModeKeys.TRAIN, ModeKeys.EVAL])
@@ -217,6 +220,29 @@ def test_features_only_input_equals_plain(name, warnings):
   """labels=None (self-supervised, BERT-style input): the same, from the features alone."""
   plain_1, plain_3 = _plain(name, labels=False)
   towered_1, towered_3 = _towered(name, labels=False)
+  testlib.assert_variables_close(towered_1, plain_1)
+  testlib.assert_variables_close(towered_3, plain_3)
+  assert not _ours(warnings), _ours(warnings)
+
+
+@functools.lru_cache(maxsize=None)
+def _two_tensors(name, num_devices=0, micro_batches=1):
+  """Variables after steps 1 and 3 of `_two_tensors_model_fn` (num_devices 0: plain)."""
+  model_fn = functools.partial(_two_tensors_model_fn, _pattern(name))
+  if num_devices:
+    model_fn = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices),
+                                     micro_batches=micro_batches)
+  est = testlib.stepwise_estimator(model_fn, num_cpus=max(num_devices, 1))
+  return tuple(testlib.train_and_read(est, _input_fn()))
+
+
+@pytest.mark.parametrize('layout', [(3, 1), (1, 2)])
+@pytest.mark.parametrize('name', ['in_batch_softmax', 'top_k', 'opaque'])
+def test_a_request_of_two_tensors_equals_plain(name, layout, warnings):
+  """tf.gradients([loss, 0.5 * loss]): the head of their sum on the whole batch (3 towers,
+  1 x 2 micro-batches), no warning (it was: 'the head takes one loss')."""
+  plain_1, plain_3 = _two_tensors(name)
+  towered_1, towered_3 = _two_tensors(name, *layout)
   testlib.assert_variables_close(towered_1, plain_1)
   testlib.assert_variables_close(towered_3, plain_3)
   assert not _ours(warnings), _ours(warnings)

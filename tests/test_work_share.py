@@ -65,7 +65,7 @@ def test_every_train_graph_logs_its_heavy_ops_per_device(said):
   assert set(counts) == {'CPU:0', 'CPU:1', 'CPU:2'} and len(set(counts.values())) == 1, counts
   lines = [m for level, m in said if 'heavy ops' in m]
   assert lines == [
-      'estimator_towers: train graph: heavy ops (matrix products, einsums, convolutions and '
+      'estimator_towers: train graph\'s heavy ops (matrix products, einsums, convolutions and '
       'their gradients) per device: '
       + ', '.join(f'/device:CPU:{i} {counts[f"CPU:{i}"]} (33%)' for i in range(3)) + '.'], said
   assert not [m for level, m in said if level == 'W'], said

@@ -39,6 +39,16 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
   them anyway cost some 14 graph ops and Keras' update bookkeeping per batch
   norm and tower (about a tenth of building a ResNet tower), so they are not
   built there.
+- Shape reads kept in the graph. `tf.shape`, `tf.size`, `tf.zeros_like` and
+  `tf.ones_like` of a tensor whose shape is static give a constant of the
+  graph (`array_ops.shape_internal`, `size_internal`, `array_like_impl` with
+  `optimize=True`); while a tower is built they give the Shape, Size,
+  ZerosLike or OnesLike op instead (`optimize=False`, the path of a shape known
+  only at run time), so that a head on the whole batch reads the whole
+  batch's size where tower 0 read its shard's (`rows`, `heads`). Static
+  shape inference is unchanged, and the values are the same. `tf.rank`
+  (`rank_internal`) stays a constant, recorded as a rank's. The library's
+  own ops, built while a gradient request is answered, fold as ever.
 - The loss reduction. `tf.compat.v1.losses` and Keras' loss utilities record
   the reduction of the last loss they built on the graph
   (`Graph._last_loss_reduction`), which is how TensorFlow's own distribution
@@ -76,6 +86,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import weakref
 from typing import Any, Callable, Iterator
 
 import tensorflow as tf
@@ -83,6 +94,7 @@ from tensorflow.python.eager import backprop  # pylint: disable=g-direct-tensorf
 from tensorflow.python.eager import record  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import importer  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import random_seed  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import array_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import gen_nn_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import gradients_util  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
@@ -112,10 +124,12 @@ def gradient_requests(handler: Handler) -> Iterator[None]:
   """
 
   def graph_request(*args, **kwargs):
-    return handler('graph', graph_gradients, args, kwargs)
+    with shape_reads_folded():
+      return handler('graph', graph_gradients, args, kwargs)
 
   def tape_request(*args, **kwargs):
-    return handler('tape', tape_gradient, args, kwargs)
+    with shape_reads_folded():
+      return handler('tape', tape_gradient, args, kwargs)
 
   saved = (gradients_util._GradientsHelper, backprop.GradientTape.gradient)  # pylint: disable=protected-access
   gradients_util._GradientsHelper = graph_request  # pylint: disable=protected-access
@@ -208,6 +222,93 @@ def batch_norm_updates_skipped() -> Iterator[None]:
         else:
           base.add_update = _skip_patch['own']
         # base and own stay: a call that looked the patch up just before stays valid.
+
+
+# The shape reads' patch: installed while any thread builds a tower, active in those threads.
+_unfolding = threading.local()
+_unfold_patch = {'users': 0, 'saved': None}
+_unfold_lock = threading.Lock()
+
+
+def _unfolded(original: Callable, position: int) -> Callable:
+  """`original` with its `optimize` argument (at `position`) False in a thread that unfolds."""
+
+  def call(*args, **kwargs):
+    if getattr(_unfolding, 'depth', 0):
+      if len(args) > position:
+        args = args[:position] + (False,) + args[position + 1:]
+      else:
+        kwargs['optimize'] = False
+    return original(*args, **kwargs)
+  return call
+
+
+_folded_ranks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {op name}
+
+
+def _rank_recorded(original: Callable) -> Callable:
+  """`original` (`rank_internal`), its constant results recorded in a thread that unfolds."""
+
+  def call(*args, **kwargs):
+    result = original(*args, **kwargs)
+    if getattr(_unfolding, 'depth', 0) and isinstance(result, tf.Tensor) and (
+        not tf.executing_eagerly() and result.op.type == 'Const'):
+      _folded_ranks.setdefault(result.graph, set()).add(result.op.name)
+    return result
+  return call
+
+
+def is_folded_rank(tensor: tf.Tensor) -> bool:
+  """Whether `tensor` is a `tf.rank` folded into a constant while a tower was built."""
+  return tensor.op.name in _folded_ranks.get(tensor.graph, ())
+
+
+@contextlib.contextmanager
+def shape_reads_kept() -> Iterator[None]:
+  """While active, shape reads in this thread are ops of the graph, never constants.
+
+  `tf.shape(x)`, `tf.size(x)`, `tf.zeros_like(x)`, `tf.ones_like(x)` (and
+  TensorFlow's own calls of them) of an `x` with a static shape give the
+  Shape, Size, ZerosLike or OnesLike op that they give for a shape known only
+  at run time, instead of a constant holding the shape: the graph then
+  says which values are the shard's size. `tf.rank` stays a constant (the
+  rank does not depend on the batch), recorded as one (`is_folded_rank`).
+  Other threads are unaffected.
+  """
+  with _unfold_lock:
+    if _unfold_patch['users'] == 0:
+      saved = (array_ops.shape_internal, array_ops.size_internal, array_ops.array_like_impl,
+               array_ops.rank_internal)
+      _unfold_patch['saved'] = saved
+      array_ops.shape_internal = _unfolded(saved[0], 2)
+      array_ops.size_internal = _unfolded(saved[1], 2)
+      array_ops.array_like_impl = _unfolded(saved[2], 5)
+      array_ops.rank_internal = _rank_recorded(saved[3])
+    _unfold_patch['users'] += 1
+  depth = getattr(_unfolding, 'depth', 0)
+  _unfolding.depth = depth + 1
+  try:
+    yield
+  finally:
+    _unfolding.depth = depth
+    with _unfold_lock:
+      _unfold_patch['users'] -= 1
+      if _unfold_patch['users'] == 0:
+        (array_ops.shape_internal, array_ops.size_internal, array_ops.array_like_impl,
+         array_ops.rank_internal) = _unfold_patch['saved']
+
+
+@contextlib.contextmanager
+def shape_reads_folded() -> Iterator[None]:
+  """While active, shape reads in this thread fold as TensorFlow's do (`shape_reads_kept`
+  set aside): the library's own ops (a gradient request's answer, the backward passes, the
+  heads) are built as ever; a tower built meanwhile keeps its shape reads again."""
+  depth = getattr(_unfolding, 'depth', 0)
+  _unfolding.depth = 0
+  try:
+    yield
+  finally:
+    _unfolding.depth = depth
 
 
 def device_stack(graph: tf.Graph) -> Any:

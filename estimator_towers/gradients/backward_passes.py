@@ -114,7 +114,10 @@ class BackwardPasses:
     answer = [self.sync.meet(x, p) for x, p in zip(primary.xs, parts)]
     direct = None
     if seeds.stops:  # the shard-independent terms
-      direct = self._gradients(towers, primary, [seeds.loss], primary.grad_ys[:1],
+      # A request of several tensors is differentiated as one scalar (`request_seeds`), whose
+      # initial gradient is ones.
+      grad_ys = primary.grad_ys[:1] if len(primary.ys) == 1 else [None]
+      direct = self._gradients(towers, primary, [seeds.loss], grad_ys,
                                primary.stops + list(seeds.stops))
     return self.sync.finish(primary.xs, answer, direct)
 

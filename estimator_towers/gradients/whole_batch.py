@@ -218,7 +218,7 @@ class WholeBatchGradients:
         cross_example=self._cross_example)
     if cut == batch_mixing.JOINED:  # every tower's rows meet in a cut: one backward pass
       found = dataclasses.replace(found, one_pass=True)
-    if found.loss is not None:
+    if found.loss is not None and len(primary.ys) == 1:   # several: their sum's loss
       self._whole_losses.setdefault(primary.ys[0].ref(), found.loss)
     return found
 

@@ -38,8 +38,11 @@ per-example.
 A shard empty at run time reads the batch's first row (its weight is 0).
 Not cut (then `whole_batch_head` computes the loss on the whole batch): a
 mixing op of another kind, a stage that itself reads a variable, or a
-sparse or ragged input, a static batch size (the shard's size may be a
-constant of the graph), a tower without a counterpart of a cut tensor, and,
+sparse or ragged input, a stage that reads the shard's size as a Python
+int (`whole_batch_head.static_size`), a cut tensor whose shape beyond the
+rows depends on a static batch (attention's `h h^T` on static shards: the
+ops after it were built for the shard's columns), a tower without a
+counterpart of a cut tensor, and,
 across workers, an input of a dtype the all-reduce cannot sum. A cut tensor
 found at run time with another number of rows than the batch stops the step
 with an error saying so.
@@ -110,8 +113,6 @@ def cut(shards: Shards, declared: Callable[[tf.Tensor], bool]) -> bool | str:
   """
   inputs = [t for t in shards.inputs[0] if isinstance(t, tf.Tensor)]
   earlier = bool(rd.cut_rows(inputs[0].graph)) if inputs else False
-  if any(t.shape.rank and t.shape[0] is not None for t in inputs):
-    return False   # a static batch: the shard's size may be a constant of the graph
   plan = _plan(shards, inputs, declared, joined=True)
   if plan and plan[-1] is None:   # mixing left after a mid-network cut: the head's
     plan = _plan(shards, inputs, declared, joined=False)
@@ -119,8 +120,9 @@ def cut(shards: Shards, declared: Callable[[tf.Tensor], bool]) -> bool | str:
   made = []
   for stage in plan:
     values = _whole_values(stage, whole, shards) if stage is not None else None
-    if values is None:
-      break
+    if values is None or not all(t.shape[1:].is_compatible_with(v.shape[1:])
+                                 for t, v in zip(stage.outputs, values)):
+      break   # a static shard's columns of the batch (h h^T): its consumers' shapes differ
     _rewire(stage.outputs, stage.theirs, values, shards, whole)
     made.append(stage)
   if earlier:

@@ -155,8 +155,12 @@ class _FirstPass:
       pending.extend(t.op for t in op.inputs if t.name not in copies)
     order = self._graph_order(target.graph)
     for op in sorted(ops.values(), key=lambda op: order[op.name]):
-      if not any(t.name in copies for t in op.inputs):
+      if not any(t.name in copies for t in op.inputs) and not (
+          op.control_inputs and not op.op_def.is_stateful):
         continue   # independent of the shard (a variable's read, a constant): tower 0's
+      # A constant made under tower 0's control dependencies (the shape a loss function
+      # reshapes to, after its assert on the labels' shape) is copied without them: tower 0's
+      # waits for tower 0's gated inputs, which wait for this pass (a cycle).
       self._check_stateless(op, target)
       copy = _copy_op(op, [copies.get(t.name, t) for t in op.inputs])
       for a, b in zip(op.outputs, copy.outputs):

@@ -273,8 +273,7 @@ def _seeds(backward: _Chunks, own_grads: list, columns: dict, values: list, own:
     grad_ys.append(g)
   everything = [v for shard in values for v in shard]
   with tf.name_scope('chunked_head/cached_gradient'):
-    grads = tf.compat.v1.gradients(ys, everything, grad_ys=grad_ys,
-                                   colocate_gradients_with_ops=True)
+    grads = wbh.gradients_of(ys, everything, grad_ys, colocate_gradients_with_ops=True)
   return wbh.shard_seeds(own, values, grads)
 
 

@@ -9,15 +9,18 @@ so that no device holds a B x B tensor:
   offset_k + i, computed by tower k on its device for its own rows only.
   A frontier tensor's local rows are the tower's own (not gathered); a
   matrix product `a @ b^T` with `a` local rows is `a_k @ B^T` against the
-  gathered columns `B` (n_k x B); elementwise ops, a softmax or
-  cross-entropy per row, reductions and concatenations along other axes
-  than the rows', a one-hot of local rows, a reshape that keeps every row
-  (a vector to a vector, [n, C] to [-1, C]), a `tf.ones_like` of local rows
-  keep local rows; a
-  `tf.range(batch)` of the whole batch's size (the labels of an in-batch
-  softmax) is the local range offset_k + range(n_k). The transpose of a
-  product `a @ b^T` has the rows of `b @ a^T`, so CLIP's column term is
-  row-wise too.
+  gathered columns `B` (n_k x B), and so is an einsum whose output leads
+  with a local operand's batch letter (`ab,cb->ac`: q_k against the
+  gathered d; `bqd,nd->bqn`; an operand whose letter is its second, of a
+  matrix, gives its transpose's rows); elementwise ops, a cross-entropy
+  per row of a matrix, a softmax over the last axis (of any rank),
+  reductions and concatenations along other axes than the rows', a
+  one-hot of local rows, a reshape that keeps every row (a vector to a
+  vector, [n, C] to [-1, C]), a `tf.ones_like` of local rows keep local
+  rows; a `tf.range(batch)` of the whole batch's size (the labels of an
+  in-batch softmax) is the local range offset_k + range(n_k). The transpose of a
+  product `a @ b^T` has the rows of `b @ a^T` (an einsum's, those of its
+  output letters swapped), so CLIP's column term is row-wise too.
 - *whole*: the gathered frontier columns (on the first tower's device,
   all-gathered across workers), the whole batch's sizes and shapes, values
   of no shard (a trained temperature), and the *tail*: the per-row values
@@ -59,6 +62,8 @@ _ELEMENTWISE = rd.ARITHMETIC
 # Within each row of a matrix (over its last axis).
 _PER_ROW = frozenset(('Softmax', 'LogSoftmax', 'SparseSoftmaxCrossEntropyWithLogits',
                       'SoftmaxCrossEntropyWithLogits'))
+# Over the last axis of any rank (the cross-entropies: of a matrix only).
+_LAST_AXIS = frozenset(('Softmax', 'LogSoftmax'))
 _REDUCTIONS = frozenset(('Sum', 'Mean', 'Max', 'Min', 'Prod'))
 
 
@@ -360,11 +365,14 @@ class Split:
       raise NotRowWise(f'{t.name} is not rows')
     if op.type in _ELEMENTWISE:
       return self._elementwise(k, op, t)
-    if op.type in _PER_ROW and op.inputs[0].shape.rank == 2:
+    if op.type in _PER_ROW and (op.inputs[0].shape.rank == 2 or op.type in _LAST_AXIS and (
+        op.inputs[0].shape.rank or 0) > 2):
       return self._copy(k, op, [self.rows(k, i) for i in op.inputs], t)
     if op.type == 'MatMul' and not op.get_attr('transpose_a'):
       return tf.matmul(self.rows(k, op.inputs[0]), self.whole(op.inputs[1]),
                        transpose_b=op.get_attr('transpose_b'))
+    if op.type == 'Einsum':
+      return self._einsum(k, op, transposed=False)
     if op.type == 'Transpose' and _swaps(op):
       return self.rows(k, op.inputs[0], transposed=True)
     if op.type in _REDUCTIONS and 0 not in _axes(op, op.inputs[1]):
@@ -393,6 +401,8 @@ class Split:
       b = op.inputs[1]
       mine = self.rows(k, b) if op.get_attr('transpose_b') else self.rows(k, b, transposed=True)
       return tf.matmul(mine, self.whole(op.inputs[0]), transpose_b=True)
+    if op.type == 'Einsum':
+      return self._einsum(k, op, transposed=True)
     if op.type == 'Transpose' and _swaps(op):
       return self.rows(k, op.inputs[0])
     if op.type in _ELEMENTWISE:
@@ -406,6 +416,29 @@ class Split:
           raise NotRowWise(f'{i.name} does not broadcast over a transpose\'s rows')
       return wbh.copy_op(op, inputs).outputs[t.value_index]
     raise NotRowWise(f'the transpose of {t.name} ({op.type}) is not made of rows')
+
+  def _einsum(self, k: int, op: tf.Operation, transposed: bool) -> tf.Tensor:
+    """Tower k's rows of an einsum (of its transposed matrix): the one operand holding
+    the output's first letter, once, gives its local rows (of its transpose, where the
+    letter is a matrix's second), the others their whole values (the gathered columns)."""
+    equation = op.get_attr('equation')
+    read = rd.einsum_subscripts(equation.decode() if isinstance(equation, bytes) else equation,
+                                [i.shape.rank for i in op.inputs])
+    if read is None or not read[1]:
+      raise NotRowWise(f'the rows of {op.name}\'s einsum cannot be read')
+    operands, output = read[0], read[1][::-1] if transposed else read[1]
+    letter = output[0]
+    holders = [j for j, sub in enumerate(operands) if letter in sub]
+    j = holders[0] if len(holders) == 1 else None
+    place = -1 if j is None or operands[j].count(letter) != 1 else operands[j].find(letter)
+    if place not in (0, 1) or (place == 1 and len(operands[j]) != 2):
+      raise NotRowWise(f'the einsum {op.name} ({operands} -> {output}) does not lead with one '
+                       f'operand\'s rows')
+    swap = place == 1
+    inputs = [self.rows(k, x, transposed=swap) if i == j else self.whole(x)
+              for i, x in enumerate(op.inputs)]
+    subs = [s[::-1] if i == j and swap else s for i, s in enumerate(operands)]
+    return tf.raw_ops.Einsum(inputs=inputs, equation=f'{",".join(subs)}->{output}')
 
   def _elementwise(self, k: int, op: tf.Operation, t: tf.Tensor) -> tf.Tensor:
     rank = t.shape.rank

@@ -28,6 +28,10 @@ consumer of that row in the whole batch's head.
 Across workers the frontier rows are all-gathered from the workers in rank
 order and every worker runs the same head (`across_workers`).
 
+`tf.where`'s positions are never gathered (a shard's positions index its own
+rows only): the head computes them again from the gathered mask they were
+taken of, so a scatter back to them in the head is the whole batch's.
+
 Where the head is made of rows (a softmax per row over the whole batch's
 columns, then a mean), `row_wise_head` splits it instead: each tower
 computes its own rows against the gathered columns, so that no device holds
@@ -39,11 +43,20 @@ argument of `build`), and the seeds go to the micro-batches' own tensors; a
 head made of rows then runs in row chunks, one at a time per device
 (`chunked_head`).
 
+A static batch size changes nothing: while a tower is built its shape reads
+(`tf.shape`, `tf.size`, `tf.zeros_like`, `tf.ones_like`) stay ops of the
+graph (`interception.shape_reads_kept`), which the head reads as the whole
+batch's. A batch size read in Python (`x.shape[0]`) is a constant of the
+graph: a head that reads a constant holding the shard's static size in its
+value (`static_size`), or in its shape where the head does not build on the
+whole batch, is an error at graph construction naming the constant and the
+fix (`tf.shape(x)[0]`); the graph cannot tell it from a hyper-parameter.
+
 What it does not do (the warning of `row_dependence` stays): a frontier
-tensor some tower has no counterpart of, a gradient request of several
-tensors, a static batch size whose shape reads are constants of the graph
-the head reads, and a head that holds a synchronised batch norm (mixing ops
-before a batch norm with `sync_batch_norm`: `synchronised`).
+tensor some tower has no counterpart of, and a head that holds a
+synchronised batch norm (mixing ops before a batch norm with
+`sync_batch_norm`: `synchronised`). (A gradient request of several tensors
+is one scalar's: `request_seeds`.)
 """
 
 from __future__ import annotations
@@ -65,7 +78,7 @@ _HEAD_KINDS = (rd.MIXED, rd.STAT, rd.SIZE, rd.SHAPE, rd.COLS, rd.UNIQUE, rd.OFFS
 
 def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
           sizes: Sequence, nonempty: Sequence, batch: Any, across: Any = None,
-          split: Callable | None = None, cached: Callable | None = None
+          split: Callable | None = None, cached: Callable | None = None, record: bool = True
           ) -> tuple[tf.Tensor, list, list, str] | str:
   """The whole batch's head of tower 0's `loss`, or why it cannot be built.
 
@@ -89,6 +102,8 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     cached: `cached(i, t)`, the value the head reads for shard i's rows of
       tower 0's per-example `t`, where it is not the towers' own (micro-batches:
       `cached_gradients`' first pass); None: the towers' own.
+    record: a head built once is recorded for `built_once` (False: a value
+      only reported, not differentiated: `loss/reported`).
 
   Returns:
     (whole-batch loss, per shard (frontier tensors, their initial
@@ -108,9 +123,12 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     per_shard.append(mine)
   values = per_shard if cached is None else [[cached(i, t) for t in frontier]
                                              for i in range(len(sizes))]
-  static = static_size(head, found, frontier) or synchronised(head)
+  static = static_size(head, found, frontier)
   if static is not None:
-    return static
+    raise ValueError(_refused(found, loss, static))
+  synced = synchronised(head)
+  if synced is not None:
+    return synced
   if split is not None:   # micro-batches: on the first pass's rows, seeds at their own
     extra = {} if cached is None else {'own': per_shard, 'cached': cached}
     try:
@@ -124,9 +142,13 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
     built = _build(found, loss, grad_y, head, frontier, shapes, (per_shard, values), sizes,
                    nonempty, batch, across, cached or (lambda i, t: t))
   except (ValueError, TypeError) as error:
+    shaped = _shaped_by_size(head, found, frontier)
+    if shaped is not None:
+      raise ValueError(_refused(found, loss, shaped)) from error
     return f'building it on the whole batch failed ({error})'
   device = loss.op.device or 'the first tower'
-  _once.setdefault(loss.graph, []).append(Once(found.mixing[0], device))
+  if record:
+    _once.setdefault(loss.graph, []).append(Once(found.mixing[0], device))
   return built + (f'{_ONCE}{device}',)
 
 
@@ -168,52 +190,130 @@ def synchronised(head: list) -> str | None:
   return None
 
 
-def static_size(head: list, found: rd.RowDependence, frontier: list) -> str | None:
-  """Why not, if a constant the head reads may hold the shard's static size.
+def _refused(found: rd.RowDependence, loss: tf.Tensor, why: str) -> str:
+  return (f'estimator_towers: the loss {loss.name} depends on {found.mixing[0].describe()}, '
+          f'which mixes the batch\'s rows, so it trains through its head on the whole batch; '
+          f'but {why} (see docs/cross_example.md).')
 
-  With a static batch size, `tf.shape(x)` of a shard tensor is a constant of
-  the graph (`tf.range(tf.shape(q)[0])` is tower 0's range), which the head
-  on the whole batch cannot tell from a hyper-parameter.
+
+def static_size(head: list, found: rd.RowDependence, frontier: list) -> str | None:
+  """Why not, if a constant the head reads holds the shard's static size in its value.
+
+  Shape reads of a tower's tensors are ops of the graph even for a static
+  shape (`interception.shape_reads_kept`): the head reads them as the whole
+  batch's. What is left is a size read in Python (`x.shape[0]`), a constant
+  of the graph from the model_fn's call, which the head cannot tell from a
+  hyper-parameter. A constant that is a factor or a term of a batch-size
+  value (`2 * tf.shape(x)[0]`) is not one, nor is an axis, a begin or a
+  stride (`_POSITIONS`), nor a float (a size read in Python feeds a range,
+  an identity matrix, a one-hot's depth, a shape: integers).
   """
+  rows = _static_rows(head, found, frontier)
+  if not rows:
+    return None
+  for op in head:
+    if op.type in rd.ARITHMETIC and any(
+        found.kind(t) is not None and found.kind(t).tag in (rd.SIZE, rd.SHAPE)
+        for t in op.inputs):
+      continue
+    for t in _sizes_read(op, found):
+      if found.kind(t) is not None:
+        continue
+      const = _constant_with(t, found, lambda c: _holds(tf.get_static_value(c), rows))
+      if const is not None:
+        return _python_size(t, const, rows, 'value')
+  return None
+
+
+# Op type -> its inputs that are positions (axes, begins, strides), never a size (negative:
+# counted from the last input).
+_POSITIONS = {'Slice': (1,), 'StridedSlice': (1, 3), 'ConcatV2': (-1,), 'Concat': (0,),
+              'Transpose': (1,), 'Split': (0,), 'SplitV': (2,), 'GatherV2': (2,),
+              'ExpandDims': (1,), 'ReverseV2': (1,), 'ArgMax': (1,), 'ArgMin': (1,),
+              'Cumsum': (1,), 'Cumprod': (1,),
+              **dict.fromkeys(('Sum', 'Mean', 'Max', 'Min', 'Prod', 'All', 'Any',
+                               'EuclideanNorm'), (1,))}
+
+
+def _sizes_read(op: tf.Operation, found: rd.RowDependence | None = None) -> list:
+  """`op`'s inputs but those that are positions (`_POSITIONS`), and but a one-hot's depth
+  where its indices are the examples' own (labels: a number of classes)."""
+  positions = _POSITIONS.get(op.type, ())
+  if op.type == 'OneHot' and found is not None and found.kind(op.inputs[0]) is not None and (
+      found.kind(op.inputs[0]).tag in (rd.ROWS, rd.FLAT)):
+    positions = (1,)
+  return [t for i, t in enumerate(op.inputs)
+          if i not in positions and i - len(op.inputs) not in positions]
+
+
+def _static_rows(head: list, found: rd.RowDependence, frontier: list) -> set:
+  """The static sizes of the shard's rows the head reads (1 left out: a broadcast's)."""
   rows = {t.shape[0] for t in frontier if t.shape.rank and t.shape[0] is not None}
   rows |= {t.shape[0] for op in head for t in op.inputs
            if t.shape.rank and t.shape[0] is not None and found.kind(t) is not None
            and found.kind(t).tag in (rd.ROWS, rd.FLAT)}
   rows.discard(1)
-  if not rows:
-    return None
-  for op in head:
+  return rows
+
+
+def _shaped_by_size(head: list, found: rd.RowDependence, frontier: list) -> str | None:
+  """Why not, if a constant the head reads has the shard's static size in its shape.
+
+  Asked where the head on the whole batch failed to build (`tf.eye(n)` of a
+  Python int `n` against the whole batch's B x B matrix).
+  """
+  rows = _static_rows(head, found, frontier)
+  for op in head if rows else ():
     for t in op.inputs:
-      if found.kind(t) is not None:
-        continue
-      const = _constant_with(t, rows)
-      if const is not None:
-        return (f'the batch size is static, so shape reads of the shard are constants of '
-                f'the graph, and the head reads {t.name}, made from the constant '
-                f'{const.name} that holds the shard\'s size ({sorted(rows)[0]}); leave the '
-                f'batch dimension unknown (batch without drop_remainder) for the whole '
-                f'batch\'s head')
+      if found.kind(t) is None:
+        const = _constant_with(t, found, lambda c: any(d in rows for d in c.shape.as_list()))
+        if const is not None:
+          return _python_size(t, const, rows, 'shape')
   return None
+
+
+def _python_size(t: tf.Tensor, const: tf.Tensor, rows: set, where: str) -> str:
+  return (f'its head on the whole batch reads the constant {const.name}'
+          f'{"" if t.name == const.name else f" (through {t.name})"}, which holds the '
+          f'shard\'s static size ({sorted(rows)[0]}) in its {where}: a batch size read as a '
+          f'Python int (x.shape[0], x.shape.as_list()[0]) is a constant of the graph from '
+          f'when the model_fn was called, which the head on the whole batch would use as '
+          f'the whole batch\'s. Read the batch size with tf.shape(x)[0] (a shape read, '
+          f'which the head reads as the whole batch\'s size); if {const.name} is a '
+          f'hyper-parameter that only equals the shard\'s size, pick a batch size whose '
+          f'shards differ from it, or train on one device')
+
+
+def _holds(value: Any, rows: set) -> bool:
+  """Whether an integer constant's value holds one of `rows` (a scalar, or a vector of sizes)."""
+  if value is None:
+    return False
+  value = np.asarray(value)
+  return value.ndim <= 1 and value.dtype.kind in 'iu' and bool(np.isin(value, list(rows)).any())
 
 
 _VARIABLE_READS = frozenset(('ReadVariableOp', 'VarHandleOp', 'VariableV2', 'Variable',
                              'ResourceGather'))
+_SHAPE_READS = frozenset(('Shape', 'ShapeN', 'Size', 'Rank'))
 
 
-def _constant_with(t: tf.Tensor, values: set, limit: int = 200) -> tf.Tensor | None:
-  """A constant `t` is computed from (not through a variable) whose value holds one of `values`."""
+def _constant_with(t: tf.Tensor, found: rd.RowDependence, holds: Callable,
+                   limit: int = 200) -> tf.Tensor | None:
+  """A constant `t` is computed from for which `holds(constant)`, not through a
+  variable, a shape read or a tensor of the shard (those the head reads as the
+  whole batch's)."""
   pending, seen = [t], set()
   while pending and len(seen) < limit:
     x = pending.pop()
-    if x.op.name in seen or x.op.type in _VARIABLE_READS:
+    if (x.op.name in seen or x.op.type in _VARIABLE_READS or x.op.type in _SHAPE_READS
+        or found.kind(x) is not None or interception.is_folded_rank(x)):
       continue
     seen.add(x.op.name)
     if x.op.type == 'Const':
-      value = tf.get_static_value(x)
-      if value is not None and np.isin(np.asarray(value), list(values)).any():
+      if holds(x):
         return x
       continue
-    pending.extend(x.op.inputs)
+    pending.extend(_sizes_read(x.op, found))
   return None
 
 
@@ -238,9 +338,25 @@ def _build(found, loss, grad_y, head, frontier, shapes, shards, sizes, nonempty,
         mapped[a.name] = b
     whole = mapped[loss.name]
     everything = [t for shard in values for t in shard]
-    grads = tf.gradients(whole, everything, grad_ys=None if grad_y is None else [grad_y],
-                         stop_gradients=everything)
+    grads = gradients_of([whole], everything, None if grad_y is None else [grad_y],
+                         stop_gradients=True)
   return whole, shard_seeds(per_shard, values, grads, device), everything
+
+
+def _differentiable(t: tf.Tensor) -> bool:
+  return t.dtype.is_floating or t.dtype.is_complex
+
+
+def gradients_of(ys: list, tensors: list, grad_ys: list | None, stop_gradients: bool = False,
+                 **kwargs) -> list:
+  """tf.gradients of `ys` with respect to each of `tensors`: None for a mask or ids (a
+  frontier tensor the head reads that is not differentiable: tf.where's mask)."""
+  floats = [t for t in tensors if _differentiable(t)]
+  if stop_gradients:
+    kwargs['stop_gradients'] = floats
+  grads = tf.compat.v1.gradients(ys, floats, grad_ys=grad_ys, **kwargs) if floats else []
+  found = dict(zip([t.name for t in floats], grads))
+  return [found.get(t.name) for t in tensors]
 
 
 def shard_seeds(per_shard: list, values: list, grads: list, device: str | None = None) -> list:
@@ -248,15 +364,18 @@ def shard_seeds(per_shard: list, values: list, grads: list, device: str | None =
   `values` in order (zeros where a tensor has none: on `device`, else on its own)."""
   seeds, position = [], 0
   for shard, shard_values in zip(per_shard, values):
-    shard_grads = []
-    for v in shard_values:
+    shard_tensors, shard_grads = [], []
+    for t, v in zip(shard, shard_values):
       g = grads[position]
       position += 1
+      if g is None and not _differentiable(v):
+        continue   # a mask or ids the head reads (tf.where's): no gradient to seed
       if g is None:
         with tf.device(v.device if device is None else device):
           g = tf.zeros_like(v)
+      shard_tensors.append(t)
       shard_grads.append(tf.convert_to_tensor(g))
-    seeds.append((list(shard), shard_grads))
+    seeds.append((shard_tensors, shard_grads))
   return seeds
 
 
@@ -278,8 +397,8 @@ def _head(found: rd.RowDependence, loss: tf.Tensor):
     if k.tag in (rd.ROWS, rd.FLAT):
       frontier[t.name] = t
       continue
-    if k.tag not in _HEAD_KINDS:
-      return None, None, None
+    if k.tag not in _HEAD_KINDS and k.tag != rd.POSITIONS:
+      return None, None, None   # positions: computed again from the gathered rows they index
     op = t.op
     source = found.kind(op.inputs[0]) if op.inputs else None
     if op.type in ('Shape', 'Size') and source is not None and source.tag == rd.ROWS:

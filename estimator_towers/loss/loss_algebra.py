@@ -11,9 +11,9 @@ depend on the batch at all, combined by elementwise arithmetic:
   statistics), or a tensor declared with `loss_denominator`;
 - a *shard-independent* term depends on no input of the shard: a
   regulariser, a hyper-parameter, a loss scale, a learned task weight;
-- they are combined by elementwise ops and one-element reductions of them
-  (`+`, `-`, `*`, `/`, `divide_no_nan`, `maximum`, `tf.add_n`, casts, logs,
-  `tf.reduce_mean(tf.stack([...]))`, ...).
+- they are combined by elementwise ops and reductions of them (`+`, `-`,
+  `*`, `/`, `divide_no_nan`, `maximum`, `tf.add_n`, casts, logs,
+  `tf.reduce_mean(tf.stack([...]))`, the max of a stack of losses, ...).
 
 `analyse` recognises that structure on tower 0's loss. The whole batch's
 loss is then the same function of the whole batch's statistics, each the sum
@@ -36,11 +36,14 @@ over an element count, with shard-independent terms; the rule 'mean': tower
 k weighs n_k / B) or a combination of sums with no shard-independent term
 (the rule 'sum': weights 1).
 
-A loss the rule cannot rebuild (a reduction it does not know, such as a
-max, a top-k, a median, or a sum over a value that itself reduces the batch,
-or an op that mixes examples) keeps the example-count rule, and `analyse`
-logs one warning that names the op; with `loss_reduction='exact'` that is an
-error instead. A loss it rebuilds exactly logs nothing.
+A loss the rule cannot rebuild (an op that is not elementwise arithmetic on
+statistics, a denominator not declared) keeps the example-count rule, and
+`analyse` logs one warning that names the op; with `loss_reduction='exact'`
+that is an error instead. A loss it rebuilds exactly logs nothing. A loss
+that reads ops mixing the batch's rows (a max, a top-k or a sort over the
+batch, a sum of values divided by the batch's sum: `row_dependence`) trains
+through its head on the whole batch (`request_seeds`); where that head
+cannot be built, `row_dependence`'s warning says why, not this one.
 
 The seeds of the whole-batch gradient that follow from the rule, with
 towers and with micro-batches, are `seeds`'.
@@ -325,9 +328,9 @@ class _Parser:
     if _one_element(t) and (op.type == 'Size' or _is_batch_size(t)):
       self._leaf(t, [Statistic(t.name, t, True, False, per_example=self._per_example(t))])
       return
-    if op.type in _REDUCTIONS and not (op.type in _SUMS and self._nests(op.inputs[0])):
+    if op.type in _REDUCTIONS and not self._nests(op.inputs[0]):
       raise _Unrecognised(op, 'a reduction over the batch other than a sum or a mean')
-    if op.type not in _ELEMENTWISE and op.type not in _SUMS:
+    if op.type not in _ELEMENTWISE and op.type not in _REDUCTIONS:
       raise _Unrecognised(op, 'an op that is not elementwise arithmetic on statistics')
     if op.type in _DIVISIONS:
       self._constant_divisor(op.inputs[1])

@@ -7,7 +7,10 @@ is the sum of the numerators over the sum of the denominators, never a mean
 of ratios), else the towers' losses weighted by the rule (a mean: each
 tower by its share of the examples; a sum: 1). Across workers the loss is
 the cluster's. In EVAL a shard that may be empty at run time adds nothing
-(its statistics through `empty_shards.live`, 0 when it is empty).
+(its statistics through `empty_shards.live`, 0 when it is empty). In TRAIN
+a loss that mixes the batch's rows and was not itself what a gradient
+request differentiated (one of several tensors of a request, or their sum)
+is its head's value on the whole batch (`whole_batch_head`, forward only).
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
+from estimator_towers.heads import whole_batch_head
 from estimator_towers.inputs import empty_shards
 from estimator_towers.inputs import shards as shards_lib
 from estimator_towers.loss import loss_algebra
 from estimator_towers.loss import statistics as statistics_lib
+from estimator_towers.rows import row_dependence
 from estimator_towers.towers import counterparts
 from estimator_towers.towers import specs as specs_lib
 
@@ -46,6 +51,10 @@ def reported_loss(built: Sequence, losses: Sequence, shards: shards_lib.Shards,
       return found
     return empty_shards.live(found, gated[k])
 
+  if not gated:
+    head = _head_value(built[0], shards, find, batch, across)
+    if head is not None:
+      return head
   with tf.name_scope('tower_loss'):
     analysis = loss_algebra.analyse(
         built[0], shards.flat(shards.active[0]), (), loss_reduction,
@@ -62,3 +71,19 @@ def reported_loss(built: Sequence, losses: Sequence, shards: shards_lib.Shards,
     weights = statistics_lib.tower_weights(rule, shards.sizes, batch, shards.active)
     loss = specs_lib.weighted_sum(losses, weights, shards.nonempty)
     return loss if across is None else across.sum([loss])[0]
+
+
+def _head_value(loss: tf.Tensor, shards: shards_lib.Shards, find: Any, batch: Any,
+                across: Any) -> tf.Tensor | None:
+  """A TRAIN loss that mixes the batch's rows: its head on the whole batch (None: it does not
+  mix, or the head cannot be built, which the loss algebra's check then reports)."""
+  if not isinstance(loss, tf.Tensor):
+    return None
+  found = row_dependence.classify([loss], shards.flat(shards.active[0]),
+                                  loss_algebra.is_declared)
+  if not found.mixing:
+    return None
+  sizes = [shards.sizes[k] for k in shards.active]
+  built = whole_batch_head.build(found, loss, None, find, sizes, shards.nonempty, batch, across,
+                                 record=False)   # forward only: the gradient's head is counted
+  return None if isinstance(built, str) else built[0]

@@ -19,8 +19,13 @@
   whose coefficients depend on a numerator is refused at graph construction.
 - a loss that mixes the batch's rows (`row_dependence`): its head on the
   whole batch (`whole_batch_head`); each shard's frontier tensors are seeded
-  with their rows of the head's gradient. With micro-batches the head reads
-  the rows of a first pass over the micro-batches (`cached_gradients`).
+  with their rows of the head's gradient (those of no float dtype, the
+  comparison a `reduce_any` reads, seed nothing). With micro-batches the head
+  reads the rows of a first pass over the micro-batches (`cached_gradients`).
+
+A request of several tensors y_i (initial gradients g_i, ones where None) is
+the request of one scalar per shard, sum_i <g_i, y_i> with the g_i held
+constant: the same gradient, and one loss for the rules above.
 """
 
 from __future__ import annotations
@@ -72,6 +77,10 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
     ValueError: with cross_example='refuse', for a loss whose head runs once
       on the whole batch.
   """
+  if len(ys[0]) > 1:   # several tensors: the request's gradient is one scalar's
+    combined = _one_target(ys, grad_ys, inputs)
+    if combined is not None:
+      ys, grad_ys = [[c] for c in combined], [[None] for _ in combined]
   loss = ys[0][0] if len(ys[0]) == 1 else None
   find = counterparts.in_losses([y[0] for y in ys]) if loss is not None else None
   head = _whole_batch_head(loss, ys[0], inputs, grad_ys, find, nonempty, sizes, batch,
@@ -99,6 +108,34 @@ def for_request(graph: tf.Graph, loss_reduction: str, inputs: Sequence[tf.Tensor
                             statistics_lib.tower_weights(rule, sizes, batch, range(len(sizes))))
 
 
+def _one_target(ys: Sequence[list], grad_ys: Sequence[list], inputs: Sequence[tf.Tensor]
+                ) -> list | None:
+  """Per shard, the scalar sum_i <g_i, y_i> of a request of several tensors, or None.
+
+  Its gradient is the request's (the initial gradients g_i, ones where None,
+  are constants of the backward pass), so a request of several losses, one
+  of them mixing the batch's rows, is one loss: its head on the whole batch,
+  or rebuilt by the loss algebra. None (each y seeded by the example-count
+  rule) where an initial gradient depends on the shard, the shards' requests
+  differ in form, or the ys differ in dtype.
+  """
+  given = [g for g in grad_ys[0] if isinstance(g, tf.Tensor)]
+  if given and row_dependence.classify(given, inputs).kinds.keys() & {g.name for g in given}:
+    return None
+  kept = [i for i, y in enumerate(ys[0]) if isinstance(y, tf.Tensor) and y.dtype.is_floating]
+  if not kept or len({ys[0][i].dtype for i in kept}) != 1 or any(
+      len(y) != len(ys[0]) or [g is None for g in gs] != [g is None for g in grad_ys[0]]
+      for y, gs in zip(ys, grad_ys)):
+    return None
+  combined = []
+  for k, (shard_ys, shard_grads) in enumerate(zip(ys, grad_ys)):
+    with tf.device(shard_ys[kept[0]].device), tf.name_scope(f'request_targets_{k}'):
+      terms = [tf.reduce_sum(shard_ys[i] if shard_grads[i] is None else
+                             shard_ys[i] * tf.stop_gradient(shard_grads[i])) for i in kept]
+      combined.append(tf.add_n(terms) if len(terms) > 1 else terms[0])
+  return combined
+
+
 def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
                       grad_ys: Sequence[list], find: Callable | None, nonempty: Sequence,
                       sizes: Sequence, batch: Any, micro: tuple | None, across: Any = None,
@@ -116,7 +153,8 @@ def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
   if not found.mixing:
     return None
   if not isinstance(loss, tf.Tensor):
-    return 'the gradient request is of several tensors, and the head takes one loss'
+    return ('the gradient request is of several tensors whose initial gradients depend on '
+            'the batch, and the head takes one loss')
   if micro is None:
     built = whole_batch_head.build(found, loss, grad_ys[0][0], find, sizes, nonempty, batch,
                                    across, split=row_wise_head.build)
@@ -128,12 +166,25 @@ def _whole_batch_head(loss: Any, ys: Sequence, inputs: Sequence[tf.Tensor],
   whole, shards, stops, where = built
   if cross_example == 'refuse' and whole_batch_head.runs_once(where):
     _refuse(loss, found, where)
+  shards = [_differentiable(ys, grads) for ys, grads in shards]
   logs.info_once_per_graph(
       f'estimator_towers: the loss {loss.name} depends on {found.mixing[0].describe()}, '
       f'which mixes the batch\'s rows: its head ({len(found.frontier)} gathered tensor(s) '
       f'to the loss) runs on the whole batch {where}'
       f'{", on the rows of a first pass over the micro-batches" if micro else ""}.')
   return seeds_lib.Seeds(shards, whole, stops)
+
+
+def _differentiable(ys: list, grad_ys: list) -> tuple[list, list]:
+  """A shard's frontier tensors and seeds, but those no gradient flows through.
+
+  A frontier tensor of booleans or integers (`tf.reduce_any(xent > c)`'s
+  comparison, `tf.reduce_max(labels)`'s labels) is read by the head but has
+  no gradient: it seeds nothing.
+  """
+  kept = [(y, g) for y, g in zip(ys, grad_ys)
+          if y.dtype.is_floating or y.dtype.is_complex]
+  return [y for y, _ in kept], [g for _, g in kept]
 
 
 def _refuse(loss: tf.Tensor, found: Any, where: str) -> None:

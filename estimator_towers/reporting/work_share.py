@@ -10,7 +10,9 @@ in silence: every TRAIN graph of several devices logs its heavy ops per
 device (INFO), and a head built once gets one WARNING naming its first
 mixing op, the share of the step's heavy ops that the first device holds
 beyond the others', and the fix (`cross_example='refuse'` makes it an error
-instead, at the head: `request_seeds`).
+instead, at the head: `request_seeds`). A head that holds no heavy op (a max
+or a logsumexp over the batch's per-example losses: B numbers) gets no
+warning: nothing heavy waits for it.
 
 The share is counted on the towered graph itself: (the head device's heavy
 ops - the most any other device holds) / all heavy ops. An op without a
@@ -66,14 +68,23 @@ def report(graph: tf.Graph, tower_devices: Sequence[str]) -> None:
   """Logs the heavy ops per device of a TRAIN graph, and warns of a head built once."""
   counts = heavy_ops(graph, tower_devices)
   total = sum(counts.values())
-  once = whole_batch_head.built_once(graph)
+  once = whole_batch_head.built_once(graph) if _in_heads(graph) else []
   if len(counts) > 1 and total:
     logs.info_once_per_graph(
-        'estimator_towers: train graph: heavy ops (matrix products, einsums, convolutions '
+        'estimator_towers: train graph\'s heavy ops (matrix products, einsums, convolutions '
         'and their gradients) per device: '
         + ', '.join(f'{d} {n} ({n / total:.0%})' for d, n in counts.items()) + '.', graph)
   if once:
     _warn(once, counts, total)
+
+
+def _in_heads(graph: tf.Graph) -> int:
+  """The heavy ops of the heads built on the whole batch (their name scope's)."""
+  return sum(1 for op in graph.get_operations()
+             if op.type in HEAVY and op.name.startswith(_HEAD_SCOPE))
+
+
+_HEAD_SCOPE = 'whole_batch_head'
 
 
 def share(counts: dict, device: str) -> float:

@@ -3,23 +3,36 @@
 The rule. An elementwise op (with broadcasting) or one applied within each
 row (a softmax, a layer: `op_tables`) keeps its operands' rows: rows with
 rows of the same stacked layout, or with values that depend on no input of
-the shard, are rows; flat with flat of the same rows per example is flat;
-statistics and batch-size values combined stay such. Rows combined with a
-statistic of the batch (but a batch norm's: `sync_batch_norm`'s choice),
-with a batch-size value, with rows of another layout, or with a value as
-long as a static batch (its row i meets example i; but one whose rows are
-all the same, `tf.ones([n, T, 1])`) mix the batch's rows. A layer mixes where its weights depend on the batch.
+the shard, are rows; flat with flat of the same rows per example is flat
+(flat rows keep how many entries each example has; of different counts they
+mix); statistics and batch-size values combined stay such. Rows combined
+with a statistic of the batch (but a batch norm's: `sync_batch_norm`'s
+choice), with a batch-size value, with rows of another layout, or with a
+value as long as a static batch (its row i meets example i; but one whose
+rows are all the same, `tf.ones([n, T, 1])`) mix the batch's rows. A layer
+mixes where its weights depend on the batch. A cast or identity of
+`tf.where`'s positions keeps them positions; any other op on them mixes (a
+position is the shard's layout, not a value of its example). Entries lifted
+onto axis 1 ([1, n, ...]) stay such with values that do not depend on the
+shard and broadcast along axis 1, under an op applied within each row only
+where axis 1 is not the last.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, FLAT_KIND, MIXED_KIND, NORM_KIND,
-                                         ROWS, SHAPE, SHAPE_KIND, SIZE, SIZE_KIND, STAT, STAT_KIND,
-                                         UNIQUE, UNIQUE_KIND, Kind, flat_kind, stat_of)
-from estimator_towers.rows.op_tables import ELEMENTWISE, LAYERS
+from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, LIFTED, LIFTED_SHAPE,
+                                         MIXED_KIND, NORM_KIND, POSITIONS, ROWS, SHAPE,
+                                         SHAPE_KIND, SIZE, SIZE_KIND, STAT, STAT_KIND, UNIQUE,
+                                         UNIQUE_KIND, Kind, flat_kind, stat_of)
+from estimator_towers.rows.op_tables import ARITHMETIC, ELEMENTWISE, LAYERS
 from estimator_towers.rows.static_values import static_value
+
+# Ops that keep their one operand's values (and so what they index or how they are laid
+# out): positions stay positions, offsets and indices stay such.
+KEEPS = frozenset(('Identity', 'Cast', 'StopGradient', 'Snapshot', 'CheckNumerics',
+                   'EnsureShape', 'PreventGradient'))
 
 
 def not_rows(op, kind: Kind):
@@ -33,6 +46,15 @@ def elementwise(reader, op, kinds: list):
   """The kind of an elementwise combination of `kinds` (a Kind or why it mixes)."""
   present = [k for k in kinds if k is not None]
   tags = {k.tag for k in present}
+  if POSITIONS in tags:
+    if len(present) == 1 and op.type in KEEPS:
+      return present[0]
+    return 'arithmetic on tf.where\'s positions (the shard\'s layout, not an example\'s values)'
+  if LIFTED_SHAPE in tags:   # sizes of [1, n, ...]: n is a count of the batch's entries
+    return SIZE_KIND if tags <= {LIFTED_SHAPE, SIZE, SHAPE} else (
+        'entries lifted onto axis 1 combined with their shape')
+  if LIFTED in tags:
+    return _lifted(op, kinds, present)
   if COLS in tags:
     return COLS_KIND if tags == {COLS} else 'values with the batch on axis 1 combined with rows'
   if UNIQUE in tags:
@@ -65,11 +87,6 @@ def elementwise(reader, op, kinds: list):
   return 'rows combined with a value of the batch size'
 
 
-# Ops that keep their one operand's values (and so what they index or how they are laid out).
-KEEPS = frozenset(('Identity', 'Cast', 'StopGradient', 'Snapshot', 'CheckNumerics',
-                    'EnsureShape', 'PreventGradient'))
-
-
 def _flat(op, present):
   """Flat rows combined: the same rows per example kept, another layout mixes them."""
   blocks = {k.blocks for k in present}
@@ -78,9 +95,23 @@ def _flat(op, present):
   pers = {k.per for k in present}
   if len(pers) == 1:
     return flat_kind(present[0].per, present[0].blocks)
-  if None in pers:
-    return flat_kind(None, present[0].blocks)
+  if None in pers and len(pers) == 2:   # the same entries: the known count is theirs
+    return flat_kind([p for p in pers if p is not None][0], present[0].blocks)
   return 'flat rows of different rows per example combined'
+
+
+def _lifted(op, kinds, present):
+  """Lifted entries ([1, n, ...]) with values that do not depend on the shard."""
+  if any(k != present[0] for k in present):
+    return 'entries lifted onto axis 1 combined with other values of the batch'
+  rank = op.outputs[0].shape.rank
+  if rank is None or (op.type not in ARITHMETIC and rank < 3):
+    return 'an op within each row of entries lifted onto axis 1, along their batch axis'
+  for t, k in zip(op.inputs, kinds):
+    at = None if t.shape.rank is None else 1 - (rank - t.shape.rank)
+    if k is None and (at is None or (at >= 0 and t.shape[at] != 1)):
+      return 'entries lifted onto axis 1 combined with values along their batch axis'
+  return present[0]
 
 
 def _rows_with_constants(reader, op, kinds, kind):

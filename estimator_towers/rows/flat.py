@@ -15,18 +15,29 @@ batch's distinct values (`embedding_lookup_sparse`'s), rows again only where
 a sparse segment reduction sums them back per example. Gathers, partitions
 and stitches across the batch axis mix it.
 
+Positions: `tf.where`'s indices are positions in the shard's rows (of a
+mask of rows: the first column is the example) or in its flat rows (of a
+flat mask: a position in the flattening of `per` entries per example). A
+`gather_nd` by them keeps each entry with its example only where they are
+positions in the same rows: rows by a mask of rows, flat rows of `per`
+entries by a flat mask of the same `per`; any other values used as
+positions pick other examples' rows and mix them. A `scatter_nd` of
+entries back to those positions (`updates` one per index, in the same
+order: gathered by those indices, or computed from such) into a tensor of
+the batch size times `per` rows (`tf.shape(x)[0] * T`, the pad-removing
+FFN's re-padding) is flat rows of `per` entries again (rows for positions
+of rows); any other scatter of the batch's rows mixes them.
+
 Each example's own rows (`indexing`): `range(n) * T`, n the shard's
-examples, are offsets of stride T (each example's first row in a flat
-tensor of T rows per example; with a static batch, the constant [0, T, ...]
-of the shard), positions (rows, each in [0, T): the input's promise, as
-BERT's masked positions) plus them are indices of stride T, and so are
-`tf.where`'s indices of a vector of rows or flat rows (`tf.boolean_mask`).
-A gather of rows or flat rows by indices of their own rows per example is
-per-example: rows for indices of [n, P], flat rows of P per example for
-[n * P]. Indices of another stride, a gather of the batch's rows by any
-other positions (they index the whole batch, not each example's rows), and
-any other op on positions plus offsets mix the rows; any other op reads
-offsets as batch-size values and `tf.where`'s indices as flat rows.
+examples, are offsets of index T (each example's first row in a flat tensor
+of T rows per example; with a static batch, the constant [0, T, ...] of the
+shard), positions (rows, each in [0, T): the input's promise, as BERT's
+masked positions) plus them are indices of index T. A gather of rows or
+flat rows by indices of their own rows per example is per-example: rows for
+indices of [n, P], flat rows of P per example for [n * P]. Indices of
+another T, a gather of the batch's rows by any other positions (they index
+the whole batch, not each example's rows), and any other op on positions
+plus offsets mix the rows; any other op reads offsets as batch-size values.
 """
 
 from __future__ import annotations
@@ -37,10 +48,10 @@ import numpy as np
 import tensorflow as tf
 
 from estimator_towers.rows.elementwise import KEEPS as _KEEPS, not_rows
-from estimator_towers.rows.kinds import (FLAT, FLAT_KIND, INDICES, MIXED, OFFSETS, RAGGED, ROWS,
-                                         ROWS_KIND, SHAPE, SHAPE_KIND, SIZE, SIZE_KIND, SPLITS,
-                                         SPLITS_KIND, STAT, STAT_KIND, UNIQUE, UNIQUE_KIND, Kind,
-                                         flat_kind, rows_per_example, stat_of)
+from estimator_towers.rows.kinds import (FLAT, FLAT_KIND, INDICES, LIFTED_SHAPE, MIXED, OFFSETS,
+                                         POSITIONS, ROWS, ROWS_KIND, SHAPE, SHAPE_KIND, SIZE,
+                                         SIZE_KIND, SPLITS, SPLITS_KIND, STAT, STAT_KIND, UNIQUE,
+                                         UNIQUE_KIND, Kind, flat_kind, rows_per_example, stat_of)
 from estimator_towers.rows.op_tables import SPARSE_SEGMENTS
 from estimator_towers.rows.sizes import size_symbol, batch_multiple
 from estimator_towers.rows.static_values import axes_of, product, static_value
@@ -52,12 +63,14 @@ def input_kinds(inputs: Sequence[tf.Tensor]) -> dict:
   while i < len(inputs):
     window = inputs[i:i + 3]
     if len(window) == 3 and _sparse(*window):
-      kinds.update({window[0].name: FLAT_KIND, window[1].name: FLAT_KIND,
+      entries = Kind(FLAT, per=f'sparse:{window[0].name}')
+      kinds.update({window[0].name: entries, window[1].name: entries,
                     window[2].name: SHAPE_KIND})
       i += 3
       continue
     if len(window) >= 2 and _ragged(*window[:2]):
-      kinds.update({window[0].name: FLAT_KIND, window[1].name: SPLITS_KIND})
+      kinds.update({window[0].name: Kind(FLAT, per=f'ragged:{window[0].name}'),
+                    window[1].name: SPLITS_KIND})
       i += 2
       continue
     kinds[inputs[i].name] = ROWS_KIND
@@ -115,7 +128,7 @@ def _sparse_segments(reader, op, kinds):
 
 def _sparse_reshape(reader, op, kinds):
   if [k and k.tag for k in kinds] == [FLAT, SHAPE, SHAPE]:
-    return [FLAT_KIND, SHAPE_KIND]
+    return [kinds[0], SHAPE_KIND]   # the same entries, in the same order
   return 'a sparse reshape of the batch axis'
 
 
@@ -181,10 +194,21 @@ def _gather(reader, op, kinds):
       axis = axis + rank if rank is not None else -1
   if op.type == 'ResourceGather':
     params = None if params is None or params.tag != MIXED else params
+  if indices is not None and indices.tag == POSITIONS:
+    shape = op.inputs[1].shape   # [k] or [k, 1]: one position each (not [k, 2]'s columns)
+    one = shape.rank == 1 or shape.rank is not None and shape.rank > 1 and shape[-1] == 1
+    if params is not None and axis == 0 and one and _positions_of(params, indices):
+      return Kind(FLAT, per=indices.per)   # tf.boolean_mask: entries at their own positions
+    if params is not None and axis == 0 and params.tag == FLAT and params.per is None and (
+        params.blocks == 1):
+      return Kind(FLAT, per=indices.per)   # entries of a mask of no known count: its own
+    return 'a gather at tf.where\'s positions in other rows than the ones gathered'
   if params is None:   # a table looked up by ids: the ids' rows
     if indices.tag in (ROWS, FLAT, UNIQUE):
       return indices
     return indices if indices.tag in (STAT,) else 'a gather of the batch size\'s values'
+  if params.tag == LIFTED_SHAPE and indices is None and axis == 0:
+    return _lifted_shape_gather(op)
   if params.tag in (STAT, SIZE, SHAPE) and indices is None:
     if params.tag == SHAPE:
       value = static_value(op.inputs[1])
@@ -207,77 +231,124 @@ def _gather(reader, op, kinds):
   return 'a gather across the batch axis'
 
 
+def _lifted_shape_gather(op):
+  """Sizes of [1, n, ...] picked by static indices: [1, n] again (tensordot), n, or static."""
+  value = static_value(op.inputs[1])
+  if value is None:
+    return SIZE_KIND
+  picked = [int(i) for i in np.reshape(value, [-1])]
+  if value.ndim == 1 and picked[:2] == [0, 1] and 1 not in picked[2:]:
+    return Kind(LIFTED_SHAPE)
+  return SIZE_KIND if 1 in picked else None
+
+
+def _positions_of(params, indices) -> bool:
+  """Whether `indices` (kinds) are `tf.where`'s positions in rows like `params`'s."""
+  if indices.tag != POSITIONS or indices.index is None:
+    return False
+  if indices.index == 'rows':
+    return params.tag == ROWS and params.blocks == 1
+  return params.tag == FLAT and params.per is not None and params.per == indices.index
+
+
 def _gather_nd(reader, op, kinds):
   params, indices = kinds
+  if indices is not None and indices.tag == POSITIONS and params is not None and (
+      _positions_of(params, indices)):
+    return Kind(FLAT, per=indices.per)   # each example's entries, in example order
+  if indices is not None and indices.tag == POSITIONS or (
+      params is not None and params.tag in (ROWS, FLAT) and indices is not None and (
+          indices.tag in (ROWS, FLAT))):
+    return ('a gather_nd at positions that are not tf.where\'s positions in the same rows '
+            '(values used as positions pick other examples\' rows)')
   if params is None:
     return indices if indices.tag in (ROWS, FLAT, STAT) else 'a gather of the batch size\'s values'
-  if indices is not None and indices.tag in (ROWS, FLAT) and params.tag in (ROWS, FLAT):
-    source = op.inputs[1]
-    while source.op.type in ('Identity', 'Cast'):
-      source = source.op.inputs[0]
-    mask = reader.kind(source.op.inputs[0]) if source.op.type == 'Where' else None
-    if mask is not None and mask == params == ROWS_KIND and _leading_dims_match(
-        source.op.inputs[0], op.inputs[0]):
-      return FLAT_KIND   # tf.where's coordinates of a mask of the params' own rows
-    return ('a gather of the batch\'s rows at coordinates that are not tf.where\'s of a '
-            'mask of them')
   if params.tag in (STAT,) and indices is None:
     return params
   return 'a gather across the batch axis'
 
 
-def _leading_dims_match(mask, params) -> bool:
-  """The mask's sizes after the batch axis are the params' next ones (known when built)."""
-  if mask.shape.rank is None or params.shape.rank is None or mask.shape.rank > params.shape.rank:
-    return False
-  inner = mask.shape[1:].as_list()
-  return None not in inner and inner == params.shape[1:mask.shape.rank].as_list()
-
-
 def where(op, kinds):
-  """`tf.where`'s indices (one input): of a vector, the positions of its own true rows; else flat."""
-  kind = kinds[0]
-  if kind.tag in (ROWS, FLAT) and kind.blocks != 1:
-    return flat_kind(None, kind.blocks)   # positions in the blocks' order
-  if kind.tag in (ROWS, FLAT) and op.inputs[0].shape.rank == 1:
-    stride = rows_per_example(kind)
-    if stride is None and kind.tag == FLAT:
-      stride = RAGGED
-    return Kind(INDICES, stride=stride, layout=FLAT) if stride is not None else FLAT_KIND
-  return FLAT_KIND if kind.tag in (ROWS, FLAT) else not_rows(op, kind)
+  """`tf.where`'s indices (one input): positions in the mask's rows or flat rows."""
+  mask = kinds[0]
+  if mask.tag == ROWS and mask.blocks == 1:
+    return Kind(POSITIONS, per=f'where:{op.name}', index='rows')
+  if mask.tag in (ROWS, FLAT):   # in blocks: positions in the blocks' order, of no known rows
+    index = mask.per if mask.tag == FLAT and mask.blocks == 1 else None
+    return Kind(POSITIONS, per=f'where:{op.name}', index=index)
+  return not_rows(op, mask)
 
 
-_WHY_INDICES = ('an op on positions of the batch\'s rows (range(n) * T, tf.where\'s indices) '
+def scatter_nd(reader, op, kinds):
+  """`tf.scatter_nd` of entries back to `tf.where`'s positions: flat rows or rows again."""
+  indices, updates, shape = kinds
+  why = 'a scatter of the batch\'s rows to positions that are not their own examples\''
+  if indices is None or indices.tag != POSITIONS or indices.index is None or (
+      updates is None) or updates.tag != FLAT or (
+      updates.per != indices.per) or shape is None or op.inputs[2].op.type != 'Pack':
+    return why
+  elements = op.inputs[2].op.inputs
+  if any(reader.kind(e) is not None for e in elements[1:]) or (
+      op.inputs[0].shape.rank != 2 or op.inputs[0].shape[-1] != 1):
+    return why
+  per = 1 if indices.index == 'rows' else indices.index
+  if not isinstance(per, int) or not _batch_size_times(reader, elements[0], per):
+    return why
+  return ROWS_KIND if indices.index == 'rows' else Kind(FLAT, per=per)
+
+
+def _batch_size_times(reader, t, per: int) -> bool:
+  """Whether `t` is the shard's batch size times `per` (`tf.shape(x)[0] * T`, T static)."""
+  value = static_value(t)
+  if value is not None:
+    return reader.examples is not None and int(value) == reader.examples * per
+  if per == 1 and _batch_size(reader, t):
+    return True
+  if t.op.type != 'Mul':
+    return False
+  a, b = t.op.inputs
+  for size, factor in ((a, b), (b, a)):
+    if _batch_size(reader, size) and static_value(factor) is not None and (
+        int(static_value(factor)) == per):
+      return True
+  return False
+
+
+def _batch_size(reader, t) -> bool:
+  """Whether `t` is `tf.shape(x)[0]` of rows `x` (one row per example)."""
+  op = t.op
+  if op.type != 'StridedSlice' or op.inputs[0].op.type != 'Shape':
+    return False
+  rows = reader.kind(op.inputs[0].op.inputs[0])
+  begin = static_value(op.inputs[1])
+  return (rows is not None and rows.tag == ROWS and rows.blocks == 1 and begin is not None
+          and int(np.reshape(begin, [-1])[0]) == 0 and op.get_attr('shrink_axis_mask') & 1
+          and not op.get_attr('ellipsis_mask') & 1 and not op.get_attr('new_axis_mask') & 1)
+
+
+_WHY_INDICES = ('an op on positions of the batch\'s rows (range(n) * T plus positions) '
                 'other than a gather of each example\'s own rows by them')
 
 
 def indexing(reader, op, kinds):
   """Offsets and indices of each example's own rows (the module doc), or None: not such an op.
 
-  `range(n) * T` (n the shard's examples) is offsets of stride T; rows (positions,
-  each in [0, T): the input's promise) plus offsets are indices of stride T; a
+  `range(n) * T` (n the shard's examples) is offsets of index T; rows (positions,
+  each in [0, T): the input's promise) plus offsets are indices of index T; a
   gather of rows or flat rows of T rows per example by them, each example's own.
   """
   present = [k for k in kinds if k is not None]
   if not any(k.tag in (OFFSETS, INDICES) for k in present):
     return _offsets(reader, op, kinds)
   found = _of_indices(reader, op, kinds, present)
-  if found == _WHY_INDICES and all(_degrades(k) for k in present):
-    return None   # read as before: batch-size values, tf.where's flat indices
+  if found == _WHY_INDICES and not any(k.tag == INDICES for k in present):
+    return None   # offsets read as before: batch-size values
   return found
 
 
-def _degrades(kind) -> bool:
-  """Offsets, and tf.where's indices (flat, no `per`), read elsewhere as batch-size values
-  and flat rows (what they are, whatever they index)."""
-  return kind.tag not in (OFFSETS, INDICES) or kind.tag == OFFSETS or (
-      kind.layout == FLAT and kind.per is None)
-
-
 def degraded(kinds: list) -> list:
-  """`kinds` with offsets as batch-size values and tf.where's indices as flat rows."""
-  return [SIZE_KIND if k is not None and k.tag == OFFSETS else
-          FLAT_KIND if k is not None and k.tag == INDICES else k for k in kinds]
+  """`kinds` with offsets as batch-size values (what they are, whatever they index)."""
+  return [SIZE_KIND if k is not None and k.tag == OFFSETS else k for k in kinds]
 
 
 def _of_indices(reader, op, kinds, present):
@@ -298,10 +369,9 @@ def _of_indices(reader, op, kinds, present):
               k is None for k in kinds[2:]):
     params, indices = kinds[0], kinds[1]
     each = rows_per_example(params)
-    ragged = each is None and params.tag == FLAT and params.blocks == 1
-    if indices.stride != (RAGGED if ragged else each):
+    if each is None or indices.index != each:
       return ('a gather of flat rows by indices of another number of rows per example '
-              f'({indices.stride} against {each})')
+              f'({indices.index} against {each})')
     if indices.layout == FLAT:
       return flat_kind(indices.per)
     return ROWS_KIND
@@ -309,7 +379,7 @@ def _of_indices(reader, op, kinds, present):
 
 
 def _offsets(reader, op, kinds):
-  """range(n) * T: offsets of stride T (n the shard's examples); with a static batch,
+  """range(n) * T: offsets of index T (n the shard's examples); with a static batch,
   positions plus the constant [0, T, 2T, ...]: indices; None: neither."""
   if len(kinds) != 2 or (kinds[0] is None) == (kinds[1] is None):
     return None
@@ -320,13 +390,13 @@ def _offsets(reader, op, kinds):
     if a.op.type == 'Range' and static_value(a.op.inputs[0]) == 0 and (
         static_value(a.op.inputs[2]) == 1) and batch_multiple(reader, a.op.inputs[1]) == 1:
       stride = size_symbol(b)
-      return Kind(OFFSETS, stride=stride) if stride is not None else None
+      return Kind(OFFSETS, index=stride) if stride is not None else None
     return None
   kind = reader.kind(a)
   if op.type in ('Add', 'AddV2') and kind.tag == ROWS and kind.blocks == 1 and (
       a.dtype.is_integer) and a.shape.rank is not None and a.shape.rank == b.shape.rank:
     stride = _static_offsets(reader, b)
-    return Kind(INDICES, stride=stride) if stride is not None else None
+    return Kind(INDICES, index=stride) if stride is not None else None
   return None
 
 
@@ -353,18 +423,18 @@ def _reindexed(op, kind):
   if inner_in == inner_out:
     return kind
   if kind.tag == INDICES and kind.layout is None and inner_in % inner_out == 0:
-    return Kind(INDICES, stride=kind.stride, layout=FLAT, per=inner_in // inner_out)
+    return Kind(INDICES, index=kind.index, layout=FLAT, per=inner_in // inner_out)
   return _WHY_INDICES
 
 
 def _own_indices(reader, op, kinds):
-  """Positions (rows) plus offsets of stride T: each example's own rows of a T-row flat tensor."""
+  """Positions (rows) plus offsets of index T: each example's own rows of a T-row flat tensor."""
   offsets = [k for k in kinds if k is not None and k.tag == OFFSETS]
   rows = [k for k in kinds if k is not None and k.tag == ROWS and k.blocks == 1]
   ranks = {t.shape.rank for t in op.inputs}
   if len(offsets) == 1 and len(rows) == 1 and all(t.dtype.is_integer for t in op.inputs) and (
       len(ranks) == 1 and None not in ranks):   # [n, P] + [n, 1]: the batch axes meet
-    return Kind(INDICES, stride=offsets[0].stride)
+    return Kind(INDICES, index=offsets[0].index)
   return _WHY_INDICES
 
 

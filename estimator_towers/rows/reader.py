@@ -9,9 +9,11 @@ tensor is mixed; otherwise its op type picks the family that reads it
 tf.cond's branches are read like the rest when the choice is not the
 batch's), and an op no family knows, a function call, a `py_func` or
 functional control flow fed by the batch mixes its rows: never
-per-example by default. Offsets and indices of each example's own rows
-(`range(n) * T`, positions plus them, `tf.where` of a vector) are read by
-`flat.indexing` before the families, whatever the op. A
+per-example by default, and so does an op not named in `_LIFTED_OPS` on
+entries lifted onto axis 1, or one not named in `_POSITION_OPS` on
+`tf.where`'s positions. Offsets and indices of each example's own rows
+(`range(n) * T`, positions plus them) are read by `flat.indexing` before
+the families, whatever the op. A
 mixing op is recorded with why, and the rows or flat rows it reads (through
 the transposes that made them columns) are the frontier, each once.
 """
@@ -29,10 +31,11 @@ from estimator_towers.rows import flat
 from estimator_towers.rows import sizes
 from estimator_towers.rows import stacked
 from estimator_towers.rows import statistics
-from estimator_towers.rows.kinds import (COLS, FLAT, FLAT_KIND, INDICES, MIXED, MIXED_KIND,
-                                         OFFSETS, ROWS, SPLITS, STAT_KIND, UNIQUE, UNIQUE_KIND,
-                                         Kind, Mixing)
-from estimator_towers.rows.op_tables import FUNCTIONS, SEGMENT_SUMS, SPARSE_SEGMENTS
+from estimator_towers.rows.kinds import (COLS, FLAT, FLAT_KIND, INDICES, LIFTED, LIFTED_SHAPE,
+                                         MIXED, MIXED_KIND, OFFSETS, POSITIONS, ROWS, SPLITS,
+                                         STAT_KIND, UNIQUE, UNIQUE_KIND, Kind, Mixing)
+from estimator_towers.rows.op_tables import (ELEMENTWISE, FUNCTIONS, REDUCTIONS, SEGMENT_SUMS,
+                                             SHAPES, SPARSE_SEGMENTS)
 
 _SEARCH_LIMIT = 200000
 _FAMILIES = (sizes, elementwise, statistics, einsum, flat, stacked)
@@ -40,6 +43,17 @@ _FAMILIES = (sizes, elementwise, statistics, einsum, flat, stacked)
 # output), or a str (a mixing op: why). No type is read by two families.
 _RULES = {t: rule for family in _FAMILIES for t, rule in family.RULES.items()}
 assert len(_RULES) == sum(len(family.RULES) for family in _FAMILIES)
+# The op types whose rules read entries lifted onto axis 1 ([1, n, ...]) and their shape;
+# any other op fed by them mixes.
+_LIFTED_OPS = ELEMENTWISE | REDUCTIONS | SHAPES | frozenset((
+    'Size', 'ArgMax', 'ArgMin', 'L2Loss', 'Reshape', 'Transpose', 'ExpandDims', 'Squeeze',
+    'ConcatV2', 'Pack', 'StridedSlice', 'GatherV2', 'MatMul', 'BatchMatMul', 'BatchMatMulV2',
+    'BatchMatMulV3'))
+# The op types whose rules read `tf.where`'s positions: a copy of them, a gather or scatter by
+# them, their count; any other op fed by them mixes (a position is the shard's layout).
+_POSITION_OPS = SHAPES | frozenset((
+    'Size', 'Identity', 'Cast', 'StopGradient', 'Snapshot', 'EnsureShape', 'CheckNumerics',
+    'Reshape', 'Squeeze', 'StridedSlice', 'GatherV2', 'Gather', 'GatherNd', 'ScatterNd'))
 
 
 def read(targets: Sequence[tf.Tensor], input_kinds: dict, examples: int | None,
@@ -104,9 +118,10 @@ class Reader:
     if isinstance(found, str):   # a mixing op: why
       self.mixing.append(Mixing(op, found))
       for t, k in zip(op.inputs, kinds):
-        while k is not None and k.tag == COLS and t.op.type in ('Transpose', 'Reshape',
-                                                                'Einsum'):
-          # the rows a transpose (or an einsum of one batch operand) made columns of
+        while k is not None and (
+            k.tag == COLS and t.op.type in ('Transpose', 'Reshape', 'Einsum') or (
+                k.tag == LIFTED and t.op.type in ('Transpose', 'Reshape', 'ExpandDims'))):
+          # the rows a transpose (or an einsum of one batch operand) made columns of, or lifted
           t = [i for i in t.op.inputs if self.kind(i) is not None][0]
           k = self.kind(t)
         if k is not None and k.tag in (ROWS, FLAT) and t.name not in self._frontier_names:
@@ -138,6 +153,13 @@ def _rule(reader: Reader, op: tf.Operation, kinds: list):
     return FLAT_KIND   # which example each entry of a RaggedTensor belongs to
   if any(k.tag == SPLITS for k in present):
     return flat.splits(op, kinds)
+  if any(k.tag in (LIFTED, LIFTED_SHAPE) for k in present) and t not in _LIFTED_OPS:
+    return f'an op on entries lifted onto axis 1 the reader does not follow ({t})'
+  if any(k.tag == POSITIONS for k in present) and t not in _POSITION_OPS:
+    return (f'an op on tf.where\'s positions (the shard\'s layout, not an example\'s '
+            f'values) ({t})')
+  if t == 'ScatterNd' and any(k.tag in (FLAT, POSITIONS) for k in present):
+    return flat.scatter_nd(reader, op, kinds)
   if t.startswith('Collective') or t in ('ScatterNd', 'TensorScatterUpdate',
                                          'TensorScatterAdd'):
     return statistics.across_workers(op, present)

@@ -16,18 +16,31 @@ target (the loss), and gives each tensor in between one *kind*:
   encoder run on the stacked views stays per-example.
 - **flat**: every row belongs to one example, in example order, but not one
   row per example (a reshape of [n, T, d] to [n * T, d], `tf.boolean_mask`'s
-  rows, `tf.where`'s indices of a matrix); sums of it are still statistics.
-  Where each example has the same T rows (a reshape's), `per` is T, and a
-  reshape back to [n, T, d] is rows again.
+  rows, `tf.where`'s positions gathered); sums of it are still statistics.
+  `per` is how many entries each example has: where each example has the
+  same T rows (a reshape's), T, and a reshape back to [n, T, d] is rows
+  again; a `tf.where`'s name where the mask's values decide it.
+- **lifted**: rows or flat rows behind a new leading axis of 1 ([1, n,
+  ...]: the r1 Transformer's pad-removing FFN's `expand_dims(x, 0)`), the
+  batch on axis 1; a tensordot (Dense on rank 3) keeps them, a squeeze of
+  axis 0 gives them back, a reduction over axis 1 is a statistic, anything
+  else on them mixes. Their shape is a `lifted shape`.
+- **positions**: `tf.where`'s indices, positions in the shard's rows or
+  flat rows: the shard's layout, not values of its examples. A gather,
+  `gather_nd` or `scatter_nd` by them is per-example only at positions of
+  the same rows (`flat`: `tf.boolean_mask`, the pad remover); a cast or copy
+  keeps them; anything else on them mixes. A head on the whole batch
+  computes them again from the gathered mask, never gathers them.
 - **offsets** and **indices**: `range(n) * T` (each example's first row in a
-  flat tensor of T rows per example) and positions plus them, or
-  `tf.where`'s indices of a vector: positions of each example's own rows (as
-  BERT's `gather_indexes` makes them; a position must be in [0, T), the
-  input's promise). A gather of the flat rows by them is per-example; any
-  other op on them, or a gather of the batch's rows by other positions,
-  mixes the rows.
-- **statistic**: a reduction over the batch axis of rows (a sum, a mean, a
-  max, a batch norm's moments), and arithmetic on such values: what the
+  flat tensor of T rows per example) and positions plus them: positions of
+  each example's own rows (as BERT's `gather_indexes` makes them; a
+  position must be in [0, T), the input's promise). A gather of the flat
+  rows of T per example by them is per-example; any other op on indices, or
+  a gather of the batch's rows by other positions, mixes the rows; offsets
+  read elsewhere are batch-size values.
+- **statistic**: a reduction over the batch axis of rows that adds up over
+  the shards (a sum, a mean, `L2Loss`, a batch norm's moments), and
+  arithmetic on such values: what the
   loss algebra rebuilds (or says it cannot) and what sync batch norm joins.
   A batch norm's statistics (`tf.nn.moments` over axis 0, a fused batch
   norm) normalising rows keep them rows: that is `sync_batch_norm`'s choice.
@@ -44,7 +57,9 @@ target (the loss), and gives each tensor in between one *kind*:
 - **mixed**: a row depends on other examples of the batch. The first op that
   makes a mixed tensor out of none is a *mixing op*: a matrix product of two
   batch operands, a transpose, top-k, reverse, gather or slice across the
-  batch axis, a concat on the batch axis of rows with other values, rows
+  batch axis, a reduction over the batch axis no sum of the shards' values
+  gives (a max, a min, an arg-max, a product, `reduce_all` / `reduce_any`),
+  a concat on the batch axis of rows with other values, rows
   combined with a statistic that is not a batch norm's or with a batch-size
   value, and any op the reader does not know (a function call, a
   `py_func`, a functional `If`/`While`) fed by the batch: an op that cannot
@@ -71,7 +86,8 @@ result types), `op_tables` (the op types by how they treat rows),
 `elementwise`, `statistics`, `einsum`, `flat` and `stacked` (the families of
 ops), `reader` (the walk, the mixing ops and the frontier), `messages` (the
 warning or error). This module holds the entry points (`classify`, `check`,
-`in_eval_spec`, `add_rows`, `cut_rows`) and re-exports the names callers use.
+`in_eval_spec`, `add_rows`, `cut_rows`) and re-exports the names callers use (`einsum_subscripts`: an equation's subscripts per
+operand, for the heads that split an einsum's rows).
 """
 
 from __future__ import annotations
@@ -82,17 +98,20 @@ import weakref
 import tensorflow as tf
 
 from estimator_towers.rows import messages
+from estimator_towers.rows.einsum import subscripts as einsum_subscripts
 from estimator_towers.rows.flat import input_kinds
-from estimator_towers.rows.kinds import (COLS, FLAT, INDICES, MIXED, OFFSETS, ROWS, ROWS_KIND, SHAPE,
-                                         SIZE, SPLITS, STAT, UNIQUE, Kind, Mixing, RowDependence)
+from estimator_towers.rows.kinds import (COLS, FLAT, INDICES, LIFTED, LIFTED_SHAPE, MIXED, OFFSETS,
+                                         POSITIONS, ROWS, ROWS_KIND, SHAPE, SIZE, SPLITS, STAT,
+                                         UNIQUE, Kind, Mixing, RowDependence)
 from estimator_towers.rows.op_tables import ARITHMETIC, ASSIGNS
 from estimator_towers.rows.reader import read
 
 # The names the other stages read as `row_dependence.<name>` (the kinds and the op table
 # re-exported from `kinds` and `op_tables`).
-__all__ = ['ARITHMETIC', 'COLS', 'FLAT', 'INDICES', 'MIXED', 'OFFSETS', 'ROWS', 'SHAPE', 'SIZE',
-           'SPLITS', 'STAT', 'UNIQUE', 'Kind', 'Mixing', 'RowDependence', 'add_rows', 'check', 'classify',
-           'cut_rows', 'in_eval_spec']
+__all__ = ['ARITHMETIC', 'COLS', 'FLAT', 'INDICES', 'LIFTED', 'LIFTED_SHAPE', 'MIXED', 'OFFSETS',
+           'POSITIONS', 'ROWS', 'SHAPE', 'SIZE', 'SPLITS', 'STAT', 'UNIQUE', 'Kind', 'Mixing',
+           'RowDependence', 'add_rows', 'check', 'classify', 'cut_rows', 'einsum_subscripts',
+           'in_eval_spec']
 
 _cut_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {tensor name}
 

@@ -3,7 +3,9 @@
 The rule. A shape op reads the rows' shape, not their values: a shape of
 rows (or of flat rows) is `shape`, the vector whose first element is the
 batch size; its size, a `tf.range` of it, an identity matrix or a
-diagonal of it are `batch size` values, the same on every shard only in
+diagonal of it are `batch size` values (and so is the count of flat rows
+or of entries lifted onto axis 1, whose shape [1, n, ...] is a `lifted
+shape`), the same on every shard only in
 form (`tf.shape(x)[0]`, `tf.size`). An op whose `shape` input is a `shape`
 (`tf.zeros([n, d])`, random noise of `tf.shape(x)`, `tf.fill`) makes rows
 of constants, flat rows of the same layout for the shape of flat rows
@@ -22,9 +24,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from estimator_towers.rows.kinds import (FLAT, ROWS, ROWS_KIND, SHAPE, SHAPE_KIND, SIZE, SIZE_KIND,
-                                         STAT, UNIQUE, UNIQUE_KIND, Kind, flat_kind,
-                                         rows_per_example, stat_of)
+from estimator_towers.rows.kinds import (FLAT, LIFTED, LIFTED_SHAPE, LIFTED_SHAPE_KIND, POSITIONS,
+                                         ROWS, ROWS_KIND, SHAPE, SHAPE_KIND, SIZE, SIZE_KIND, STAT,
+                                         UNIQUE, UNIQUE_KIND, Kind, flat_kind, rows_per_example,
+                                         stat_of)
 from estimator_towers.rows.op_tables import SHAPED, SHAPES
 from estimator_towers.rows.static_values import static_value
 
@@ -38,12 +41,14 @@ def shape_of(kind: Kind | None) -> Kind | None:
   """The kind of the shape of a tensor of `kind`."""
   if kind is None:
     return None
-  if kind.tag == FLAT:   # [n * T, ...]: shapes flat rows
+  if kind.tag in (FLAT, POSITIONS):   # [n * T, ...], [k, r]: shapes flat rows (of `per`)
     return Kind(SHAPE, kind.blocks, per=kind.per, layout=FLAT)
   if kind.tag == ROWS and kind.blocks > 1:
     return Kind(SHAPE, kind.blocks)   # [b * n, ...]
   if kind.tag in (ROWS, SIZE, SHAPE):
     return SHAPE_KIND
+  if kind.tag in (LIFTED, LIFTED_SHAPE):
+    return LIFTED_SHAPE_KIND if kind.tag == LIFTED else SIZE_KIND   # [1, n, ...]; [rank]
   return kind   # a statistic's shape does not depend on the batch (or is mixed)
 
 
@@ -51,7 +56,9 @@ def size_of(kind: Kind | None) -> Kind | None:
   """The kind of the size of a tensor of `kind`."""
   if kind is None:
     return None
-  return SIZE_KIND if kind.tag in (ROWS, FLAT, SIZE, SHAPE) else kind   # a set's size: the set's
+  if kind.tag in (ROWS, FLAT, SIZE, SHAPE, LIFTED, LIFTED_SHAPE, POSITIONS):
+    return SIZE_KIND
+  return kind   # a set's size: the set's
 
 
 def _shapes(reader, op, kinds):

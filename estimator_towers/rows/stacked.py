@@ -20,6 +20,13 @@ Whatever moves values between the batch's rows (a slice, reverse, top-k,
 cumulative sum or pad across axis 0, a stack before it, a concat on
 it of rows with other values) mixes them, and so does an axis the graph
 does not say when it is built.
+
+Entries lifted onto axis 1: `expand_dims(x, 0)` of rows or flat rows puts
+one axis of 1 before them ([1, n, ...], the pad-removing FFN's), and
+`squeeze(axis=0)` takes it away again; a tensordot's reshape to [n, d] and
+back to [1, n, k] (its shape read from the lifted tensor's) keeps each
+entry's row, as does a transpose that leaves axes 0 and 1 alone. Any other
+op on them moves their batch axis (1), and mixes.
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ from __future__ import annotations
 import numpy as np
 
 from estimator_towers.rows.elementwise import elementwise
-from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, FLAT_KIND, ROWS, ROWS_KIND, SHAPE,
-                                         SHAPE_KIND, SIZE, SIZE_KIND, STAT, Kind, flat_kind,
-                                         rows_per_example, stat_of)
+from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, FLAT_KIND, LIFTED, LIFTED_SHAPE,
+                                         LIFTED_SHAPE_KIND, POSITIONS, ROWS, ROWS_KIND, SHAPE,
+                                         SHAPE_KIND, SIZE, SIZE_KIND, STAT, Kind, flat_kind, lifted,
+                                         rows_per_example, stat_of, unlifted)
 from estimator_towers.rows.sizes import batch_multiple, times
 from estimator_towers.rows.static_values import axes_of, product, static_value
 
@@ -39,9 +47,18 @@ def _reshape(reader, op, kinds):
   if x is None:
     return ('a reshape of a constant to the batch\'s size' if shape is not None
             else None)
-  if x.tag in (STAT, SIZE, SHAPE):
+  if x.tag in (STAT, SIZE, SHAPE, LIFTED_SHAPE):
     return x if x.tag == STAT else SIZE_KIND
+  if x.tag == POSITIONS:   # [n, 1] -> [n] (tf.boolean_mask's): the same positions
+    inner = product(op.inputs[0].shape[1:]) if op.inputs[0].shape.rank else None
+    out_inner = product(op.outputs[0].shape[1:]) if op.outputs[0].shape.rank else None
+    return x if inner is not None and inner == out_inner else (
+        'a reshape of tf.where\'s positions')
+  if x.tag == LIFTED or (shape is not None and shape.tag == LIFTED_SHAPE):
+    return _lifted_reshape(op, x, shape)
   if shape is not None and shape.tag == SHAPE and x.tag in (ROWS, FLAT):   # tf.shape(y)'s
+    if x.tag == FLAT and x.per is None and shape.layout != FLAT and shape.blocks == x.blocks:
+      return Kind(ROWS, x.blocks)   # a dense tensor's merged axes back to its rows' shape
     return _to_layout(x, times(shape.blocks, 1 if shape.layout != FLAT else shape.per))
   out, in_shape = op.outputs[0].shape, op.inputs[0].shape
   value = static_value(op.inputs[1]) if shape is None else None
@@ -78,7 +95,7 @@ def _reshape(reader, op, kinds):
     return COLS_KIND   # [n] -> [1, n]
   if out[0] is not None and value is not None and value[0] >= 0:
     return _to_layout(x, _static_multiple(reader, out[0]))
-  return _by_inner_sizes(x, in_shape, out)
+  return _by_inner_sizes(x, in_shape, out, value)
 
 
 def _static_multiple(reader, size: int):
@@ -106,7 +123,7 @@ def _to_layout(x, k):
   return flat_kind(q, b)
 
 
-def _by_inner_sizes(x, in_shape, out):
+def _by_inner_sizes(x, in_shape, out, value):
   """A reshape to [-1, ...]: the rows per example from the sizes after axis 0."""
   inner_in = product(in_shape[1:]) if in_shape.rank else None
   inner_out = product(out[1:])
@@ -119,9 +136,46 @@ def _by_inner_sizes(x, in_shape, out):
     if x.tag == FLAT and each is None and inner_in % inner_out == 0:
       return flat_kind(None, x.blocks)   # the flat rows' entries split further
     return 'a reshape that moves values between the batch\'s rows'
-  if out.rank == 1 and x.tag in (ROWS, FLAT):
-    return flat_kind(None, x.blocks)   # each example's values, in example order
+  if x.tag in (ROWS, FLAT) and (out.rank == 1 or _merges_batch(in_shape, value)):
+    return flat_kind(None, x.blocks)   # each example's values, in example order ([n, T, ..., d]
+    # to [-1, ..., d], T unknown: the batch axis merged with the next ones)
   return 'a reshape whose rows cannot be told from the graph'
+
+
+def _merges_batch(in_shape, value) -> bool:
+  """Is `value` [-1, d...], with d... the last axes of a shape of more axes (the ones
+  before unknown): the batch axis merged with the next ones (`tf.nn.sparse_softmax_cross_
+  entropy_with_logits` of [n, T, V] logits, T unknown, reshapes them to [-1, V])."""
+  if value is None or value.ndim != 1 or len(value) < 2 or int(value[0]) != -1 or (
+      in_shape.rank is None or in_shape.rank <= len(value)):
+    return False
+  kept = in_shape.as_list()[in_shape.rank - len(value) + 1:]
+  return all(d is not None and d == int(v) for d, v in zip(kept, value[1:]))
+
+
+def _lifted_reshape(op, x, shape):
+  """[1, n, ...] to [n, ...] or [1, n, ...] and back: each entry's row kept, else mixing."""
+  out, in_shape = op.outputs[0].shape, op.inputs[0].shape
+  why = 'a reshape that moves entries lifted onto axis 1 between rows'
+  if op.inputs[1].op.type == 'Pack' and out.rank == len(op.inputs[1].op.inputs):
+    values = [static_value(e) for e in op.inputs[1].op.inputs]
+    out = out.merge_with([None if v is None or int(v) < 0 else int(v) for v in values])
+  if out.rank is None or in_shape.rank is None or (shape is not None and shape.tag not in (
+      SIZE, SHAPE, LIFTED_SHAPE)):
+    return why
+  if x.tag == LIFTED:   # [1, n, d...] -> [n, d'...] or [1, n, d'...]
+    inner = product(in_shape[2:])
+    if out.rank >= 2 and out[0] == 1 and shape is not None and shape.tag == LIFTED_SHAPE and (
+        inner is not None and inner == product(out[2:])):
+      return x
+    if out.rank >= 1 and inner is not None and inner == product(out[1:]) and (
+        shape is None or shape.tag != LIFTED_SHAPE):
+      return unlifted(x)
+    return why
+  if x.tag in (ROWS, FLAT) and out.rank >= 2 and out[0] == 1 and (   # [n, d...] -> [1, n, d'...]
+      product(in_shape[1:]) is not None and product(in_shape[1:]) == product(out[2:])):
+    return lifted(x)
+  return why
 
 
 def _tile(reader, op, kinds):
@@ -153,6 +207,9 @@ def _transpose(reader, op, kinds):
   value = static_value(op.inputs[1])
   if perm is None and x.tag in (STAT, SIZE):
     return x
+  if x.tag == LIFTED:
+    return x if perm is None and value is not None and list(value[:2]) == [0, 1] else (
+        'a transpose that moves the batch axis of entries lifted onto axis 1')
   if perm is None and value is not None and (len(value) == 0 or value[0] == 0):
     return x if x.tag != SHAPE else SIZE_KIND
   if perm is None and value is not None and list(value) == [1, 0] and x.tag in (ROWS, COLS):
@@ -168,7 +225,13 @@ def _expand_dims(reader, op, kinds):
   if axis is None and value is not None:
     a = int(np.reshape(value, [-1])[0])
     rank = op.inputs[0].shape.rank
-    if a > 0 or (a < 0 and rank is not None and a + rank + 1 > 0):
+    if a < 0 and rank is not None:
+      a = a + rank + 1
+    if x.tag == LIFTED:
+      return x if a >= 2 else 'a new axis before the batch axis of entries lifted onto axis 1'
+    if a == 0 and x.tag in (ROWS, FLAT):
+      return lifted(x)   # [1, n, ...]: the pad-removing FFN's
+    if a > 0:
       return x if x.tag != SHAPE else SIZE_KIND
     if x.tag == SHAPE or x.tag == SIZE:
       return SIZE_KIND
@@ -182,6 +245,14 @@ def _squeeze(reader, op, kinds):
   dims = list(op.get_attr('squeeze_dims'))
   rank = op.inputs[0].shape.rank
   dims = [d + rank if d < 0 and rank is not None else d for d in dims]
+  if x.tag == POSITIONS:
+    return x if dims and all(d >= 1 for d in dims) else 'a squeeze of tf.where\'s positions'
+  if x.tag == LIFTED:
+    if dims == [0]:
+      return unlifted(x)
+    if dims and all(d >= 2 for d in dims):
+      return x
+    return 'a squeeze of the batch axis of entries lifted onto axis 1'
   if (dims and 0 not in dims and (rank is None or all(d >= 0 for d in dims))) or (
       not dims and op.inputs[0].shape.rank and op.inputs[0].shape[0] != 1):
     return x if x.tag != SHAPE else SIZE_KIND
@@ -198,6 +269,13 @@ def _concat(reader, op, kinds):
   if axes is None:
     return 'a concat along an axis unknown when the graph is built'
   present = [k for k in kinds if k is not None]
+  if any(k.tag in (LIFTED, LIFTED_SHAPE) for k in present):
+    if axes[0] >= 2 and all(k.tag == LIFTED for k in present):
+      return elementwise(reader, op, kinds[:])
+    if axes[0] == 0 and kinds[0] is not None and kinds[0].tag == LIFTED_SHAPE and len(
+        present) == 1:
+      return LIFTED_SHAPE_KIND   # [1, n] then sizes that do not depend on the batch
+    return 'a concat along the batch axis of entries lifted onto axis 1'
   if axes[0] != 0:
     return elementwise(reader, op, kinds[:])
   tags = {k.tag for k in present}
@@ -218,6 +296,11 @@ def _pack(reader, op, kinds):
   axis = op.get_attr('axis')
   present = [k for k in kinds if k is not None]
   tags = {k.tag for k in present}
+  if tags & {LIFTED, LIFTED_SHAPE}:
+    rank = op.outputs[0].shape.rank
+    if tags == {LIFTED} and rank is not None and (axis if axis >= 0 else axis + rank) >= 2:
+      return elementwise(reader, op, kinds)
+    return 'a stack of entries lifted onto axis 1 before their batch axis'
   if axis != 0 and (axis > 0 or op.outputs[0].shape.rank is not None) and (
       axis > 0 or axis + op.outputs[0].shape.rank > 0):
     return elementwise(reader, op, kinds)
@@ -282,6 +365,21 @@ def _strided_slice(reader, op, kinds):
   begin_mask, end_mask = op.get_attr('begin_mask'), op.get_attr('end_mask')
   ellipsis, new_axis = op.get_attr('ellipsis_mask'), op.get_attr('new_axis_mask')
   shrink = op.get_attr('shrink_axis_mask')
+  if x.tag == LIFTED_SHAPE:   # [1, n, ...][i]: n at 1, static sizes elsewhere
+    length = op.inputs[0].shape[0] if op.inputs[0].shape.rank else None
+    if shrink & 1 and begin is not None and not (ellipsis & 1 or new_axis & 1) and (
+        int(begin[0]) >= 0 or length is not None):
+      start = int(begin[0]) + (length if int(begin[0]) < 0 else 0)
+      return SIZE_KIND if start == 1 else None
+    return SIZE_KIND
+  if x.tag == LIFTED:
+    return 'a slice of entries lifted onto axis 1'
+  if x.tag == POSITIONS:   # all of them, as they are; a column of them is not a position
+    same = op.outputs[0].shape.as_list() == op.inputs[0].shape.as_list() if (
+        op.outputs[0].shape.rank is not None) else False
+    return x if same and not (shrink or new_axis or ellipsis) and (begin_mask & 1 or (
+        begin is not None and begin[0] == 0)) and end_mask & 1 and (
+            strides is not None and strides[0] == 1) else 'a slice of tf.where\'s positions'
   if x.tag == SHAPE:
     if op.outputs[0].shape.num_elements() == 0:
       return None   # no size at all (shape[:0])
@@ -338,7 +436,10 @@ def _pad(reader, op, kinds):
   paddings = static_value(op.inputs[1])
   if x.tag in (STAT, SIZE):
     return x
-  if paddings is not None and not np.any(paddings[0]):
+  if paddings is None and op.inputs[1].op.type == 'Pack' and (
+      op.inputs[1].op.get_attr('axis') == 0):   # [[0, 0], [0, m - tf.shape(x)[1]], ...]
+    paddings = [static_value(op.inputs[1].op.inputs[0])]
+  if paddings is not None and paddings[0] is not None and not np.any(paddings[0]):
     return x
   return 'padding of the batch axis'
 

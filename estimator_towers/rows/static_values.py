@@ -3,9 +3,9 @@
 The rule. A reader decides from values known when the graph is built: an
 axis, a reshape's shape, a slice's begin, a tile's multiples. `static_value`
 is `tf.get_static_value` and a small constant folder over it (shapes of
-static sizes, their slices, packs, concats, arithmetic, ranges and
-reshapes); `axes_of` reads an axis argument (negative axes counted from
-`rank`). Unknown is None, never
+static sizes, their slices, gathers and products, packs, concats,
+arithmetic, ranges and reshapes); `axes_of` reads an axis argument
+(negative axes counted from `rank`). Unknown is None, never
 a guess: a reader given None for an axis treats the op as mixing the rows.
 """
 
@@ -38,6 +38,14 @@ def static_value(t: tf.Tensor, depth: int = 0):
     if op.type in ('Prod', 'Sum') and op.inputs[0].shape.is_fully_defined() and (
         op.inputs[0].shape.num_elements() == 0):
       return np.asarray(1 if op.type == 'Prod' else 0, op.outputs[0].dtype.as_numpy_dtype)
+    if op.type in ('Prod', 'Sum'):   # tensordot's sizes: the product of static dims
+      args = [static_value(i, depth + 1) for i in op.inputs]
+      if all(a is not None for a in args):
+        reduce = np.prod if op.type == 'Prod' else np.sum
+        return np.asarray(reduce(args[0], axis=tuple(np.reshape(args[1], [-1]).tolist()),
+                                 keepdims=op.get_attr('keep_dims')))
+    if op.type == 'GatherV2' and op.inputs[0].op.type == 'Shape':
+      return _shape_gather(op, depth)
     if op.type == 'Pack':
       args = [static_value(i, depth + 1) for i in op.inputs]
       if all(a is not None for a in args):
@@ -49,6 +57,18 @@ def static_value(t: tf.Tensor, depth: int = 0):
     if op.type == 'Slice' and op.inputs[0].op.type == 'Shape':
       return _shape_slice(op, depth)
   return None if value is None else np.asarray(value)
+
+
+def _shape_gather(op: tf.Operation, depth: int):
+  """The value of GatherV2(Shape(x), indices, 0) where those sizes of x are static."""
+  dims = op.inputs[0].op.inputs[0].shape
+  indices, axis = static_value(op.inputs[1], depth + 1), static_value(op.inputs[2], depth + 1)
+  if dims.rank is None or indices is None or axis is None or int(axis) != 0:
+    return None
+  picked = [dims[int(i)] for i in np.reshape(indices, [-1]) if -dims.rank <= int(i) < dims.rank]
+  if len(picked) != indices.size or any(d is None for d in picked):
+    return None
+  return np.reshape(np.asarray(picked, op.outputs[0].dtype.as_numpy_dtype), indices.shape)
 
 
 def _shape_slice(op: tf.Operation, depth: int):

@@ -1,26 +1,33 @@
 """Statistics: reductions over the batch axis, matrix products, batch norms.
 
-The rule. A reduction over the batch axis of rows or flat rows (a sum, a
-mean, a max, `L2Loss`, an arg-max) is a statistic; `tf.nn.moments` over axis
-0 and a fused batch norm's are a batch norm's, which normalising rows keeps
-them rows (`sync_batch_norm`'s choice); a fused batch norm of flat rows (a
-batch norm over every token: [n * T, 1, 1, d]) keeps them flat, in their
-blocks. A reduction over other axes keeps
-the rows. A matrix product sums over the batch (a statistic) where both
-operands' batch axes are summed, keeps it where one operand is the batch's
-and the other's weights do not depend on it (also [n, ..., a, b] rows
-times [b, c] weights, broadcast over the batch), and mixes where both
-operands' batch axes stay (an in-batch similarity matrix) or rows meet a
-statistic that is not a batch norm's. Ops across workers give totals of statistics
-(`cross_worker`, sync batch norm) and mix anything else.
+The rule. A reduction over the batch axis of rows or flat rows that adds up
+over the shards (a sum, a mean, `L2Loss`) is a statistic; `tf.nn.moments`
+over axis 0 and a fused batch norm's are a batch norm's, which normalising
+rows keeps them rows (`sync_batch_norm`'s choice); a fused batch norm of
+flat rows (a batch norm over every token: [n * T, 1, 1, d]) keeps them flat,
+in their blocks. A reduction over the batch axis that no sum of the shards'
+values gives (a max, a min, an arg-max or arg-min, a product, `reduce_all` /
+`reduce_any`, a Euclidean norm; a logsumexp, made from a max) mixes the
+rows: the loss that reads it trains through its head on the whole batch. A
+reduction over other axes keeps the rows. A matrix product sums over the
+batch (a statistic) where both operands' batch axes are summed, keeps it
+where one operand is the batch's and the other's weights do not depend on it
+(also [n, ..., a, b] rows times [b, c] weights, broadcast over the batch),
+and mixes where both operands' batch axes stay (an in-batch similarity
+matrix) or rows meet a statistic that is not a batch norm's. Ops across
+workers give totals of statistics (`cross_worker`, sync batch norm) and mix
+anything else. Entries lifted onto
+axis 1 ([1, n, ...]) are summed over the batch by a reduction over axis 1,
+kept by one over later axes and by a batched product with weights.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, NORM_KIND, ROWS, ROWS_KIND, SHAPE,
-                                         SIZE, SIZE_KIND, STAT, STAT_KIND, Kind, stat_of)
+from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, LIFTED, LIFTED_SHAPE, NORM_KIND,
+                                         ROWS, ROWS_KIND, SHAPE, SIZE, SIZE_KIND, STAT, STAT_KIND,
+                                         Kind, stat_of, unlifted)
 from estimator_towers.rows.op_tables import FUSED_BATCH_NORMS, REDUCTIONS
 from estimator_towers.rows.static_values import axes_of
 
@@ -46,30 +53,54 @@ def _statistic(op: tf.Operation, kind: Kind):
   return kind if kind.tag != SHAPE else SIZE_KIND
 
 
+# Reductions over the batch that no sum of the shards' values gives: a max, a min, an
+# arg-max, a product, a logical and / or (and a norm, the root of a sum the loss algebra
+# cannot see inside). Over the batch axis they mix its rows: the loss that reads them trains
+# through its head on the whole batch.
+_NOT_SUMS = {'Max': 'a max', 'Min': 'a min', 'ArgMax': 'an arg-max', 'ArgMin': 'an arg-min',
+             'Prod': 'a product', 'All': 'a logical and', 'Any': 'a logical or',
+             'EuclideanNorm': 'a Euclidean norm'}
+
+
 def _reduction(reader, op, kinds):
   kind, axes_kind = kinds[0], kinds[1]
   if axes_kind is not None:
     return 'a reduction over axes that depend on the batch'
-  if kind.tag in (STAT, SIZE, SHAPE):
+  if kind.tag in (STAT, SIZE, SHAPE, LIFTED_SHAPE):
     return kind if kind.tag == STAT else SIZE_KIND
   axes = axes_of(op.inputs[1], op.inputs[0].shape.rank)
   if axes is None:
     return 'a reduction over axes unknown when the graph is built'
-  if kind.tag == COLS:
-    return STAT_KIND if 1 in axes or not axes else kind
-  if 0 in axes or kind.tag == FLAT and not axes:
-    return _statistic(op, kind)
-  return kind
+  if kind.tag == LIFTED:   # [1, n, ...]: the batch on axis 1
+    if 1 not in axes:
+      return kind if all(a >= 2 for a in axes) else (
+          'a reduction of the new axis before entries lifted onto axis 1')
+    over_batch = True
+  elif kind.tag == COLS:
+    over_batch = 1 in axes or not axes
+  else:
+    over_batch = 0 in axes or kind.tag == FLAT and not axes
+  if not over_batch:
+    return kind
+  if op.type in _NOT_SUMS and not _in_moments(op):
+    return (f'{_NOT_SUMS[op.type]} over the batch, which no sum of the shards\' '
+            f'statistics gives')
+  if kind.tag == LIFTED:
+    return _statistic(op, unlifted(kind))
+  return STAT_KIND if kind.tag == COLS else _statistic(op, kind)
 
 
 def _l2_loss(reader, op, kinds):
-  return _statistic(op, kinds[0])
+  return _statistic(op, unlifted(kinds[0]) if kinds[0].tag == LIFTED else kinds[0])
 
 
 def _matmul(reader, op, kinds):
   a, b = kinds[0], kinds[1]
   batched = op.type != 'MatMul'
   ranks = [t.shape.rank for t in op.inputs[:2]]
+  if batched and a is not None and a.tag == LIFTED and b is None and ranks[0] and (
+      ranks[0] >= 3 and ranks[1] and ranks[1] <= 2 and not op.get_attr('adj_x')):
+    return a   # the same weights for every entry
   if batched and any(r is not None and r >= 3 for r in ranks):
     if a is not None and b is not None and a.tag == b.tag == ROWS and a.blocks == b.blocks and (
         all(r >= 3 for r in ranks if r is not None)):

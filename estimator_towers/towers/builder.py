@@ -9,7 +9,10 @@ adds while it is built; tower 0's are kept afterwards, so side effects and
 summaries come from tower 0 alone. A tower built only for its forward pass
 is stopped at its gradient request by `TowerStop`, and its control edges to
 its own variable updates are cut (`detach_side_effects`): an empty shard
-must not write NaN statistics.
+must not write NaN statistics. While a tower is built, `tf.shape` and
+`tf.size` of its tensors are Shape and Size ops even for a static shape
+(`interception.shape_reads_kept`), so the graph tells the shard's size from
+a constant.
 """
 
 from __future__ import annotations
@@ -125,6 +128,9 @@ class TowerBuilder:
 
     Variables are per device (device d's shards use its copies, if any). A
     micro-batch's ops that read none of its inputs wait for its gates too.
+    Shape reads of the shard are ops, not constants, even where its shape is
+    static (`interception.shape_reads_kept`): a head on the whole batch reads
+    the whole batch's size.
     """
     d = self.shards.layout.device_of(k)
     device = self.tower_devices[d]
@@ -133,7 +139,8 @@ class TowerBuilder:
     with tf.compat.v1.device(placement_lib.tower_device(device, pinned)), (
         self.variable_sharing.reusing(d, self.root_scope, **reuse_args) if reuse
         else self.variable_sharing.creating()), tower_context.entering(
-            k, len(self.shards.sizes), device, primary=k == self.primary):
+            k, len(self.shards.sizes), device, primary=k == self.primary), \
+        interception.shape_reads_kept():
       try:
         spec = self.run(self.shards.features[k], self.shards.labels[k], self.mode)
       except TowerStop:  # at the gradient request it was built for

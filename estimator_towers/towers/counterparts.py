@@ -3,8 +3,9 @@
 Every tower runs the same model_fn, so the ops between a tower's loss and a
 tensor it was computed from are the same on every tower: the path of op
 input indices that leads from tower 0's loss to its tensor, followed from
-tower k's loss (checking op types on the way), reaches tower k's tensor. A
-tensor no loss was computed from is matched by its position among the ops a
+tower k's loss (checking op types on the way), reaches tower k's tensor
+(for a shard's input itself, tower k's output of the split every tower
+reads). A tensor no loss was computed from is matched by its position among the ops a
 tower's build made (`Segments`).
 """
 
@@ -52,10 +53,17 @@ def follow(start: tf.Tensor, reference: tf.Tensor, route: tuple[int, ...]) -> tf
         or len(tensor.op.inputs) != len(reference.op.inputs)):
       return None
     tensor, reference = tensor.op.inputs[j], reference.op.inputs[j]
+  if tensor.op is reference.op and _shared_split(tensor.op):
+    return tensor   # the split of the batch every tower reads: tower k's own output of it
   if (tensor.op.type != reference.op.type or tensor.value_index != reference.value_index
       or tensor.dtype != reference.dtype):
     return None
   return tensor
+
+
+def _shared_split(op: tf.Operation) -> bool:
+  """The split of the batch into the shards (one op, an output per shard: a static batch)."""
+  return op.type in ('Split', 'SplitV') and op.name.startswith('shard_inputs')
 
 
 def along(ys: Sequence[tf.Tensor], ys_k: Sequence[tf.Tensor], tensor: tf.Tensor
