@@ -21,7 +21,10 @@ setuptools.setup(
     extras_require={
         # GPU users: pip install 'estimator_towers[gpu]' (tensorflow-gpu is gone from PyPI).
         'gpu': ['tensorflow[and-cuda]==2.15.1'],
-        'test': ['pytest>=7', 'pytest-timeout>=2', 'pytest-xdist>=3', 'hypothesis>=6'],
+        # bert-tensorflow: google-research BERT's pre-training model_fn (tests/test_bert.py);
+        # tf-slim serves the tensorflow.contrib.layers it imports (tests/bert_model.py).
+        'test': ['pytest>=7', 'pytest-timeout>=2', 'pytest-xdist>=3', 'hypothesis>=6',
+                 'bert-tensorflow==1.0.4', 'tf-slim==1.1.0'],
         # bench/towers_bench.py's plot: pip install -e '.[bench]'
         'bench': ['matplotlib>=3.5'],
         # The docs site (mkdocs.yml): pip install -e '.[docs]' && mkdocs serve.

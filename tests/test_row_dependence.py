@@ -223,3 +223,231 @@ def test_ragged_and_string_inputs():
                                                                   tf.float32))
     found = rd.classify([loss], [values, splits, words])
   assert not found.mixing, [m.describe() for m in found.mixing]
+
+
+# --- Flat layouts: reshapes of [n, T, d], offsets, gathers of each example's rows ----
+
+T, P, H = 6, 2, 4
+
+
+def _layouts(model, static=False, dynamic_seq=False):
+  """`model(x [n, T, H], positions [n, P])` -> (loss, {name: tensor}) read on one shard."""
+  graph = tf.Graph()
+  with graph.as_default():
+    n = 4 if static else None
+    x = tf.compat.v1.placeholder(tf.float32, [n, None if dynamic_seq else T, H], name='x')
+    positions = tf.compat.v1.placeholder(tf.int32, [n, P], name='positions')
+    loss, named = model(x, positions)
+    found = rd.classify([loss], [x, positions])
+    return found, {name: found.kind(t) for name, t in named.items()}
+
+
+def _sizes(x):
+  """BERT's get_shape_list: static sizes as ints, the others from tf.shape."""
+  shape, dynamic = x.shape.as_list(), tf.shape(x)
+  return [dynamic[i] if d is None else d for i, d in enumerate(shape)]
+
+
+def _gather_indexes(x, positions, stride=None):
+  """bert/run_pretraining.py's gather_indexes (offsets of `stride`, T by default)."""
+  batch, seq, width = _sizes(x)
+  offsets = tf.reshape(tf.range(0, batch, dtype=tf.int32) * (stride or seq), [-1, 1])
+  flat_positions = tf.reshape(positions + offsets, [-1])
+  flat = tf.reshape(x, [batch * seq, width])
+  return tf.gather(flat, flat_positions), flat
+
+
+def _masked_lm(stride=None):
+  def model(x, positions):
+    picked, flat = _gather_indexes(_dense(x, H, 'h'), positions, stride)
+    rows = tf.reshape(picked, [_sizes(x)[0], P, H])
+    return tf.reduce_sum(tf.square(_dense(picked, 3, 'out'))) + tf.reduce_sum(rows), dict(
+        picked=picked, rows=rows, flat=flat)
+  return model
+
+
+@pytest.mark.parametrize('layout', ['dynamic', 'static', 'dynamic_seq'])
+def test_gather_indexes_picks_each_examples_own_rows(layout):
+  """BERT's gather_indexes: positions plus range(n) * T index each example's own rows of
+  the flat [n * T, d] tensor, so the picked rows are flat (P per example), rows again
+  reshaped to [n, P, d]; with a static batch the offsets are a constant of the shard."""
+  found, kinds = _layouts(_masked_lm(), static=layout == 'static',
+                          dynamic_seq=layout == 'dynamic_seq')
+  assert not found.mixing, [m.describe() for m in found.mixing]
+  assert kinds['flat'].tag == rd.FLAT and kinds['picked'] == rd.Kind(rd.FLAT, per=P)
+  assert kinds['rows'] == rd.Kind(rd.ROWS)
+  if layout != 'dynamic_seq':
+    assert kinds['flat'] == rd.Kind(rd.FLAT, per=T)
+
+
+def test_offsets_of_another_stride_mix():
+  """Offsets range(n) * 3 into a flat tensor of 6 rows per example pick other examples' rows."""
+  found, _ = _layouts(_masked_lm(stride=3))
+  assert [m.op.type for m in found.mixing] == ['GatherV2'], [m.describe() for m in found.mixing]
+  assert 'another number of rows per example' in found.mixing[0].why
+
+
+def test_offsets_not_on_the_batch_axis_mix():
+  """positions [n, P] + range(n) * T (not reshaped to [n, 1]) broadcasts the offsets along
+  the positions' last axis: example j's offset added to example i's position j."""
+  def model(x, positions):
+    batch = tf.shape(x)[0]
+    flat = tf.reshape(_dense(x, H, 'h'), [batch * T, H])
+    picked = tf.gather(flat, tf.reshape(positions + tf.range(batch) * T, [-1]))
+    return tf.reduce_sum(picked), {}
+  found, _ = _layouts(model)
+  assert [m.op.type for m in found.mixing] == ['AddV2'], [m.describe() for m in found.mixing]
+
+
+def test_offsets_read_elsewhere_are_batch_size_values():
+  """range(n) * 2 as labels of an in-batch softmax (not a gather's offsets) is what it was: a
+  batch-size value, its one-hot too."""
+  def model(x, positions):
+    labels = tf.one_hot(tf.range(tf.shape(x)[0]) * 2, 8)
+    return tf.reduce_sum(x) + tf.reduce_sum(labels), dict(labels=labels)
+  found, kinds = _layouts(model)
+  assert not found.mixing, [m.describe() for m in found.mixing]
+  assert kinds['labels'] == rd.Kind(rd.SIZE)
+
+
+@pytest.mark.parametrize('static', [False, True])
+def test_gather_by_positions_without_offsets_mixes(static):
+  """tf.gather(reshape(x, [-1, d]), reshape(positions, [-1])): positions index the whole
+  flat batch (example 0's rows for every example), not each example's own."""
+  def model(x, positions):
+    picked = tf.gather(tf.reshape(_dense(x, H, 'h'), [-1, H]), tf.reshape(positions, [-1]))
+    return tf.reduce_sum(picked), {}
+  found, _ = _layouts(model, static=static)
+  assert [m.op.type for m in found.mixing] == ['GatherV2'], [m.describe() for m in found.mixing]
+  assert 'not each example\'s own' in found.mixing[0].why
+
+
+def test_boolean_mask_gathers_its_own_rows():
+  """tf.boolean_mask of rows (its mask a vector or [n, T]) gathers rows by tf.where of a
+  mask of the same layout: flat, per-example."""
+  def model(x, positions):
+    h = _dense(x, H, 'h')
+    by_token = tf.boolean_mask(h, tf.reduce_sum(h, -1) > 0)
+    by_example = tf.boolean_mask(h[:, 0], positions[:, 0] > 0)
+    return tf.reduce_sum(by_token) + tf.reduce_sum(by_example), dict(
+        by_token=by_token, by_example=by_example)
+  found, kinds = _layouts(model)
+  assert not found.mixing, [m.describe() for m in found.mixing]
+  assert kinds['by_token'].tag == rd.FLAT and kinds['by_example'].tag == rd.FLAT
+
+
+@pytest.mark.parametrize('static', [False, True])
+def test_batch_size_times_seq_reshape_is_flat(static):
+  """tf.reshape(x, [tf.shape(x)[0] * T, d]) merges the batch axis with T: flat rows of T per
+  example, not rows; reshaped to [tf.shape(x)[0], T, d] they are rows again."""
+  def model(x, positions):
+    batch = tf.shape(x)[0]
+    flat = tf.reshape(_dense(x, H, 'h'), [batch * T, H])
+    rows = tf.reshape(flat, [batch, T, H])
+    half = tf.reshape(flat, [batch * 2 * T, H // 2])
+    return tf.reduce_sum(rows) + tf.reduce_sum(half), dict(flat=flat, rows=rows, half=half)
+  found, kinds = _layouts(model, static=static)
+  assert not found.mixing, [m.describe() for m in found.mixing]
+  assert kinds == dict(flat=rd.Kind(rd.FLAT, per=T), rows=rd.Kind(rd.ROWS),
+                       half=rd.Kind(rd.FLAT, per=2 * T))
+
+
+def test_ragged_flat_rows_reshaped_to_the_batch_size_mix():
+  """tf.boolean_mask's rows (not the same number per example) reshaped to [n, -1, d]: rows
+  of other examples would land in an example's row."""
+  def model(x, positions):
+    h = _dense(x, H, 'h')
+    masked = tf.boolean_mask(h, tf.reduce_sum(h, -1) > 0)
+    return tf.reduce_sum(tf.reshape(masked, [tf.shape(x)[0], -1, H]) * 2.0), {}
+  found, _ = _layouts(model)
+  assert [m.op.type for m in found.mixing] == ['Reshape'], [m.describe() for m in found.mixing]
+
+
+def test_noise_shaped_by_flat_rows_is_flat():
+  """tf.random.normal(tf.shape(flat)) are flat rows of the flat tensor's layout, not rows."""
+  def model(x, positions):
+    flat = tf.reshape(_dense(x, H, 'h'), [-1, H])
+    noise = tf.random.normal(tf.shape(flat), seed=1)
+    zeros = tf.zeros_like(flat) + tf.fill(tf.shape(flat), 1.0)
+    return tf.reduce_sum((flat + noise) * zeros), dict(noise=noise)
+  found, kinds = _layouts(model)
+  assert not found.mixing, [m.describe() for m in found.mixing]
+  assert kinds['noise'] == rd.Kind(rd.FLAT, per=T)
+
+
+def test_static_batch_constants_as_long_as_the_batch():
+  """With a static batch, BERT's tf.ones([n, T, 1]) (every row the same) times the mask's
+  rows is per-example; a constant whose rows differ (row i meets example i) mixes."""
+  def ones(x, positions):
+    mask = tf.cast(tf.reshape(positions[:, :1], [4, 1, 1]), tf.float32)
+    return tf.reduce_sum(tf.ones([4, T, 1]) * mask * x), {}
+
+  def ramp(x, positions):
+    return tf.reduce_sum(tf.reshape(tf.range(4.0), [4, 1, 1]) * x), {}
+  found, _ = _layouts(ones, static=True)
+  assert not found.mixing, [m.describe() for m in found.mixing]
+  found, _ = _layouts(ramp, static=True)
+  assert [m.op.type for m in found.mixing] == ['Mul'], [m.describe() for m in found.mixing]
+
+
+def test_gathers_within_each_example():
+  """tf.gather(x, positions, axis=1, batch_dims=1) picks among each example's own values;
+  tf.gather_nd by tf.where of a mask of the rows gives flat rows; by other coordinates
+  (positions read as [example, token]) it mixes."""
+  def model(x, positions):
+    h = _dense(x, H, 'h')
+    by_positions = tf.gather(h, positions, axis=1, batch_dims=1)
+    masked = tf.gather_nd(h, tf.where(tf.reduce_sum(h, -1) > 0))
+    return tf.reduce_sum(by_positions) + tf.reduce_sum(masked), dict(
+        by_positions=by_positions, masked=masked)
+  found, kinds = _layouts(model)
+  assert not found.mixing, [m.describe() for m in found.mixing]
+  assert kinds['by_positions'] == rd.Kind(rd.ROWS)
+  assert kinds['masked'].tag == rd.FLAT and kinds['masked'].per.startswith('where:')
+
+  def coordinates(x, positions):
+    picked = tf.gather_nd(_dense(x, H, 'h'), tf.stack([positions[:, 0], positions[:, 1]], 1))
+    return tf.reduce_sum(picked), {}
+  found, _ = _layouts(coordinates)
+  assert [m.op.type for m in found.mixing] == ['GatherNd'], [m.describe() for m in found.mixing]
+
+
+def test_flat_rows_in_blocks_keep_their_rows_per_example():
+  """Two stacked views [2n, T, d] reshaped to [2n * T, d]: flat rows in 2 blocks of T per
+  example; back to [tf.shape(views)[0], T, d]: rows in 2 blocks; to [tf.shape(x)[0], ...]
+  (n, not 2n) the blocks would mix."""
+  def model(x, positions):
+    views = tf.concat(tf.split(_dense(x, H, 'h'), 2, -1), 0)
+    flat = tf.reshape(views, [-1, H // 2])
+    back = tf.reshape(flat, [tf.shape(views)[0], T, H // 2])
+    return tf.reduce_sum(back), dict(flat=flat, back=back)
+  found, kinds = _layouts(model)
+  assert not found.mixing, [m.describe() for m in found.mixing]
+  assert kinds == dict(flat=rd.Kind(rd.FLAT, 2, per=T), back=rd.Kind(rd.ROWS, 2))
+
+  def halved(x, positions):
+    views = tf.concat(tf.split(_dense(x, H, 'h'), 2, -1), 0)
+    return tf.reduce_sum(tf.reshape(views, [tf.shape(x)[0], -1])), {}
+  found, _ = _layouts(halved)
+  assert [m.op.type for m in found.mixing] == ['Reshape'], [m.describe() for m in found.mixing]
+
+
+def test_where_positions_read_once():
+  """tf.where's positions of a [n, T] mask are [k, 2]: tf.gather_nd of the same rows by them
+  is flat (the mask's count per example); tf.gather by them (the token column taken as a row)
+  mixes; a boolean_mask of a vector of rows gathers its own rows."""
+  def model(x, positions):
+    h = _dense(x, H, 'h')
+    where = tf.where(tf.reduce_sum(h, -1) > 0)
+    by_nd = tf.gather_nd(h, where)
+    return tf.reduce_sum(by_nd), dict(where=where, by_nd=by_nd)
+  found, kinds = _layouts(model)
+  assert not found.mixing, [m.describe() for m in found.mixing]
+  assert kinds['where'].tag == rd.POSITIONS and kinds['where'].index == 'rows'
+  assert kinds['by_nd'] == rd.Kind(rd.FLAT, per=kinds['where'].per)
+
+  def by_rows(x, positions):
+    h = _dense(x, H, 'h')
+    return tf.reduce_sum(tf.gather(h, tf.where(tf.reduce_sum(h, -1) > 0))), {}
+  found, _ = _layouts(by_rows)
+  assert [m.op.type for m in found.mixing] == ['GatherV2'], [m.describe() for m in found.mixing]

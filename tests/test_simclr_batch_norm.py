@@ -202,6 +202,7 @@ def test_the_reader_keeps_the_views_blocks_through_flat_rows():
   assert layout(flat) == layout(y) == (rd.FLAT, 2)
   assert layout(back) == (rd.ROWS, 2)
   assert layout(first) == layout(second) == (rd.FLAT, 1)
+  assert found.kind(flat).per == found.kind(y).per == TOKENS   # T rows per example per block
 
 
 @pytest.mark.parametrize('devices', [1, 2], ids=['micro_batches', 'devices_x_micro_batches'])

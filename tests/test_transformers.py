@@ -96,7 +96,7 @@ def test_einsum_with_the_batch_letter_first_is_per_example(equation):
 
 def test_einsum_keeps_flat_rows_and_stacked_rows():
   assert _read(functools.partial(tf.einsum, 'ab,bc->ac'), ('flat', [4]),
-               ('weights', [4, 3])) == (rd.Kind(rd.FLAT), [])
+               ('weights', [4, 3])) == (rd.Kind(rd.FLAT, per=5), [])   # [n * 5, 4]
   assert _read(functools.partial(tf.einsum, 'abc,cd->abd'), ('stacked', [5, 4]),
                ('weights', [4, 3])) == (rd.Kind(rd.ROWS, 2), [])
 

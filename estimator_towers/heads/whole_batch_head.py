@@ -72,7 +72,8 @@ from estimator_towers.base import interception
 from estimator_towers.rows import row_dependence as rd
 from estimator_towers.sync_points import join as sync_points
 
-_HEAD_KINDS = (rd.MIXED, rd.STAT, rd.SIZE, rd.SHAPE, rd.COLS, rd.UNIQUE)
+_HEAD_KINDS = (rd.MIXED, rd.STAT, rd.SIZE, rd.SHAPE, rd.COLS, rd.UNIQUE, rd.OFFSETS,
+               rd.INDICES)
 
 
 def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,

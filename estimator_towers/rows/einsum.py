@@ -121,8 +121,13 @@ def _einsum(reader, op, kinds):
 def _layout(kinds: list, what: str = 'an einsum'):
   """The kind of a per-example product of batch operands of `kinds`, or why they cannot meet."""
   tags = {k.tag for k in kinds}
-  if tags == {FLAT}:
-    return FLAT_KIND
+  if tags == {FLAT}:   # the same rows per example kept (`Kind.per`), unknown if any is
+    if len({k.blocks for k in kinds}) > 1:
+      return 'an einsum of flat rows of different stacked layouts'
+    pers = {k.per for k in kinds}
+    if len(pers) > 1 and None not in pers:
+      return 'an einsum of flat rows of different rows per example'
+    return kinds[0] if len(pers) == 1 else Kind(FLAT, kinds[0].blocks)
   if FLAT in tags:
     return f'{what} of rows with values of another row layout'
   blocks = {k.blocks for k in kinds if k.tag == ROWS}

@@ -3,12 +3,14 @@
 The rule. An elementwise op (with broadcasting) or one applied within each
 row (a softmax, a layer: `op_tables`) keeps its operands' rows: rows with
 rows of the same stacked layout, or with values that depend on no input of
-the shard, are rows; flat with flat is flat; statistics and batch-size
-values combined stay such. Rows combined with a statistic of the batch
-(but a batch norm's: `sync_batch_norm`'s choice), with a batch-size value,
-with rows of another layout, or with a constant as long as a static batch
-mix the batch's rows. A layer mixes where its weights depend on the batch.
-Flat rows keep how many entries each example has. A cast or identity of
+the shard, are rows; flat with flat of the same rows per example is flat
+(flat rows keep how many entries each example has; of different counts they
+mix); statistics and batch-size values combined stay such. Rows combined
+with a statistic of the batch (but a batch norm's: `sync_batch_norm`'s
+choice), with a batch-size value, with rows of another layout, or with a
+value as long as a static batch (its row i meets example i; but one whose
+rows are all the same, `tf.ones([n, T, 1])`) mix the batch's rows. A layer
+mixes where its weights depend on the batch. A cast or identity of
 `tf.where`'s positions keeps them positions; any other op on them mixes (a
 position is the shard's layout, not a value of its example). Entries lifted
 onto axis 1 ([1, n, ...]) stay such with values that do not depend on the
@@ -18,15 +20,19 @@ where axis 1 is not the last.
 
 from __future__ import annotations
 
-from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, FLAT_KIND, LIFTED, LIFTED_SHAPE,
-                                         MIXED_KIND, NORM_KIND, ROWS, SHAPE, SHAPE_KIND, SIZE,
-                                         SIZE_KIND, STAT, STAT_KIND, UNIQUE, UNIQUE_KIND, Kind,
-                                         POSITIONS, stat_of)
-from estimator_towers.rows.op_tables import ARITHMETIC, ELEMENTWISE, LAYERS
+import numpy as np
 
-# Ops that pass their operand's values through unchanged: positions stay positions.
-_SAME_VALUES = frozenset(('Identity', 'Cast', 'StopGradient', 'Snapshot', 'EnsureShape',
-                          'CheckNumerics'))
+from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, LIFTED, LIFTED_SHAPE,
+                                         MIXED_KIND, NORM_KIND, POSITIONS, ROWS, SHAPE,
+                                         SHAPE_KIND, SIZE, SIZE_KIND, STAT, STAT_KIND, UNIQUE,
+                                         UNIQUE_KIND, Kind, flat_kind, stat_of)
+from estimator_towers.rows.op_tables import ARITHMETIC, ELEMENTWISE, LAYERS
+from estimator_towers.rows.static_values import static_value
+
+# Ops that keep their one operand's values (and so what they index or how they are laid
+# out): positions stay positions, offsets and indices stay such.
+KEEPS = frozenset(('Identity', 'Cast', 'StopGradient', 'Snapshot', 'CheckNumerics',
+                   'EnsureShape', 'PreventGradient'))
 
 
 def not_rows(op, kind: Kind):
@@ -41,7 +47,7 @@ def elementwise(reader, op, kinds: list):
   present = [k for k in kinds if k is not None]
   tags = {k.tag for k in present}
   if POSITIONS in tags:
-    if len(present) == 1 and op.type in _SAME_VALUES:
+    if len(present) == 1 and op.type in KEEPS:
       return present[0]
     return 'arithmetic on tf.where\'s positions (the shard\'s layout, not an example\'s values)'
   if LIFTED_SHAPE in tags:   # sizes of [1, n, ...]: n is a count of the batch's entries
@@ -59,14 +65,13 @@ def elementwise(reader, op, kinds: list):
       return 'rows of different stacked layouts combined'
     return _rows_with_constants(reader, op, kinds, present[0])
   if tags <= {FLAT}:
-    blocks, pers = {k.blocks for k in present}, {k.per for k in present}
-    if len(blocks) != 1:
-      return 'flat rows of different stacked layouts combined'
-    return Kind(FLAT, blocks.pop(), per=pers.pop() if len(pers) == 1 else None)
+    return _flat(op, present)
   if tags <= {STAT}:
     return NORM_KIND if all(k.norm for k in present) else STAT_KIND
-  if tags == {SHAPE}:
-    return SHAPE_KIND   # still the batch size first
+  if tags == {SHAPE}:   # still the batch size first
+    if len(set(present)) == 1 and op.type in KEEPS:
+      return present[0]
+    return SHAPE_KIND if all(k.layout is None for k in present) else SIZE_KIND
   if tags <= {SIZE, SHAPE}:
     return SIZE_KIND
   if tags <= {STAT, SIZE, SHAPE}:
@@ -80,6 +85,19 @@ def elementwise(reader, op, kinds: list):
   if any(k.tag == STAT for k in others):
     return 'rows combined with a statistic of the batch'
   return 'rows combined with a value of the batch size'
+
+
+def _flat(op, present):
+  """Flat rows combined: the same rows per example kept, another layout mixes them."""
+  blocks = {k.blocks for k in present}
+  if len(blocks) > 1:
+    return 'flat rows of different stacked layouts combined'
+  pers = {k.per for k in present}
+  if len(pers) == 1:
+    return flat_kind(present[0].per, present[0].blocks)
+  if None in pers and len(pers) == 2:   # the same entries: the known count is theirs
+    return flat_kind([p for p in pers if p is not None][0], present[0].blocks)
+  return 'flat rows of different rows per example combined'
 
 
 def _lifted(op, kinds, present):
@@ -97,13 +115,17 @@ def _lifted(op, kinds, present):
 
 
 def _rows_with_constants(reader, op, kinds, kind):
-  """Rows and values independent of the shard; a constant as long as a static batch is a batch-size value."""
+  """Rows and values independent of the shard; one as long as a static batch (its row i
+  meets example i) mixes them, unless every row of it is the same (`tf.ones([n, T, 1])`)."""
   if reader.examples is not None and reader.examples > 1 and op.type != 'IdentityN':
     for t, k in zip(op.inputs, kinds):
       rank = t.shape.rank
-      if (k is None and rank and t.op.type == 'Const' and t.shape[0] == reader.examples * kind.blocks
+      if (k is None and rank and t.shape[0] == reader.examples * kind.blocks
           and any(i.shape.rank == rank for i, j in zip(op.inputs, kinds) if j is not None)):
-        return ('rows combined with a constant as long as the batch (a static batch '
+        value = static_value(t)
+        if value is not None and np.all(value == value[:1]):
+          continue   # the same row for every example
+        return ('rows combined with a value as long as the batch (a static batch '
                 'size made it a constant)')
   return kind
 

@@ -27,6 +27,17 @@ order: gathered by those indices, or computed from such) into a tensor of
 the batch size times `per` rows (`tf.shape(x)[0] * T`, the pad-removing
 FFN's re-padding) is flat rows of `per` entries again (rows for positions
 of rows); any other scatter of the batch's rows mixes them.
+
+Each example's own rows (`indexing`): `range(n) * T`, n the shard's
+examples, are offsets of index T (each example's first row in a flat tensor
+of T rows per example; with a static batch, the constant [0, T, ...] of the
+shard), positions (rows, each in [0, T): the input's promise, as BERT's
+masked positions) plus them are indices of index T. A gather of rows or
+flat rows by indices of their own rows per example is per-example: rows for
+indices of [n, P], flat rows of P per example for [n * P]. Indices of
+another T, a gather of the batch's rows by any other positions (they index
+the whole batch, not each example's rows), and any other op on positions
+plus offsets mix the rows; any other op reads offsets as batch-size values.
 """
 
 from __future__ import annotations
@@ -36,13 +47,14 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from estimator_towers.rows.elementwise import not_rows
-from estimator_towers.rows.kinds import (FLAT, FLAT_KIND, LIFTED_SHAPE, MIXED, POSITIONS, ROWS,
-                                         ROWS_KIND,
-                                         SHAPE, SHAPE_KIND, SIZE, SIZE_KIND, SPLITS, SPLITS_KIND,
-                                         STAT, STAT_KIND, UNIQUE, UNIQUE_KIND, Kind, stat_of)
+from estimator_towers.rows.elementwise import KEEPS as _KEEPS, not_rows
+from estimator_towers.rows.kinds import (FLAT, FLAT_KIND, INDICES, LIFTED_SHAPE, MIXED, OFFSETS,
+                                         POSITIONS, ROWS, ROWS_KIND, SHAPE, SHAPE_KIND, SIZE,
+                                         SIZE_KIND, SPLITS, SPLITS_KIND, STAT, STAT_KIND, UNIQUE,
+                                         UNIQUE_KIND, Kind, flat_kind, rows_per_example, stat_of)
 from estimator_towers.rows.op_tables import SPARSE_SEGMENTS
-from estimator_towers.rows.static_values import axes_of, static_value
+from estimator_towers.rows.sizes import size_symbol, batch_multiple
+from estimator_towers.rows.static_values import axes_of, product, static_value
 
 
 def input_kinds(inputs: Sequence[tf.Tensor]) -> dict:
@@ -183,10 +195,13 @@ def _gather(reader, op, kinds):
   if op.type == 'ResourceGather':
     params = None if params is None or params.tag != MIXED else params
   if indices is not None and indices.tag == POSITIONS:
-    if params is not None and axis == 0 and _positions_of(params, indices):
+    shape = op.inputs[1].shape   # [k] or [k, 1]: one position each (not [k, 2]'s columns)
+    one = shape.rank == 1 or shape.rank is not None and shape.rank > 1 and shape[-1] == 1
+    if params is not None and axis == 0 and one and _positions_of(params, indices):
       return Kind(FLAT, per=indices.per)   # tf.boolean_mask: entries at their own positions
-    if params is not None and axis == 0 and params.tag == FLAT and params.per is None:
-      return FLAT_KIND   # entries whose count per example the reader lost: as read before
+    if params is not None and axis == 0 and params.tag == FLAT and params.per is None and (
+        params.blocks == 1):
+      return Kind(FLAT, per=indices.per)   # entries of a mask of no known count: its own
     return 'a gather at tf.where\'s positions in other rows than the ones gathered'
   if params is None:   # a table looked up by ids: the ids' rows
     if indices.tag in (ROWS, FLAT, UNIQUE):
@@ -200,11 +215,17 @@ def _gather(reader, op, kinds):
       if value is not None and value.size == 0:
         return None
       if value is not None and np.reshape(value, [-1])[0] == 0:
-        return SHAPE_KIND if value.ndim else SIZE_KIND
+        return params if value.ndim else SIZE_KIND
       return SIZE_KIND if value is None or 0 in np.reshape(value, [-1]) else None
     return params
   if params.tag in (ROWS, FLAT) and axis > 0 and indices is None:
     return params
+  if op.type == 'GatherV2' and op.get_attr('batch_dims') > 0 and params.tag == ROWS and (
+      indices is not None and indices == params):
+    return params   # batch_dims: each example's positions pick among its own values
+  if params.tag in (ROWS, FLAT) and axis == 0 and indices is not None and indices.tag in (ROWS, FLAT):
+    return ('a gather of the batch\'s rows by positions that are not each example\'s own '
+            '(positions into a flat [n * T, ...] tensor need offsets range(n) * T)')
   if params.tag in (STAT, SIZE) and indices is not None and indices.tag in (STAT, SIZE):
     return stat_of(kinds)
   return 'a gather across the batch axis'
@@ -252,8 +273,9 @@ def where(op, kinds):
   mask = kinds[0]
   if mask.tag == ROWS and mask.blocks == 1:
     return Kind(POSITIONS, per=f'where:{op.name}', index='rows')
-  if mask.tag in (ROWS, FLAT):
-    return Kind(POSITIONS, per=f'where:{op.name}', index=mask.per if mask.tag == FLAT else None)
+  if mask.tag in (ROWS, FLAT):   # in blocks: positions in the blocks' order, of no known rows
+    index = mask.per if mask.tag == FLAT and mask.blocks == 1 else None
+    return Kind(POSITIONS, per=f'where:{op.name}', index=index)
   return not_rows(op, mask)
 
 
@@ -302,6 +324,118 @@ def _batch_size(reader, t) -> bool:
   return (rows is not None and rows.tag == ROWS and rows.blocks == 1 and begin is not None
           and int(np.reshape(begin, [-1])[0]) == 0 and op.get_attr('shrink_axis_mask') & 1
           and not op.get_attr('ellipsis_mask') & 1 and not op.get_attr('new_axis_mask') & 1)
+
+
+_WHY_INDICES = ('an op on positions of the batch\'s rows (range(n) * T plus positions) '
+                'other than a gather of each example\'s own rows by them')
+
+
+def indexing(reader, op, kinds):
+  """Offsets and indices of each example's own rows (the module doc), or None: not such an op.
+
+  `range(n) * T` (n the shard's examples) is offsets of index T; rows (positions,
+  each in [0, T): the input's promise) plus offsets are indices of index T; a
+  gather of rows or flat rows of T rows per example by them, each example's own.
+  """
+  present = [k for k in kinds if k is not None]
+  if not any(k.tag in (OFFSETS, INDICES) for k in present):
+    return _offsets(reader, op, kinds)
+  found = _of_indices(reader, op, kinds, present)
+  if found == _WHY_INDICES and not any(k.tag == INDICES for k in present):
+    return None   # offsets read as before: batch-size values
+  return found
+
+
+def degraded(kinds: list) -> list:
+  """`kinds` with offsets as batch-size values (what they are, whatever they index)."""
+  return [SIZE_KIND if k is not None and k.tag == OFFSETS else k for k in kinds]
+
+
+def _of_indices(reader, op, kinds, present):
+  if op.type in _KEEPS and len(op.inputs) == 1:
+    return kinds[0]
+  if op.type in ('Shape', 'Size'):
+    kind = kinds[0]
+    if op.type == 'Size':
+      return SIZE_KIND
+    return Kind(SHAPE, per=kind.per, layout=FLAT) if kind.layout == FLAT else SHAPE_KIND
+  if op.type in ('Reshape', 'Squeeze', 'ExpandDims') and all(k is None for k in kinds[1:]):
+    return _reindexed(op, kinds[0])
+  if op.type in ('AddV2', 'Add') and len(present) == 2:
+    return _own_indices(reader, op, kinds)
+  if op.type in ('GatherV2', 'Gather') and kinds[1] is not None and kinds[1].tag == INDICES and (
+      kinds[0] is not None and kinds[0].tag in (ROWS, FLAT)) and (
+          op.type == 'Gather' or static_value(op.inputs[2]) == 0) and all(
+              k is None for k in kinds[2:]):
+    params, indices = kinds[0], kinds[1]
+    each = rows_per_example(params)
+    if each is None or indices.index != each:
+      return ('a gather of flat rows by indices of another number of rows per example '
+              f'({indices.index} against {each})')
+    if indices.layout == FLAT:
+      return flat_kind(indices.per)
+    return ROWS_KIND
+  return _WHY_INDICES
+
+
+def _offsets(reader, op, kinds):
+  """range(n) * T: offsets of index T (n the shard's examples); with a static batch,
+  positions plus the constant [0, T, 2T, ...]: indices; None: neither."""
+  if len(kinds) != 2 or (kinds[0] is None) == (kinds[1] is None):
+    return None
+  a, b = op.inputs if kinds[0] is not None else reversed(op.inputs)
+  if op.type == 'Mul':
+    while a.op.type in ('Cast', 'Identity'):
+      a = a.op.inputs[0]
+    if a.op.type == 'Range' and static_value(a.op.inputs[0]) == 0 and (
+        static_value(a.op.inputs[2]) == 1) and batch_multiple(reader, a.op.inputs[1]) == 1:
+      stride = size_symbol(b)
+      return Kind(OFFSETS, index=stride) if stride is not None else None
+    return None
+  kind = reader.kind(a)
+  if op.type in ('Add', 'AddV2') and kind.tag == ROWS and kind.blocks == 1 and (
+      a.dtype.is_integer) and a.shape.rank is not None and a.shape.rank == b.shape.rank:
+    stride = _static_offsets(reader, b)
+    return Kind(INDICES, index=stride) if stride is not None else None
+  return None
+
+
+def _static_offsets(reader, t):
+  """T where `t` is the constant range(n) * T of a static batch of n examples (each row)."""
+  n = reader.examples
+  value = static_value(t) if n is not None and n > 1 and t.shape.rank else None
+  if value is None or value.shape[0] != n or not value.dtype.kind in 'iu':
+    return None
+  column = np.reshape(value, [n, -1])
+  stride = int(column[1, 0] - column[0, 0])
+  if stride > 0 and np.all(column == (np.arange(n) * stride)[:, None]):
+    return stride
+  return None
+
+
+def _reindexed(op, kind):
+  """Offsets or indices reshaped: [n] -> [n, 1], [n, P] -> [n * P] (flat, P per example)."""
+  in_shape, out = op.inputs[0].shape, op.outputs[0].shape
+  inner_in = product(in_shape[1:]) if in_shape.rank else None
+  inner_out = product(out[1:]) if out.rank else None
+  if inner_in is None or inner_out is None or not inner_out:
+    return _WHY_INDICES
+  if inner_in == inner_out:
+    return kind
+  if kind.tag == INDICES and kind.layout is None and inner_in % inner_out == 0:
+    return Kind(INDICES, index=kind.index, layout=FLAT, per=inner_in // inner_out)
+  return _WHY_INDICES
+
+
+def _own_indices(reader, op, kinds):
+  """Positions (rows) plus offsets of index T: each example's own rows of a T-row flat tensor."""
+  offsets = [k for k in kinds if k is not None and k.tag == OFFSETS]
+  rows = [k for k in kinds if k is not None and k.tag == ROWS and k.blocks == 1]
+  ranks = {t.shape.rank for t in op.inputs}
+  if len(offsets) == 1 and len(rows) == 1 and all(t.dtype.is_integer for t in op.inputs) and (
+      len(ranks) == 1 and None not in ranks):   # [n, P] + [n, 1]: the batch axes meet
+    return Kind(INDICES, index=offsets[0].index)
+  return _WHY_INDICES
 
 
 # Op type -> the reader of its kinds (reader, op, kinds): the dispatch of `reader`.

@@ -11,7 +11,9 @@ batch's), and an op no family knows, a function call, a `py_func` or
 functional control flow fed by the batch mixes its rows: never
 per-example by default, and so does an op not named in `_LIFTED_OPS` on
 entries lifted onto axis 1, or one not named in `_POSITION_OPS` on
-`tf.where`'s positions. A
+`tf.where`'s positions. Offsets and indices of each example's own rows
+(`range(n) * T`, positions plus them) are read by `flat.indexing` before
+the families, whatever the op. A
 mixing op is recorded with why, and the rows or flat rows it reads (through
 the transposes that made them columns) are the frontier, each once.
 """
@@ -29,9 +31,9 @@ from estimator_towers.rows import flat
 from estimator_towers.rows import sizes
 from estimator_towers.rows import stacked
 from estimator_towers.rows import statistics
-from estimator_towers.rows.kinds import (COLS, FLAT, FLAT_KIND, LIFTED, LIFTED_SHAPE, MIXED,
-                                         MIXED_KIND, POSITIONS, ROWS, SPLITS, STAT_KIND, UNIQUE,
-                                         UNIQUE_KIND, Kind, Mixing)
+from estimator_towers.rows.kinds import (COLS, FLAT, FLAT_KIND, INDICES, LIFTED, LIFTED_SHAPE,
+                                         MIXED, MIXED_KIND, OFFSETS, POSITIONS, ROWS, SPLITS,
+                                         STAT_KIND, UNIQUE, UNIQUE_KIND, Kind, Mixing)
 from estimator_towers.rows.op_tables import (ELEMENTWISE, FUNCTIONS, REDUCTIONS, SEGMENT_SUMS,
                                              SHAPES, SPARSE_SEGMENTS)
 
@@ -141,6 +143,12 @@ def _rule(reader: Reader, op: tf.Operation, kinds: list):
   """The kinds of `op`'s outputs: a Kind, a list of Kinds (per output), or a str (mixing: why)."""
   t = op.type
   present = [k for k in kinds if k is not None]
+  if t in ('Mul', 'Add', 'AddV2') or any(k.tag in (OFFSETS, INDICES) for k in present):
+    found = flat.indexing(reader, op, kinds)
+    if found is not None:
+      return found
+    kinds = flat.degraded(kinds)
+    present = [k for k in kinds if k is not None]
   if 'RaggedSplitsToSegmentIds/' in op.name and all(k.tag != MIXED for k in present):
     return FLAT_KIND   # which example each entry of a RaggedTensor belongs to
   if any(k.tag == SPLITS for k in present):

@@ -16,19 +16,28 @@ target (the loss), and gives each tensor in between one *kind*:
   encoder run on the stacked views stays per-example.
 - **flat**: every row belongs to one example, in example order, but not one
   row per example (a reshape of [n, T, d] to [n * T, d], `tf.boolean_mask`'s
-  rows, `tf.where`'s indices); sums of it are still statistics.
+  rows, `tf.where`'s positions gathered); sums of it are still statistics.
+  `per` is how many entries each example has: where each example has the
+  same T rows (a reshape's), T, and a reshape back to [n, T, d] is rows
+  again; a `tf.where`'s name where the mask's values decide it.
 - **lifted**: rows or flat rows behind a new leading axis of 1 ([1, n,
   ...]: the r1 Transformer's pad-removing FFN's `expand_dims(x, 0)`), the
   batch on axis 1; a tensordot (Dense on rank 3) keeps them, a squeeze of
   axis 0 gives them back, a reduction over axis 1 is a statistic, anything
-  else on them mixes. Their shape is a `lifted shape`. Flat rows keep how
-  many entries each example has.
+  else on them mixes. Their shape is a `lifted shape`.
 - **positions**: `tf.where`'s indices, positions in the shard's rows or
   flat rows: the shard's layout, not values of its examples. A gather,
   `gather_nd` or `scatter_nd` by them is per-example only at positions of
-  the same rows (`flat`); a cast or copy keeps them; anything else on them
-  mixes. A head on the whole batch computes them again from the gathered
-  mask, never gathers them.
+  the same rows (`flat`: `tf.boolean_mask`, the pad remover); a cast or copy
+  keeps them; anything else on them mixes. A head on the whole batch
+  computes them again from the gathered mask, never gathers them.
+- **offsets** and **indices**: `range(n) * T` (each example's first row in a
+  flat tensor of T rows per example) and positions plus them: positions of
+  each example's own rows (as BERT's `gather_indexes` makes them; a
+  position must be in [0, T), the input's promise). A gather of the flat
+  rows of T per example by them is per-example; any other op on indices, or
+  a gather of the batch's rows by other positions, mixes the rows; offsets
+  read elsewhere are batch-size values.
 - **statistic**: a reduction over the batch axis of rows that adds up over
   the shards (a sum, a mean, `L2Loss`, a batch norm's moments), and
   arithmetic on such values: what the
@@ -91,17 +100,18 @@ import tensorflow as tf
 from estimator_towers.rows import messages
 from estimator_towers.rows.einsum import subscripts as einsum_subscripts
 from estimator_towers.rows.flat import input_kinds
-from estimator_towers.rows.kinds import (COLS, FLAT, LIFTED, LIFTED_SHAPE, MIXED, POSITIONS, ROWS,
-                                         ROWS_KIND, SHAPE, SIZE, SPLITS, STAT, UNIQUE, Kind, Mixing,
-                                         RowDependence)
+from estimator_towers.rows.kinds import (COLS, FLAT, INDICES, LIFTED, LIFTED_SHAPE, MIXED, OFFSETS,
+                                         POSITIONS, ROWS, ROWS_KIND, SHAPE, SIZE, SPLITS, STAT,
+                                         UNIQUE, Kind, Mixing, RowDependence)
 from estimator_towers.rows.op_tables import ARITHMETIC, ASSIGNS
 from estimator_towers.rows.reader import read
 
 # The names the other stages read as `row_dependence.<name>` (the kinds and the op table
 # re-exported from `kinds` and `op_tables`).
-__all__ = ['ARITHMETIC', 'COLS', 'FLAT', 'LIFTED', 'LIFTED_SHAPE', 'MIXED', 'POSITIONS', 'ROWS',
-           'SHAPE', 'SIZE', 'SPLITS', 'STAT', 'UNIQUE', 'Kind', 'Mixing', 'RowDependence',
-           'add_rows', 'check', 'classify', 'cut_rows', 'einsum_subscripts', 'in_eval_spec']
+__all__ = ['ARITHMETIC', 'COLS', 'FLAT', 'INDICES', 'LIFTED', 'LIFTED_SHAPE', 'MIXED', 'OFFSETS',
+           'POSITIONS', 'ROWS', 'SHAPE', 'SIZE', 'SPLITS', 'STAT', 'UNIQUE', 'Kind', 'Mixing',
+           'RowDependence', 'add_rows', 'check', 'classify', 'cut_rows', 'einsum_subscripts',
+           'in_eval_spec']
 
 _cut_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {tensor name}
 

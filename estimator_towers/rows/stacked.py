@@ -6,12 +6,16 @@ axis 0 (SimCLR's `concat(split(x, 2, -1), 0)`) are rows in 2 blocks, and a
 split of them back into 2 is rows again. A reshape, transpose, tile,
 expand_dims, squeeze, concat, stack, unstack, split, slice or pad that
 leaves axis 0 alone (or changes only the axes after it) keeps the rows; a
-transpose of [n, d] puts the batch on axis 1 (columns) and back; a reshape
-that merges the batch axis with the next ones makes flat rows (`flat`) in
-the rows' blocks (also where the axes merged are unknown but the ones kept
-are the input's last: `[n, T, V]` to `[-1, V]`), a reshape of them to the
-rows' shape rows in those blocks again, and a split of flat rows in blocks
-keeps their blocks apart as rows'.
+transpose of [n, d] puts the batch on axis 1 (columns) and back. A reshape
+keeps each example's values together, in example order (within each block
+of rows stacked in blocks): to a leading size of k times the examples
+(`sizes.batch_multiple`: `tf.shape(x)[0] * T`, a static size of a static
+batch, -1 with the sizes after it known) it makes flat rows of k rows per
+example (`flat`; in the rows' b blocks, k / b per example in each), rows
+for k = 1 (k = b), from rows or from flat rows whose rows per example are
+known; flat rows of no known `per` reshaped to the batch's size mix (their
+examples' rows differ in number). A split of flat rows in blocks keeps
+their blocks apart as rows'.
 Whatever moves values between the batch's rows (a slice, reverse, top-k,
 cumulative sum or pad across axis 0, a stack before it, a concat on
 it of rows with other values) mixes them, and so does an axis the graph
@@ -31,9 +35,10 @@ import numpy as np
 
 from estimator_towers.rows.elementwise import elementwise
 from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, FLAT_KIND, LIFTED, LIFTED_SHAPE,
-                                         LIFTED_SHAPE_KIND, ROWS, ROWS_KIND, SHAPE, SHAPE_KIND,
-                                         POSITIONS, SIZE, SIZE_KIND, STAT, Kind, lifted, stat_of,
-                                         unlifted)
+                                         LIFTED_SHAPE_KIND, POSITIONS, ROWS, ROWS_KIND, SHAPE,
+                                         SHAPE_KIND, SIZE, SIZE_KIND, STAT, Kind, flat_kind, lifted,
+                                         rows_per_example, stat_of, unlifted)
+from estimator_towers.rows.sizes import batch_multiple, times
 from estimator_towers.rows.static_values import axes_of, product, static_value
 
 
@@ -51,8 +56,10 @@ def _reshape(reader, op, kinds):
         'a reshape of tf.where\'s positions')
   if x.tag == LIFTED or (shape is not None and shape.tag == LIFTED_SHAPE):
     return _lifted_reshape(op, x, shape)
-  if shape is not None and shape.tag == SHAPE:
-    return _reshape_to_shape(op, x)
+  if shape is not None and shape.tag == SHAPE and x.tag in (ROWS, FLAT):   # tf.shape(y)'s
+    if x.tag == FLAT and x.per is None and shape.layout != FLAT and shape.blocks == x.blocks:
+      return Kind(ROWS, x.blocks)   # a dense tensor's merged axes back to its rows' shape
+    return _to_layout(x, times(shape.blocks, 1 if shape.layout != FLAT else shape.per))
   out, in_shape = op.outputs[0].shape, op.inputs[0].shape
   value = static_value(op.inputs[1]) if shape is None else None
   if value is not None and value.ndim == 1 and out.rank == len(value):
@@ -65,42 +72,73 @@ def _reshape(reader, op, kinds):
     elements = op.inputs[1].op.inputs
     sized = [i for i, e in enumerate(elements) if reader.kind(e) is not None]
     first = static_value(elements[0]) if len(elements) > 1 else None
-    if sized == [0] and all(reader.kind(e) is None or reader.kind(e).tag == SIZE
-                            for e in elements):
-      return Kind(ROWS, x.blocks) if x.tag in (ROWS, FLAT) else ROWS_KIND
     if sized == [1] and len(elements) == 2 and first is not None and first == 1 and (
         in_shape.rank == 1):
       return COLS_KIND
     if sized == [0] and len(elements) == 2 and static_value(elements[1]) is not None and (
-        static_value(elements[1]) == 1) and in_shape.rank == 1:
+        static_value(elements[1]) == 1) and in_shape.rank == 1 and x.tag == ROWS:
       return x
+    if sized == [0] and x.tag in (ROWS, FLAT):
+      return _to_layout(x, batch_multiple(reader, elements[0]))
   if x.tag == COLS:
     if shape is not None and in_shape.rank and in_shape[0] == 1 and (
         op.inputs[1].op.type == 'Shape' or shape.tag == SHAPE):
       return ROWS_KIND   # [1, n, ...] back to the rows' shape
     return 'a reshape of values with the batch on axis 1'
+  if shape is not None:
+    return 'a reshape to sizes computed from the batch the library cannot relate to it'
   if out.rank == 0:
     return 'a reshape of the batch to one value'
   if out.rank is None:
     return 'a reshape to an unknown rank'
   if in_shape.rank == 1 and out.rank == 2 and out[0] == 1:
     return COLS_KIND   # [n] -> [1, n]
-  if reader.examples is not None and out[0] == reader.examples * x.blocks and x.tag == ROWS:
-    return Kind(ROWS, x.blocks)
+  if out[0] is not None and value is not None and value[0] >= 0:
+    return _to_layout(x, _static_multiple(reader, out[0]))
+  return _by_inner_sizes(x, in_shape, out, value)
+
+
+def _static_multiple(reader, size: int):
+  if reader.examples is None or size <= 0 or size % reader.examples:
+    return None
+  return size // reader.examples
+
+
+def _to_layout(x, k):
+  """`x` reshaped to k rows per example on axis 0 (a reshape keeps each example's values
+  together in example order, within each of the b blocks): rows for k = b, flat rows of
+  `per` k / b in b blocks, else why it mixes."""
+  if k is None:
+    return 'a reshape to a size the library cannot relate to the batch size'
+  if rows_per_example(x, blocks=True) is None:
+    return ('a reshape of flat rows whose rows per example are unknown to a size of the '
+            'batch')
+  b = x.blocks
+  coefficient, names = (k, ()) if isinstance(k, int) else k
+  if coefficient % b:
+    return 'a reshape of rows stacked in blocks to a size that mixes the blocks'
+  q = coefficient // b if not names else (coefficient // b, names)
+  if q == 1:
+    return x if x.tag == ROWS else Kind(ROWS, b)
+  return flat_kind(q, b)
+
+
+def _by_inner_sizes(x, in_shape, out, value):
+  """A reshape to [-1, ...]: the rows per example from the sizes after axis 0."""
   inner_in = product(in_shape[1:]) if in_shape.rank else None
   inner_out = product(out[1:])
-  if inner_in is not None and inner_out is not None:
-    if inner_in == inner_out and x.tag in (ROWS, FLAT):
+  each = 1 if x.tag == ROWS else x.per   # rows per example in each block
+  if inner_in is not None and inner_out:
+    if inner_in == inner_out:
       return x
-    if inner_out and inner_in % inner_out == 0:   # the batch axis merged with the next ones
-      per = x.per if x.tag == FLAT else 1
-      return Kind(FLAT, x.blocks,
-                  per=per * (inner_in // inner_out) if isinstance(per, int) else None)
+    if isinstance(each, int) and (each * inner_in) % inner_out == 0:
+      return _to_layout(x, x.blocks * each * inner_in // inner_out)
+    if x.tag == FLAT and each is None and inner_in % inner_out == 0:
+      return flat_kind(None, x.blocks)   # the flat rows' entries split further
     return 'a reshape that moves values between the batch\'s rows'
-  if _merges_batch(in_shape, value):
-    return Kind(FLAT, x.blocks)   # [n, T, ..., d] to [-1, ..., d], T unknown: merged
-  if out.rank == 1:
-    return Kind(FLAT, x.blocks)
+  if x.tag in (ROWS, FLAT) and (out.rank == 1 or _merges_batch(in_shape, value)):
+    return flat_kind(None, x.blocks)   # each example's values, in example order ([n, T, ..., d]
+    # to [-1, ..., d], T unknown: the batch axis merged with the next ones)
   return 'a reshape whose rows cannot be told from the graph'
 
 
@@ -113,20 +151,6 @@ def _merges_batch(in_shape, value) -> bool:
     return False
   kept = in_shape.as_list()[in_shape.rank - len(value) + 1:]
   return all(d is not None and d == int(v) for d, v in zip(kept, value[1:]))
-
-
-def _reshape_to_shape(op, x):
-  """A reshape to a shape whose first element is the batch size times the static axes merged
-  into it (`tf.shape`-derived: boolean_mask's, tensordot's): rows, or flat rows and back."""
-  in_shape, out = op.inputs[0].shape, op.outputs[0].shape
-  inner_in = product(in_shape[1:]) if in_shape.rank else None
-  inner_out = product(out[1:]) if out.rank else None
-  if inner_in is not None and inner_out:
-    if x.tag == ROWS and inner_in != inner_out and inner_in % inner_out == 0:
-      return Kind(FLAT, x.blocks, per=inner_in // inner_out)   # [n, T, d] -> [n * T, d]
-    if x.tag == FLAT and isinstance(x.per, int) and inner_out == x.per * inner_in:
-      return Kind(ROWS, x.blocks)   # [n * T, d] -> [n, T, d]
-  return Kind(ROWS, x.blocks) if x.tag in (ROWS, FLAT) else ROWS_KIND
 
 
 def _lifted_reshape(op, x, shape):
@@ -172,7 +196,7 @@ def _tile(reader, op, kinds):
       return COLS_KIND   # a constant column repeated for every example
   if multiples is not None and multiples.tag == SHAPE and (x is None) and (
       op.inputs[0].shape.rank and op.inputs[0].shape[0] == 1):
-    return ROWS_KIND
+    return ROWS_KIND if multiples.layout != FLAT else flat_kind(multiples.per)
   if x is not None and x.tag in (STAT, SIZE) and multiples is None:
     return x
   return 'a tile of the batch axis'
@@ -237,6 +261,7 @@ def _squeeze(reader, op, kinds):
 
 def _concat(reader, op, kinds):
   kinds, axis_kind, axis_tensor = kinds[:-1], kinds[-1], op.inputs[-1]
+  kinds = [k for k, t in zip(kinds, op.inputs) if t.shape.num_elements() != 0]   # not [] (shape[:0])
   if axis_kind is not None:
     return 'a concat along an axis computed from the batch'
   rank = op.outputs[0].shape.rank
@@ -259,9 +284,9 @@ def _concat(reader, op, kinds):
   if tags == {FLAT} and len(present) == len(kinds):
     return FLAT_KIND
   if kinds[0] is not None and kinds[0].tag == SHAPE and tags == {SHAPE}:
-    return SHAPE_KIND
+    return kinds[0]
   if kinds[0] is not None and kinds[0].tag == SHAPE and len(present) == 1:
-    return SHAPE_KIND   # the batch size first, then sizes that do not depend on it
+    return kinds[0]   # the batch size first, then sizes that do not depend on it
   if tags <= {STAT, SIZE, SHAPE}:
     return stat_of(present) if STAT in tags else SIZE_KIND
   return 'a concat on the batch axis of rows with other values'
@@ -280,8 +305,11 @@ def _pack(reader, op, kinds):
       axis > 0 or axis + op.outputs[0].shape.rank > 0):
     return elementwise(reader, op, kinds)
   if tags <= {SIZE} and kinds[0] is not None and all(
-      t.shape.rank == 0 for t in op.inputs):
-    return SHAPE_KIND
+      t.shape.rank == 0 for t in op.inputs):   # [k * n, ...]: a shape of k rows per example
+    k = batch_multiple(reader, op.inputs[0])
+    if k is None:
+      return SIZE_KIND
+    return SHAPE_KIND if k == 1 else Kind(SHAPE, per=k, layout=FLAT)
   if tags <= {STAT, SIZE}:
     return stat_of(present) if STAT in tags else SIZE_KIND
   if tags == {ROWS} and len(present) == len(kinds) and len({k.blocks for k in present}) == 1:
@@ -317,7 +345,7 @@ def _split(op, kind, axis_tensor, num_split, sizes_kind=None):
     return [kind] * len(op.outputs)
   count = len(op.outputs)
   if kind.tag in (ROWS, FLAT) and num_split is not None and kind.blocks % count == 0:
-    return [Kind(kind.tag, kind.blocks // count)] * count   # the stacked views apart again
+    return [Kind(kind.tag, kind.blocks // count, per=kind.per)] * count   # the views apart
   return 'a split of the batch axis'
 
 
@@ -353,6 +381,8 @@ def _strided_slice(reader, op, kinds):
         begin is not None and begin[0] == 0)) and end_mask & 1 and (
             strides is not None and strides[0] == 1) else 'a slice of tf.where\'s positions'
   if x.tag == SHAPE:
+    if op.outputs[0].shape.num_elements() == 0:
+      return None   # no size at all (shape[:0])
     if begin is None:
       return SIZE_KIND
     if ellipsis & 1 or new_axis & 1:
@@ -365,7 +395,7 @@ def _strided_slice(reader, op, kinds):
       return SIZE_KIND
     if shrink & 1:
       return SIZE_KIND if start == 0 else None
-    return SHAPE_KIND if start == 0 else None
+    return x if start == 0 else None
   if x.tag in (STAT, SIZE):
     return x
   if ellipsis & 1:
@@ -393,7 +423,7 @@ def _slice(reader, op, kinds):
   if x.tag == SHAPE:
     if begin is not None and begin[0] > 0 and static_value(op.outputs[0]) is not None:
       return None   # static sizes after the batch's: the same on every shard
-    return SHAPE_KIND if begin is not None and begin[0] == 0 else SIZE_KIND
+    return x if begin is not None and begin[0] == 0 else SIZE_KIND
   if begin is not None and size is not None and begin[0] == 0 and size[0] == -1:
     return x
   return 'a slice of the batch axis'

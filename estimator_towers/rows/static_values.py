@@ -3,9 +3,9 @@
 The rule. A reader decides from values known when the graph is built: an
 axis, a reshape's shape, a slice's begin, a tile's multiples. `static_value`
 is `tf.get_static_value` and a small constant folder over it (shapes of
-static sizes, their slices, gathers and products, packs, concats and
-arithmetic); `axes_of` reads
-an axis argument (negative axes counted from `rank`). Unknown is None, never
+static sizes, their slices, gathers and products, packs, concats,
+arithmetic, ranges and reshapes); `axes_of` reads an axis argument
+(negative axes counted from `rank`). Unknown is None, never
 a guess: a reader given None for an axis treats the op as mixing the rows.
 """
 
@@ -15,7 +15,8 @@ import numpy as np
 import tensorflow as tf
 
 _FOLDED = {'Sub': np.subtract, 'AddV2': np.add, 'Add': np.add, 'Mul': np.multiply,
-           'Neg': np.negative, 'FloorDiv': np.floor_divide, 'Identity': lambda a: a}
+           'Neg': np.negative, 'FloorDiv': np.floor_divide, 'Identity': lambda a: a,
+           'Reshape': np.reshape, 'Range': np.arange}
 
 
 def static_value(t: tf.Tensor, depth: int = 0):

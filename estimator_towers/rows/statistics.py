@@ -157,7 +157,7 @@ def _batch_axis(kind: Kind | None) -> int | None:
 def _batch_norm(reader, op, kinds):
   if kinds[0] is not None and kinds[0].tag == COLS and (
       op.get_attr('data_format') in (b'NCHW', 'NCHW')) and all(
-          k is None or k.tag in (SIZE, SHAPE, ROWS) for k in kinds[1:]):
+          k is None or k.tag in (SIZE, SHAPE, ROWS, FLAT) for k in kinds[1:]):
     return [COLS_KIND] + [ROWS_KIND] * (len(op.outputs) - 1)   # statistics per example: layer norm
   if (kinds[0] is None or kinds[0].tag == STAT) and all(
       k is None or k.tag == STAT for k in kinds[1:]) and not any(kinds[1:3]):
