@@ -14,10 +14,13 @@ are what BERT's input_fn gives (labels None).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
 import types
 import zlib
 
+from absl import flags as absl_flags
 import numpy as np
 import tensorflow as tf
 
@@ -44,8 +47,27 @@ def modules():
   """(bert.modeling, bert.run_pretraining), imported once."""
   _install_contrib()
   from bert import modeling  # pylint: disable=g-import-not-at-top
-  from bert import run_pretraining  # pylint: disable=g-import-not-at-top
+  with _flags_of_its_own():
+    from bert import run_pretraining  # pylint: disable=g-import-not-at-top
   return modeling, run_pretraining
+
+
+@contextlib.contextmanager
+def _flags_of_its_own():
+  """`bert.run_pretraining` defines absl flags at import (`--eval_batch_size`, ...): on
+  FlagValues of its own, so that a test process that defined them (the CIFAR-10 example's
+  tests) can import it too."""
+  module = tf.compat.v1.flags
+  names = [n for n in dir(module) if n.startswith('DEFINE')]
+  saved = {n: getattr(module, n) for n in names}
+  own = absl_flags.FlagValues()
+  for n in names:
+    setattr(module, n, functools.partial(saved[n], flag_values=own))
+  try:
+    yield
+  finally:
+    for n, f in saved.items():
+      setattr(module, n, f)
 
 
 def model_fn(learning_rate: float = 1e-2):

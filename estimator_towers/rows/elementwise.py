@@ -114,6 +114,20 @@ def _lifted(op, kinds, present):
   return present[0]
 
 
+def _same_rows(t, depth: int = 0) -> bool:
+  """Whether every row of `t` is the same by construction: a [1, ...] value tiled or
+  broadcast along axis 0 (`tf.tile(offset, [n, 1])`), a fill, or a copy or cast of one."""
+  op = t.op
+  if depth < 8 and op.type in ('Identity', 'Cast', 'StopGradient', 'Neg'):
+    return _same_rows(op.inputs[0], depth + 1)
+  if op.type == 'Fill':
+    return True
+  if op.type in ('Tile', 'BroadcastTo'):
+    source = op.inputs[0].shape
+    return source.rank is not None and (source.rank < t.shape.rank or source[0] == 1)
+  return False
+
+
 def _rows_with_constants(reader, op, kinds, kind):
   """Rows and values independent of the shard; one as long as a static batch (its row i
   meets example i) mixes them, unless every row of it is the same (`tf.ones([n, T, 1])`)."""
@@ -123,7 +137,7 @@ def _rows_with_constants(reader, op, kinds, kind):
       if (k is None and rank and t.shape[0] == reader.examples * kind.blocks
           and any(i.shape.rank == rank for i, j in zip(op.inputs, kinds) if j is not None)):
         value = static_value(t)
-        if value is not None and np.all(value == value[:1]):
+        if (value is not None and np.all(value == value[:1])) or _same_rows(t):
           continue   # the same row for every example
         return ('rows combined with a value as long as the batch (a static batch '
                 'size made it a constant)')

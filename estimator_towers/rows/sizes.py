@@ -147,7 +147,18 @@ def batch_multiple(reader, t, depth: int = 0):
       op.inputs[0].op.type in ('Slice', 'StridedSlice', 'GatherV2')) and (
           op.inputs[0].op.inputs[0].op.type == 'Shape'):
     return _shape_product(reader, op.inputs[0].op)
+  if op.type == 'Prod' and op.inputs[0].op.type == 'Slice' and _first_size(reader, op.inputs[0]):
+    return 1   # the product of a rows' shape's first size alone (a SparseTensor's dense shape)
   return None
+
+
+def _first_size(reader, t) -> bool:
+  """Whether `t` is `shape[0:1]` of a rows' shape vector (`tf.slice(shape, [0], [1])`)."""
+  shape = reader.kind(t.op.inputs[0])
+  begin, size = static_value(t.op.inputs[1]), static_value(t.op.inputs[2])
+  return (shape is not None and shape.tag == SHAPE and shape.per is None
+          and getattr(shape, 'layout', None) is None and begin is not None and size is not None
+          and begin.size == 1 and size.size == 1 and int(begin[0]) == 0 and int(size[0]) == 1)
 
 
 def _shape_product(reader, op):
