@@ -27,6 +27,7 @@ from estimator_towers.base import interception
 from estimator_towers.base import logs
 from estimator_towers.cluster import cross_worker
 from estimator_towers.cluster import session as cluster_session
+from estimator_towers.draws import keyed
 from estimator_towers.gradients import backward_passes
 from estimator_towers.gradients import gradient_sync
 from estimator_towers.gradients import other_towers
@@ -63,6 +64,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
                        sync_batch_norm: bool = False,
                        micro_batches: int = 1,
                        cross_example: str = 'auto',
+                       random_draws: str = 'keyed',
                        plan: plan_lib.DevicePlan | None = None) -> Callable:
   """Turns a single-device Estimator model_fn into a towered one.
 
@@ -162,6 +164,14 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
       split per tower runs once on the whole batch, on the first device:
       exact, with a warning giving that device's share of the step's heavy
       ops) or 'refuse' (an error at graph construction instead).
+    random_draws: 'keyed' (default: every random op, dropout's included,
+      draws each example's values by its position in the global batch and
+      the global step, so that 1 or N devices, micro-batches and workers, and
+      a resumed run, draw the same values; they differ from the undecorated
+      model_fn's own stream, with the same distribution; see the random draws
+      page) or 'per_shard' (each tower draws its shard on its own, as the
+      undecorated model_fn would: what is lost is that the training then
+      depends on the device count and a restart redraws).
     plan: a `DevicePlan` from `make_plan`, instead of the arguments above.
 
   Returns:
@@ -196,7 +206,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     raise TypeError(f'model_fn must be callable, got {model_fn!r}.')
   plan = plan_lib.plan_from_arguments(plan, num_gpus, devices, variable_strategy,
                                       loss_reduction, sync_batch_norm, micro_batches,
-                                      cross_example)
+                                      cross_example, random_draws)
 
   def decorate(fn: Callable) -> Callable:
     return _wrap(fn, plan)
@@ -247,6 +257,11 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
     if mode == ModeKeys.TRAIN:  # For ThroughputHook's examples/sec.
       throughput.record_global_batch(staged.batch if staged is not None
                                      else throughput.first_leaf_rows(features))
+    if single and plan.random_draws == 'keyed':  # one device draws what any topology does
+      run = keyed.KeyedDraws.whole_batch(
+          tf.compat.v1.get_default_graph(), *((features, labels) if staged is None
+                                              else (staged.features[0], staged.labels[0]))
+      ).wrap(run)
     if staged is not None:  # Towers read prefetched shards from staging areas.
       if single:
         with tf.device(tower_devices[0]), tower_context.entering(0, 1, tower_devices[0], True):
@@ -276,9 +291,13 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None, acr
   layout = micro_batches_lib.Layout(len(placement.tower_devices), plan.micro_batches)
   shards = shards_lib.make_shards(features, labels, mode, placement.tower_devices, staged,
                                   layout, across.has_data if across is not None else None)
+  draws = None
+  if plan.random_draws == 'keyed':  # each example draws by its place in the global batch
+    draws = keyed.KeyedDraws.of_shards(tf.compat.v1.get_default_graph(), shards, across)
+    run = draws.wrap(run)
   builder = builder_lib.TowerBuilder(run, mode, shards, placement)
   if mode == ModeKeys.TRAIN:
-    return _build_train(builder, plan, features, labels, staged, across)
+    return _build_train(builder, plan, features, labels, staged, across, draws)
   return _build_eval_predict(builder, plan, (features, labels, staged))
 
 
@@ -309,8 +328,8 @@ def _build_eval_predict(builder: builder_lib.TowerBuilder, plan: plan_lib.Device
 
 
 def _build_train(builder: builder_lib.TowerBuilder, plan: plan_lib.DevicePlan, features,
-                 labels, staged, across: cross_worker.CrossWorker | None = None
-                 ) -> tf.estimator.EstimatorSpec:
+                 labels, staged, across: cross_worker.CrossWorker | None = None,
+                 draws: keyed.KeyedDraws | None = None) -> tf.estimator.EstimatorSpec:
   """TRAIN: the primary in the model_fn's own flow, the whole-batch gradient, one update."""
   shards, graph, variable_sharing = builder.shards, builder.graph, builder.variable_sharing
   micro = shards.layout.micro_batches > 1
@@ -321,7 +340,7 @@ def _build_train(builder: builder_lib.TowerBuilder, plan: plan_lib.DevicePlan, f
                                     getattr(builder.placement, 'combine', None), across)
   statistics = batch_norm_sync.for_train(plan.sync_batch_norm, graph, shards,
                                          builder.tower_devices, across)
-  copies = _tower_copies(builder, statistics, across, lambda: broker.variables_at[0])
+  copies = _tower_copies(builder, statistics, across, lambda: broker.variables_at[0], draws)
   others = other_towers.OtherTowers(builder, copies)
   passes = backward_passes.BackwardPasses(
       sync, lambda variable, k: variable_sharing.copy_of(variable, shards.layout.device_of(k)),
@@ -380,8 +399,8 @@ def _without_gradients(builder: builder_lib.TowerBuilder, features, labels, stag
 
 
 def _tower_copies(builder: builder_lib.TowerBuilder, statistics: Any,
-                  across: cross_worker.CrossWorker | None, created: Callable[[], int]
-                  ) -> tower_copies.TowerCopies | None:
+                  across: cross_worker.CrossWorker | None, created: Callable[[], int],
+                  draws: keyed.KeyedDraws | None = None) -> tower_copies.TowerCopies | None:
   """Copies of the primary's forward pass for the other towers, where they may be.
 
   `created()`: how many variables the primary created before its first
@@ -397,5 +416,6 @@ def _tower_copies(builder: builder_lib.TowerBuilder, statistics: Any,
   return tower_copies.TowerCopies(
       builder.graph, lambda k: builder.tower_devices[k],
       shards.flat, builder.primary, sharing.creation_spans,
-      builder.pinned, statistics, lambda k: sharing.replicas(k, created()))
+      builder.pinned, statistics, lambda k: sharing.replicas(k, created()),
+      own=(lambda k: [draws.position(k)]) if draws is not None else (lambda k: []))
 

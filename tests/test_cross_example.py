@@ -313,13 +313,14 @@ def test_micro_batches_features_a_tensor_labels_a_dict_equal_plain(layout):
   testlib.assert_variables_close(towered_3, plain_3)
 
 
-def test_micro_batches_refuse_a_random_op_before_the_cut():
+def test_micro_batches_refuse_a_random_op_before_the_cut_drawn_per_shard():
+  """Drawn per shard, the second forward pass would draw anew (keyed draws: the same)."""
   with pytest.raises(ValueError, match=r"micro_batches > 1 cannot train the loss .* exactly: "
                                        r"it mixes the batch's rows, so each micro-batch's rows "
                                        r"of .* are computed twice.*through the stateful op "
                                        r"dropout/random_uniform/RandomUniform \(RandomUniform\)"
                                        r".*Apply it after the mixing ops"):
-    _build('dropout_before_the_cut', num_devices=1, micro_batches=3)
+    _build('dropout_before_the_cut', num_devices=1, micro_batches=3, random_draws='per_shard')
 
 
 def test_micro_batches_run_after_the_cached_gradient():

@@ -34,7 +34,7 @@ PACKAGE = 'estimator_towers'
 
 # The stages, lowest first: each may import the ones before it.
 LAYERS = ('base', 'cluster', 'placement', 'settings', 'inputs', 'towers', 'sync_points',
-          'rows', 'heads', 'loss', 'gradients', 'reporting')
+          'rows', 'draws', 'heads', 'loss', 'gradients', 'reporting')
 TOP = len(LAYERS)  # replicate.py and __init__.py
 # The one module that may import TensorFlow's private API, and what that API is.
 FENCE = f'{PACKAGE}.base.interception'

@@ -461,8 +461,9 @@ def _random_normaliser(labels, logits, mask, features):
 
 
 def test_error_micro_batches_with_a_stateful_normaliser():
+  """Drawn per shard, a random op is stateful (keyed draws are not)."""
   towered = et.replicate_model_fn(functools.partial(_model_fn, _random_normaliser, optimizer=_adam),
-                                  devices=['/cpu:0'], micro_batches=2)
+                                  devices=['/cpu:0'], micro_batches=2, random_draws='per_shard')
   with pytest.raises(ValueError, match=r'micro_batches > 1: the loss .* through the stateful '
                                        r'op .*RandomUniform'):
     _run(towered, num_cpus=1)

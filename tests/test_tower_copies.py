@@ -192,11 +192,11 @@ def _random_seeds(graph: tf.Graph) -> list:
 
 
 def test_copies_draw_the_op_seeds_a_build_would(monkeypatch):
-  """Under a graph-level seed, each tower's dropout gets its own op seed, as when built."""
+  """Drawn per shard under a graph-level seed, each tower's dropout gets its own op seed."""
   x, y = testlib.data(9)
-  _, copied = _train(_dropout_model_fn, 3, x, y, 9, steps=1, seed=11)
+  _, copied = _train(_dropout_model_fn, 3, x, y, 9, steps=1, seed=11, random_draws='per_shard')
   monkeypatch.setattr(towers, '_tower_copies', lambda *args: None)
-  _, built = _train(_dropout_model_fn, 3, x, y, 9, steps=1, seed=11)
+  _, built = _train(_dropout_model_fn, 3, x, y, 9, steps=1, seed=11, random_draws='per_shard')
   assert _copied(copied, 1) and _built(built, 1)
   seeds = _random_seeds(copied)
   assert len(seeds) == 3 and len(set(seeds)) == 3, seeds

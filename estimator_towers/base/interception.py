@@ -72,6 +72,14 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
 - A fresh variable store (`variable_scope`'s store and scope-name counters):
   a tower after the first asks `get_variable` and `tf.compat.v1.layers` for
   exactly the names tower 0 asked for (`sharing`).
+- Random ops (`gen_random_ops`, `gen_stateless_random_ops`,
+  `gen_stateless_random_ops_v2`, `gen_stateful_random_ops`,
+  `gen_candidate_sampling_ops`): every random draw a model_fn makes
+  (`tf.random.*`, `tf.nn.dropout`, Keras' and `tf.image`'s random layers
+  and ops) reaches TensorFlow through these generated functions; there is no
+  public hook to draw them keyed by the example instead (`draws.keyed`), so
+  they are wrapped while a model_fn is built with keyed draws on, and only
+  then.
 - Graph-mode building blocks with no public TF2 counterpart: the argument
   names Estimator reads off a model_fn or input_fn (`fn_args`), the v1
   collective all-reduce with explicit group and instance keys (`all_reduce`)
@@ -95,7 +103,12 @@ from tensorflow.python.eager import record  # pylint: disable=g-direct-tensorflo
 from tensorflow.python.framework import importer  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import random_seed  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import array_ops  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import gen_candidate_sampling_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import gen_nn_ops  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import gen_random_ops  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import gen_stateful_random_ops  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import gen_stateless_random_ops  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import gen_stateless_random_ops_v2  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import gradients_util  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import data_flow_ops  # pylint: disable=g-direct-tensorflow-import
@@ -390,6 +403,86 @@ def last_loss_reduction(graph: tf.Graph) -> Any:
 
 def reset_loss_reduction(graph: tf.Graph) -> None:
   graph._last_loss_reduction = None  # pylint: disable=protected-access
+
+
+
+# The generated modules of random ops, by the short name `random_op_calls` hands its handler.
+RANDOM_MODULES = {
+    'random': gen_random_ops, 'stateless': gen_stateless_random_ops,
+    'stateless_v2': gen_stateless_random_ops_v2, 'stateful': gen_stateful_random_ops,
+    'candidate_sampling': gen_candidate_sampling_ops}
+_random_lock = threading.Lock()
+_random_patch: dict = {'users': 0, 'saved': {}}
+_random_handlers = threading.local()
+
+
+def _random_functions(module) -> list:
+  return [name for name in dir(module)
+          if name.islower() and not name.startswith('_') and callable(getattr(module, name))
+          and name not in ('deprecated_endpoints', 'tf_export') and 'eager' not in name]
+
+
+def _random_call(module_name: str, name: str, original: Callable) -> Callable:
+  def call(*args, **kwargs):
+    stack = getattr(_random_handlers, 'stack', None)
+    if not stack:
+      return original(*args, **kwargs)
+    saved = list(stack)   # the draws a handler makes itself are TensorFlow's
+    stack.clear()
+    try:
+      return saved[-1](module_name, name, original, args, kwargs)
+    finally:
+      stack[:] = saved
+  return call
+
+
+@contextlib.contextmanager
+def random_op_calls(handler: Callable) -> Iterator[None]:
+  """While active, this thread's calls of the generated random-op functions go to `handler`.
+
+  `handler(module, name, original, args, kwargs)`: `module` a key of
+  `RANDOM_MODULES`, `name` the function's (`'random_uniform'`),
+  `original(*args, **kwargs)` what TensorFlow would have done. Nested uses
+  stack: the innermost handler of the thread is called, and while it runs,
+  its own calls go to TensorFlow. Other threads are unaffected.
+  """
+  with _random_lock:
+    if _random_patch['users'] == 0:
+      for module_name, module in RANDOM_MODULES.items():
+        for name in _random_functions(module):
+          original = getattr(module, name)
+          _random_patch['saved'][(module_name, name)] = original
+          setattr(module, name, _random_call(module_name, name, original))
+    _random_patch['users'] += 1
+  if not hasattr(_random_handlers, 'stack'):
+    _random_handlers.stack = []
+  _random_handlers.stack.append(handler)
+  try:
+    yield
+  finally:
+    _random_handlers.stack.pop()
+    with _random_lock:
+      _random_patch['users'] -= 1
+      if _random_patch['users'] == 0:
+        for (module_name, name), original in _random_patch['saved'].items():
+          setattr(RANDOM_MODULES[module_name], name, original)
+        _random_patch['saved'].clear()
+
+
+def random_op_calls_paused() -> contextlib.AbstractContextManager:
+  """While active, this thread's random ops are TensorFlow's own (a library op's, not the model_fn's)."""
+  @contextlib.contextmanager
+  def paused():
+    stack = getattr(_random_handlers, 'stack', None)
+    saved = list(stack) if stack else []
+    if stack:
+      stack.clear()
+    try:
+      yield
+    finally:
+      if stack is not None:
+        stack[:] = saved
+  return paused()
 
 
 def op_seed_count(graph: tf.Graph) -> int:

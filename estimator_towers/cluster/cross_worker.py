@@ -128,6 +128,17 @@ class CrossWorker:
             out[i].set_shape(dense[i].shape)
     return out
 
+  def rows_before(self, batch: Any) -> tuple[tf.Tensor, tf.Tensor]:
+    """(the cluster's batch, this task's first example's position in it), int64.
+
+    The cluster's global batch is the tasks' batches in rank order.
+    """
+    with tf.name_scope('across_workers'), tf.device(self.device):
+      mine = tf.one_hot(self.rank, self.size, dtype=tf.int64) * tf.cast(batch, tf.int64)
+    (every,) = self.sum([mine])
+    with tf.device(self.device):
+      return tf.reduce_sum(every), tf.reduce_sum(every[:self.rank])
+
   def global_total(self, tensors: Sequence[tf.Tensor]) -> list:
     """The cluster's totals, differentiable to this task's own parts (see module doc)."""
     totals = self.sum(tensors)

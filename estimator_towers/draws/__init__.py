@@ -1,10 +1,10 @@
-"""Draws: random draws keyed by the example.
+"""Draws: random ops keyed by the example, not by the device that computes it.
 
-Random draws keyed by the example: a stateless random op of the model gives
-every example the draw a single device gives it, whichever device,
-micro-batch or worker computes that example. A draw of shape [B, ...] is the
-output of TensorFlow's stateless V2 op (key, counter, Philox) asked for the
-whole global batch; `streams` draws rows [r, r + n) of it alone, on the
-shard that holds those examples, by advancing the Philox counter to the
-shard's first row (no whole-batch draw per shard).
+Every random op a model_fn builds draws each example's values by the
+example's position in the global batch and the global step (`keyed`, the
+rule), through Philox streams read at a row's offset (`streams`), so that one
+device, N devices, micro-batches and workers draw the same values, and a
+resumed run draws what an uninterrupted one does.
+
+May import: base, cluster, placement, settings, inputs, towers, sync_points, rows.
 """

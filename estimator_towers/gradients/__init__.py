@@ -7,5 +7,5 @@ every tower's seeds, per copied tower or per micro-batch:
 (`gradient_sync`). What the model_fn does with the answer (clipping, its
 optimizer's update) runs once.
 
-May import: base, cluster, placement, settings, inputs, towers, sync_points, rows, heads, loss.
+May import: base, cluster, placement, settings, inputs, towers, sync_points, rows, draws, heads, loss.
 """

@@ -8,5 +8,5 @@ one row per example (mixup, attention over the batch) computed once on the
 whole batch (`batch_mixing`). Each gives the towers' seeds of the backward
 pass.
 
-May import: base, cluster, placement, settings, inputs, towers, sync_points, rows.
+May import: base, cluster, placement, settings, inputs, towers, sync_points, rows, draws.
 """

@@ -7,5 +7,5 @@ what each shard's backward pass starts from (`request_seeds` picks the rule;
 `seeds`, and `micro_batch_seeds` with micro-batches); the loss Estimator
 reports (`reported`).
 
-May import: base, cluster, placement, settings, inputs, towers, sync_points, rows, heads.
+May import: base, cluster, placement, settings, inputs, towers, sync_points, rows, draws, heads.
 """

@@ -59,26 +59,18 @@ _POSITION_OPS = SHAPES | frozenset((
 def read(targets: Sequence[tf.Tensor], input_kinds: dict, examples: int | None,
          declared: Callable[[tf.Tensor], bool]) -> Reader:
   """The reader after visiting, in graph order, the ops between the inputs and `targets`."""
-  graph = targets[0].graph
   declared_stats = {}
-  ops, seen, pending = [], set(), [t.op for t in targets if not declared(t)]
-  while pending and len(seen) < _SEARCH_LIMIT:
-    op = pending.pop()
-    if op.name in seen:
-      continue
-    seen.add(op.name)
-    ops.append(op)
-    for t in op.inputs:
-      if t.name in input_kinds:
-        continue
-      if declared(t):   # a declared statistic: what computes it is not read
-        declared_stats[t.name] = STAT_KIND
-        continue
-      if t.op.name.startswith('shard_inputs'):
-        continue   # another shard's inputs (a row borrowed from this one): not this shard's
-      pending.append(t.op)
-  order = {op.name: i for i, op in enumerate(graph.get_operations())}
-  ops.sort(key=lambda op: order.get(op.name, -1))
+
+  def stop(t: tf.Tensor) -> bool:
+    if t.name in input_kinds:
+      return True
+    if declared(t):   # a declared statistic: what computes it is not read
+      declared_stats[t.name] = STAT_KIND
+      return True
+    # another shard's inputs (a row borrowed from this one): not this shard's
+    return t.op.name.startswith('shard_inputs')
+
+  ops = _ops_before([t.op for t in targets if not declared(t)], stop)
   reader = Reader(examples, declared)
   reader.kinds.update(input_kinds)
   reader.kinds.update(declared_stats)
@@ -86,6 +78,33 @@ def read(targets: Sequence[tf.Tensor], input_kinds: dict, examples: int | None,
   for op in ops:
     reader.visit(op)
   return reader
+
+
+def extend(reader: 'Reader', targets: Sequence[tf.Tensor]) -> None:
+  """`reader` after visiting also the ops between what it has read and `targets`.
+
+  For a graph that grows while it is read (a model_fn being built): a
+  tensor's kind depends only on what computes it, so what was read stays.
+  """
+  for op in _ops_before([t.op for t in targets if t.name not in reader.kinds],
+                        lambda t: t.name in reader.kinds):
+    reader.visit(op)
+
+
+def _ops_before(pending: list, stop: Callable[[tf.Tensor], bool]) -> list:
+  """The ops `pending` and what computes their inputs up to `stop`, in graph order."""
+  ops, seen = [], set()
+  while pending and len(seen) < _SEARCH_LIMIT:
+    op = pending.pop()
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    ops.append(op)
+    pending.extend(t.op for t in op.inputs if not stop(t))
+  if ops:
+    order = {op.name: i for i, op in enumerate(ops[0].graph.get_operations())}
+    ops.sort(key=lambda op: order.get(op.name, -1))
+  return ops
 
 
 class Reader:

@@ -50,6 +50,9 @@ class TowersConfig:
     cross_example: 'auto' or 'refuse': whether a computation across examples
       that cannot be split per tower may run once on the whole batch, on the
       first device (with a warning), or is an error.
+    random_draws: 'keyed' (each example's random draws set by its position
+      in the global batch and the global step) or 'per_shard' (each tower
+      draws on its own: the result depends on the device count).
     log_device_placement: log the device of every op when the session starts.
     allow_soft_placement: let TensorFlow move ops without a kernel for their
       device (summaries on a GPU tower, say) to another device. On by default,
@@ -81,6 +84,7 @@ class TowersConfig:
   staging_backend: str = 'staging_area'
   loss_reduction: str = 'auto'
   cross_example: str = 'auto'
+  random_draws: str = 'keyed'
   log_device_placement: bool = False
   allow_soft_placement: bool = True
   gpu_memory_fraction: float = 0.0
@@ -102,6 +106,7 @@ class TowersConfig:
                               variable_strategy=self.variable_strategy,
                               loss_reduction=self.loss_reduction,
                               cross_example=self.cross_example,
+                              random_draws=self.random_draws,
                               staging_depth=self.staging_depth,
                               staging_backend=self.staging_backend,
                               allow_cpu_fallback=self.allow_cpu_fallback,

@@ -128,6 +128,13 @@ def _definitions() -> dict[str, Callable[[flags.FlagValues], object]]:
           'batch on the first device, exact, with a warning giving that '
           'device\'s share of the step\'s heavy ops; refuse: an error when the '
           'graph is built, so the towers stay data-parallel.', flag_values=fv),
+      'random_draws': lambda fv: flags.DEFINE_enum(
+          'random_draws', 'keyed', list(plan_lib.RANDOM_DRAWS),
+          'How random ops (dropout, noise) draw: keyed: each example\'s values '
+          'are set by its position in the global batch and the global step, the '
+          'same on any device count, micro-batch or worker and after a restart; '
+          'per_shard: each tower draws its shard on its own (the result depends '
+          'on the device count).', flag_values=fv),
       'sync_batch_norm': lambda fv: flags.DEFINE_bool(
           'sync_batch_norm', False,
           'In training, normalise every batch norm with the mean and variance '

@@ -19,6 +19,7 @@ LOSS_REDUCTIONS = ('auto', 'exact', 'mean', 'sum')
 # What a computation across examples that would run once on the whole batch gets: 'auto' builds
 # it (exact; a warning says what share of the step then runs on one device), 'refuse' raises.
 CROSS_EXAMPLE = ('auto', 'refuse')
+RANDOM_DRAWS = ('keyed', 'per_shard')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,13 @@ class DevicePlan:
       device: exact, with a warning saying what share of the step's heavy
       ops that puts on one device) or 'refuse' (that is an error at graph
       construction: the towers must stay data-parallel).
+    random_draws: 'keyed' (default: every random op draws each example's
+      values by its position in the global batch and the global step, so
+      any device count, micro-batch or worker, and a resumed run, draw what
+      one device draws; see the random draws page) or 'per_shard' (each
+      tower draws its shard on its own, as the undecorated model_fn would:
+      the draws, and so the training, then depend on the device count and
+      restart with each session).
     staging_depth: shards kept in flight per device by the staged input_fn.
     staging_backend: how the staged input_fn prefetches shards:
       'staging_area' (a StagingArea per device; the only value).
@@ -83,6 +91,7 @@ class DevicePlan:
   micro_batches: int = 1
   worker_timeout_secs: float = 120.0
   cross_example: str = 'auto'
+  random_draws: str = 'keyed'
 
   def resolve(self) -> tuple[str, ...]:
     """The devices the towers really get on this machine.
@@ -112,7 +121,8 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
               sync_batch_norm: bool = False,
               micro_batches: int = 1,
               worker_timeout_secs: float = 120.0,
-              cross_example: str = 'auto') -> DevicePlan:
+              cross_example: str = 'auto',
+              random_draws: str = 'keyed') -> DevicePlan:
   """Validates arguments and returns a DevicePlan.
 
   Give the plan to `replicate_model_fn(model_fn, plan=plan)` and, for staged
@@ -146,6 +156,10 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
       cannot be split per tower runs once on the whole batch, on the first
       device, with a warning giving that device's share of the step's heavy
       ops) or 'refuse' (an error instead: the towers stay data-parallel).
+    random_draws: 'keyed' (default: each example's random draws are set by
+      its position in the global batch and the global step, the same on any
+      topology and after a restart) or 'per_shard' (each tower draws on its
+      own: the result depends on the device count).
 
   Raises:
     ValueError: for a count together with devices, a negative count,
@@ -179,6 +193,7 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
         f'when your loss averages over the batch (tf.compat.v1.losses and Keras '
         f'losses do) and "sum" when it adds up per-example losses.')
   validate_cross_example(cross_example)
+  validate_random_draws(random_draws)
   if isinstance(staging_depth, bool) or not isinstance(staging_depth, int) or staging_depth < 0:
     raise ValueError(
         f'{spelling.name("staging_depth")} must be a non-negative integer '
@@ -213,7 +228,19 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
                     sync_batch_norm=sync_batch_norm,
                     micro_batches=micro_batches,
                     worker_timeout_secs=float(worker_timeout_secs),
-                    cross_example=cross_example)
+                    cross_example=cross_example, random_draws=random_draws)
+
+
+def validate_random_draws(value: object) -> None:
+  """Checks a `random_draws` setting.
+
+  Raises:
+    ValueError: for a value not in `RANDOM_DRAWS`.
+  """
+  _validate_choice('random_draws', value, RANDOM_DRAWS,
+                   'use "keyed" to draw each example\'s random values by its position in the '
+                   'global batch (the same on any device count and after a restart), or '
+                   '"per_shard" to let each tower draw on its own.')
 
 
 def validate_cross_example(value: object) -> None:
@@ -222,19 +249,23 @@ def validate_cross_example(value: object) -> None:
   Raises:
     ValueError: for a value not in `CROSS_EXAMPLE`.
   """
-  if value not in CROSS_EXAMPLE:
-    raise ValueError(
-        f'{spelling.name("cross_example")} must be one of {CROSS_EXAMPLE}, got '
-        f'{spelling.value("cross_example", value)}: use "auto" to run a computation '
-        f'across examples that cannot be split per tower once on the whole batch (exact, '
-        f'with a warning when it puts work on one device), or "refuse" to make that an '
-        f'error.')
+  _validate_choice('cross_example', value, CROSS_EXAMPLE,
+                   'use "auto" to run a computation across examples that cannot be split per '
+                   'tower once on the whole batch (exact, with a warning when it puts work on '
+                   'one device), or "refuse" to make that an error.')
+
+
+def _validate_choice(name: str, value: object, choices: tuple, advice: str) -> None:
+  if value not in choices:
+    raise ValueError(f'{spelling.name(name)} must be one of {choices}, got '
+                     f'{spelling.value(name, value)}: {advice}')
 
 
 def plan_from_arguments(plan: DevicePlan | None, num_gpus: int | None,
                         devices: Sequence[str] | None, variable_strategy: str,
                         loss_reduction: str, sync_batch_norm: bool,
-                        micro_batches: int, cross_example: str = 'auto') -> DevicePlan:
+                        micro_batches: int, cross_example: str = 'auto',
+                        random_draws: str = 'keyed') -> DevicePlan:
   """`replicate_model_fn`'s plan: the one it was given, or one made from its arguments.
 
   Raises:
@@ -248,7 +279,7 @@ def plan_from_arguments(plan: DevicePlan | None, num_gpus: int | None,
                      loss_reduction=loss_reduction,
                      sync_batch_norm=sync_batch_norm,
                      micro_batches=micro_batches,
-                     cross_example=cross_example)
+                     cross_example=cross_example, random_draws=random_draws)
   if num_gpus is not None or devices is not None:
     raise ValueError('Give either plan or num_gpus/devices, not both; the '
                      'plan already names the devices.')
@@ -259,7 +290,8 @@ def plan_from_arguments(plan: DevicePlan | None, num_gpus: int | None,
       ('loss_reduction', loss_reduction, 'auto'),
       ('sync_batch_norm', sync_batch_norm, False),
       ('micro_batches', micro_batches, 1),
-      ('cross_example', cross_example, 'auto')) if value != default}
+      ('cross_example', cross_example, 'auto'),
+      ('random_draws', random_draws, 'keyed')) if value != default}
   if overridden:
     settings = ', '.join(f'{name}={value!r}' for name, value in overridden.items())
     raise ValueError(

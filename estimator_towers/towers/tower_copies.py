@@ -72,13 +72,17 @@ class TowerCopies:
       counterpart)` (tower k's copy joins them).
     replicas: `replicas(k)`, tower k's own copies of the variables (original,
       copy) under `replicated` and `collective` (made when asked), or [].
+    own: `own(k)`, tensors made before the towers that tower k reads in place
+      of tower 0's (the position of its shard in the global batch, which
+      keyed random draws read), in the same order for every k.
   """
 
   def __init__(self, graph: tf.Graph, device_of: Callable[[int], str],
                inputs_of: Callable[[int], list], primary: int,
                creation_spans: Sequence[tuple[int, int]], pinned: set, sync: Any,
-               replicas: Callable[[int], list]):
+               replicas: Callable[[int], list], own: Callable[[int], list] = lambda k: []):
     self._graph = graph
+    self._own = own
     self._replicas = replicas
     self._pinned = pinned
     self._sync = sync
@@ -116,6 +120,7 @@ class TowerCopies:
       return None
     shard = dict(zip((t.ref() for t in self._inputs_of(self._primary)), self._inputs_of(k)))
     shard.update((original.handle.ref(), copy.handle) for original, copy in self._replicas(k))
+    shard.update((t.ref(), mine) for t, mine in zip(self._own(self._primary), self._own(k)))
     self._prefixes[k] = self._graph.unique_name(f'tower_{k}')
     counterpart = self._instance(k, self._forward, lambda t: shard.get(t.ref()))
     if counterpart is None:

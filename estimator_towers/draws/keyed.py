@@ -1,0 +1,365 @@
+"""Keyed draws: a random op's draw is set by the example, not by the device that computes it.
+
+The rule. With `random_draws='keyed'` (the default) every random op a
+model_fn builds, on any tower, micro-batch or worker and on one device alike,
+is drawn by a counter-based (Philox) stateless op instead:
+- its **key** is set by the op and the step: the graph-level seed, the op
+  seed the model_fn gave (if any), the op's place among the random ops of its
+  model_fn call (the same in every tower and on one device), and the global
+  step, read once per step before the step's update of it. A stateless op's
+  key is its own seed's (or key and counter's), without the step;
+- its **counter** is set by the example's position in the global batch: a
+  draw whose shape has the batch's rows (`tf.shape(x)` of rows, flat rows of
+  a fixed count per example, stacked views) gives row i of the global batch
+  what a draw of the whole batch gives it (`streams.draw_rows`), so each
+  device draws its own rows only, and a worker's rows keep their global
+  positions. A draw whose shape does not depend on the batch (a scalar per
+  step) is the same value on every tower. A draw shaped by a value that mixes
+  the batch's rows runs once on the whole batch (the cross-example head), and
+  draws there what one device draws.
+So 1, N devices, k micro-batches and W workers draw the same values, and a
+run stopped and resumed draws what an uninterrupted run draws. The values
+differ from the undecorated model_fn's own stateful stream (the same
+distribution); a stateless op of batch rows on axis 0 gives its own values.
+Categorical draws are the Gumbel-max of keyed uniforms; a shuffle is
+`StatelessShuffle`; a candidate sampler (sampled softmax) keeps its stateful
+op, seeded the same on every tower (the same candidates each step; a warning
+says that its stream restarts with a session).
+
+What cannot be keyed is refused at graph construction, naming the op and the
+fix: a random op inside a function body or while loop, a
+`tf.random.Generator`, flat rows whose count per example only the values
+decide (a pad remover's tokens), and Poisson, binomial or parameterised
+truncated normal draws (or gamma draws of per-example parameters) with batch
+rows. `random_draws='per_shard'` turns all of this off: each tower draws its
+shard on its own, as the model_fn would, and the result then depends on the
+device count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from typing import Any, Callable, Sequence
+
+import tensorflow as tf
+
+from estimator_towers.base import interception
+from estimator_towers.base import logs
+from estimator_towers.draws import streams
+from estimator_towers.inputs import sharding
+from estimator_towers.rows import row_dependence as rd
+from estimator_towers.towers import tower_context
+
+__all__ = ['KeyedDraws', 'refusal']
+
+_PHILOX = 1
+# gen_random_ops' stateful draws -> (streams' kind, the positions of shape and dtype / extras).
+_STATEFUL = {'random_uniform': 'uniform', 'random_standard_normal': 'normal',
+             'truncated_normal': 'truncated_normal', 'random_uniform_int': 'uniform_int'}
+# gen_stateless_random_ops' seeded draws -> streams' kind.
+_SEEDED = {'stateless_random_uniform': 'uniform', 'stateless_random_normal': 'normal',
+           'stateless_truncated_normal': 'truncated_normal',
+           'stateless_random_uniform_int': 'uniform_int',
+           'stateless_random_uniform_full_int': 'uniform_full_int'}
+# gen_stateless_random_ops_v2's keyed draws -> streams' kind.
+_KEYED = {'stateless_random_uniform_v2': 'uniform', 'stateless_random_normal_v2': 'normal',
+          'stateless_truncated_normal_v2': 'truncated_normal',
+          'stateless_random_uniform_int_v2': 'uniform_int',
+          'stateless_random_uniform_full_int_v2': 'uniform_full_int'}
+# Draws with no counter to set, keyed only where nothing about them depends on the batch.
+_UNKEYABLE = {'random_poisson': 'Poisson', 'random_poisson_v2': 'Poisson',
+              'parameterized_truncated_normal': 'parameterised truncated normal',
+              'stateless_random_poisson': 'Poisson', 'stateless_random_binomial': 'binomial',
+              'stateless_parameterized_truncated_normal': 'parameterised truncated normal'}
+_GLOBAL_STEP_WRITES = ('AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp',
+                       'Assign', 'AssignAdd', 'AssignSub')
+
+
+def refusal(op: str, why: str, fix: str) -> ValueError:
+  """The error for a random op that cannot be keyed by the example."""
+  return ValueError(
+      f'estimator_towers draws every random op keyed by the example (random_draws=\'keyed\'), '
+      f'so that an example gets the draw one device gives it on any device count, '
+      f'micro-batch or worker; {op} cannot be: {why}. Fix: {fix}; or set '
+      f'random_draws=\'per_shard\' (each tower then draws its shard on its own, and the '
+      f'result depends on the device count).')
+
+
+class KeyedDraws:
+  """The keyed draws of one graph: wraps the model_fn calls that build its towers.
+
+  Args:
+    graph: the graph.
+    sizes: the shards' sizes, in shard order (ints or int scalar tensors):
+      shard k's first example is at `first_row + sum(sizes[:k])`.
+    batch: the global batch size (int or tensor; the cluster's across workers).
+    first_row: the global position of this worker's first example (0 on one
+      worker).
+  """
+
+  def __init__(self, graph: tf.Graph, sizes: Sequence[Any], batch: Any, first_row: Any = 0):
+    self.graph = graph
+    self._first_op = len(graph.get_operations())   # the model_fn's ops come after
+    with tf.name_scope('keyed_draws'), tf.control_dependencies(None):
+      self.step = _step_read(graph)
+      self.batch = tf.cast(batch, tf.int64)
+      self.positions, total = [], tf.cast(first_row, tf.int64)
+      for size in sizes:
+        self.positions.append(total)
+        total = total + tf.cast(size, tf.int64)
+
+  @classmethod
+  def of_shards(cls, graph: tf.Graph, shards: Any, across: Any = None) -> 'KeyedDraws':
+    """The towers' shards (`inputs.shards.Shards`); `across`: the cluster's rows, if any."""
+    if across is None:
+      return cls(graph, shards.sizes, shards.batch)
+    batch, first_row = across.rows_before(shards.batch)
+    return cls(graph, shards.sizes, batch, first_row)
+
+  @classmethod
+  def whole_batch(cls, graph: tf.Graph, features: Any, labels: Any) -> 'KeyedDraws':
+    """One device: the global batch is the model_fn's own input."""
+    return cls(graph, [0], sharding.batch_size(features, labels))
+
+  def position(self, k: int) -> tf.Tensor:
+    """Shard k's first example's position in the global batch."""
+    return self.positions[k] if k < len(self.positions) else self.positions[0]
+
+  def wrap(self, run: Callable) -> Callable:
+    """`run(features, labels, mode)` with its random ops keyed (see the module doc)."""
+
+    def keyed_run(features, labels, mode):
+      context, _ = tower_context.peek()
+      build = _Build(self, features, labels, self.position(context.index))
+      with interception.random_op_calls(build.handle), interception.shape_reads_kept(), \
+          tf.compat.v1.variable_creator_scope(_initialised_as_ever):
+        spec = run(features, labels, mode)
+      self.order_step_writes()
+      return spec
+    return keyed_run
+
+  def order_step_writes(self) -> None:
+    """Every write of the global step the model_fn makes waits for the step's read.
+
+    (BERT's `global_step.assign(global_step + 1)` is grouped with its update,
+    in no order with the forward pass.)
+    """
+    step = tf.compat.v1.train.get_global_step(self.graph)
+    if step is None or self.step.op.type == 'Const':
+      return
+    handle = getattr(step, 'handle', None)
+    for op in self.graph.get_operations()[self._first_op:]:
+      if (op.type in _GLOBAL_STEP_WRITES and op.inputs
+          and op.inputs[0].op in (getattr(handle, 'op', None), step.op)
+          and self.step.op not in op.control_inputs
+          and not interception.in_control_flow(op)):
+        interception.add_control_inputs(op, [self.step.op])
+
+
+def _step_read(graph: tf.Graph) -> tf.Tensor:
+  """The global step, as int64; 0 before it is initialised (a variable's random initial value)."""
+  step = tf.compat.v1.train.get_global_step(graph)
+  if step is None:
+    return tf.constant(0, tf.int64, name='step')
+  with tf.device(step.device):
+    value = tf.cond(tf.compat.v1.is_variable_initialized(step),
+                    lambda: tf.cast(step.read_value(), tf.int64),
+                    lambda: tf.constant(0, tf.int64))
+    return tf.identity(value, name='step')
+
+
+def _initialised_as_ever(next_creator: Callable, **kwargs) -> Any:
+  """A variable's initial value draws as TensorFlow does (once, by tower 0: not per shard)."""
+  with interception.random_op_calls_paused():
+    return next_creator(**kwargs)
+
+
+def _mix(*parts) -> int:
+  digest = hashlib.sha256(repr(parts).encode()).digest()
+  return int.from_bytes(digest[:8], 'little') & (2**63 - 1)
+
+
+class _Build:
+  """One model_fn call's keyed draws: its inputs' rows, its position, its random ops in order."""
+
+  def __init__(self, draws: KeyedDraws, features: Any, labels: Any, position: tf.Tensor):
+    self.draws = draws
+    self.position = position
+    self.rows = rd.GrowingRead(tf.nest.flatten((features, labels), expand_composites=True))
+    self.ordinal = 0
+    self.first_seed = interception.op_seed_count(draws.graph)
+
+  # -- The call ----------------------------------------------------------------
+
+  def handle(self, module: str, name: str, original: Callable, args: tuple, kwargs: dict):
+    graph = tf.compat.v1.get_default_graph()
+    if module == 'stateless_v2' and name not in _KEYED and name != 'stateless_random_gamma_v3':
+      return original(*args, **kwargs)   # key and counter, the algorithm, a shuffle
+    if module == 'candidate_sampling' and not name.endswith('_candidate_sampler'):
+      return original(*args, **kwargs)
+    what = f'the random op {name} ({kwargs.get("name") or "unnamed"})'
+    if graph is not self.draws.graph:
+      raise refusal(what, f'it is built inside a function body or while loop ({graph.name}), '
+                          f'where each call draws on its own', 'draw it outside the '
+                          'function or loop (a mask of the whole sequence) and pass it in')
+    if module == 'stateful':
+      raise refusal(what, 'a tf.random.Generator draws from the state of a variable, which '
+                          'every tower advances on its own', 'draw with tf.random.uniform / '
+                          'tf.random.normal (or their stateless forms)')
+    self.ordinal += 1
+    call = _Call(module, name, original, _arguments(original, args, kwargs))
+    if module == 'candidate_sampling':
+      return self._sampler(call)
+    if name in _UNKEYABLE:
+      return self._unkeyable(call, what, _UNKEYABLE[name])
+    key, counter = self._key_counter(call)
+    if name in ('multinomial', 'stateless_multinomial'):
+      return self._categorical(call, key, counter)
+    if name in ('random_shuffle',):
+      return interception.RANDOM_MODULES['stateless_v2'].stateless_shuffle(
+          call.args['value'], key, counter, _PHILOX, name=call.args.get('name'))
+    kind = _STATEFUL.get(name) or _SEEDED.get(name) or _KEYED.get(name) or 'gamma'
+    trails = kind == 'gamma' and call.module == 'random'   # RandomGamma: shape + alpha's shape
+    if trails and self._kind(call.args['alpha']) is not None:
+      raise refusal(what, 'its alpha has the batch\'s rows, and a gamma draw\'s place in the '
+                          'stream follows its shape only', 'draw gamma(shape=[batch], alpha) '
+                          'of an alpha that does not depend on the batch')
+    extra = {k: call.args[k] for k in ('minval', 'maxval') if call.args.get(k) is not None}
+    return self.keyed(kind, call.args['shape'], call.dtype(), key, counter, what,
+                      alpha=call.args.get('alpha'), alpha_trails=trails, **extra)
+
+  def _key_counter(self, call: '_Call') -> tuple:
+    """The draw's key and counter: the op's and the step's, or the stateless op's own."""
+    v2 = interception.RANDOM_MODULES['stateless_v2']
+    if call.module == 'stateless_v2':
+      return call.args['key'], call.args['counter']
+    if call.module == 'stateless':
+      return v2.stateless_random_get_key_counter(call.args['seed'])
+    seed = tf.stack([tf.constant(self._op_key(call), tf.int64), self.draws.step])
+    return v2.stateless_random_get_key_counter(seed)
+
+  def _op_key(self, call: '_Call') -> int:
+    """The op's own part of the key: graph seed, the model_fn's op seed, its place."""
+    seed, seed2 = int(call.args.get('seed') or 0), int(call.args.get('seed2') or 0)
+    counted = range(self.first_seed, interception.op_seed_count(self.draws.graph))
+    if self.draws.graph.seed is not None and seed2 in counted:
+      seed2 = -1   # the graph's op seed counter's, which differs with the tower: not the op's
+    return _mix(seed, seed2, self.ordinal)
+
+  def _kind(self, t: Any) -> rd.Kind | None:
+    return self.rows.kind(t) if isinstance(t, tf.Tensor) else None
+
+  # -- Draws ---------------------------------------------------------------------
+
+  def keyed(self, kind: str, shape: Any, dtype: tf.DType, key: tf.Tensor, counter: tf.Tensor,
+            what: str, alpha: Any = None, alpha_trails: bool = False, **extra) -> tf.Tensor:
+    """The keyed draw of `shape`: rows by their global position, else one value everywhere.
+
+    `alpha_trails`: a stateful gamma draw, whose shape is `shape` followed by
+    alpha's (a stateless one broadcasts alpha to `shape`).
+    """
+    shape = tf.cast(tf.convert_to_tensor(shape), tf.int64)
+    found = self._kind(shape)
+    if alpha is not None:
+      alpha = tf.convert_to_tensor(alpha)
+      extra['alpha'] = alpha
+    tail = tf.shape(alpha, out_type=tf.int64) if alpha_trails else shape[:0]
+    if found is None or found.tag not in (rd.SHAPE, rd.LIFTED_SHAPE):
+      # Not the batch's (one value on every tower), or mixed: drawn on the whole batch once.
+      whole = tf.concat([shape, tail], 0)
+      return tf.reshape(streams.draw_rows(kind, 1, whole, dtype, key, counter, 0, batch=1,
+                                          **extra), whole)
+    examples, per = self._examples(found, shape, what)
+    row = tf.concat([tf.reshape(per, [1]), shape[1:], tail], 0)
+    parts = [streams.draw_rows(kind, examples, row, dtype, key, counter,
+                               self.position + j * self.draws.batch,
+                               batch=self.draws.batch * found.blocks, **extra)
+             for j in range(found.blocks)]
+    result = tf.reshape(tf.concat(parts, 0) if len(parts) > 1 else parts[0],
+                        tf.concat([shape, tail], 0))
+    self.rows.declare(result, rd.flat_kind(found.per, found.blocks) if found.layout == rd.FLAT
+                      else rd.Kind(rd.ROWS, found.blocks))
+    return result
+
+  def _examples(self, found: rd.Kind, shape: tf.Tensor, what: str) -> tuple:
+    """(the shard's examples, rows per example) of a shape of rows or flat rows."""
+    if found.tag == rd.LIFTED_SHAPE or (found.layout == rd.FLAT and
+                                        not rd.same_for_each(found.per)):
+      raise refusal(what, 'its shape is that of flat rows whose count per example only the '
+                          'values decide (the tokens a pad remover keeps)', 'draw it on the '
+                          'padded [batch, length, ...] tensor before the padding is removed')
+    if found.layout != rd.FLAT:
+      return shape[0] // found.blocks, tf.constant(1, tf.int64)
+    if isinstance(found.per, int):
+      return shape[0] // (found.blocks * found.per), tf.constant(found.per, tf.int64)
+    rows = [t for t in self.rows.inputs if self.rows.kind(t) == rd.Kind(rd.ROWS)]
+    if not rows:
+      raise refusal(what, 'its shape is that of flat rows, and the shard has no dense input '
+                          'that says how many examples it holds', 'draw it on the '
+                          '[batch, length, ...] tensor before it is flattened')
+    examples = tf.shape(rows[0], out_type=tf.int64)[0]
+    return examples, shape[0] // tf.maximum(found.blocks * examples, 1)
+
+  def _categorical(self, call: '_Call', key: tf.Tensor, counter: tf.Tensor) -> tf.Tensor:
+    """Gumbel-max of keyed uniforms: [n, num_samples, classes] per row of logits."""
+    logits = tf.convert_to_tensor(call.args['logits'])
+    samples = tf.cast(call.args['num_samples'], tf.int32)
+    shape = tf.concat([tf.shape(logits)[:1], tf.reshape(samples, [1]), tf.shape(logits)[1:]], 0)
+    u = self.keyed('uniform', shape, tf.float64, key, counter, 'a categorical draw')
+    tiny = float(tf.float64.tiny)
+    gumbel = -tf.math.log(-tf.math.log(tiny + (1.0 - tiny) * u))
+    scores = tf.cast(tf.expand_dims(logits, 1), tf.float64) + gumbel
+    out = call.args.get('output_dtype', tf.int64)
+    return tf.math.argmax(scores, axis=-1, output_type=tf.as_dtype(out))
+
+  def _unkeyable(self, call: '_Call', what: str, family: str) -> tf.Tensor:
+    """A draw with no counter to set: the same everywhere where nothing is the batch's."""
+    tensors = [v for v in call.args.values() if isinstance(v, (tf.Tensor, list, tuple))]
+    if any(self._kind(tf.convert_to_tensor(v)) is not None for v in tensors
+           if not isinstance(v, (list, tuple)) or v):
+      raise refusal(what, f'a {family} draw has no counter to set by the example, and this '
+                          f'one has the batch\'s rows', f'draw uniform or normal noise and '
+                          f'transform it, or draw it with a shape that does not depend on '
+                          f'the batch')
+    if call.module != 'random':
+      return call.original(**call.args)   # seeded by the model_fn: the same everywhere
+    seed = tf.stack([tf.constant(self._op_key(call), tf.int64), self.draws.step])
+    stateless, args = interception.RANDOM_MODULES['stateless'], call.args
+    if 'poisson' in call.name:
+      return stateless.stateless_random_poisson(args['shape'], seed, args['rate'],
+                                                dtype=args.get('dtype', tf.int64))
+    return stateless.stateless_parameterized_truncated_normal(
+        args['shape'], seed, args['means'], args['stdevs'], args['minvals'], args['maxvals'])
+
+  def _sampler(self, call: '_Call') -> Any:
+    """A candidate sampler: its stateful op, seeded the same on every tower and device."""
+    logs.warning_once(
+        f'estimator_towers: the candidate sampler {call.name} draws the same candidates on '
+        f'every tower (its op seeded the same), but from its own stream, which restarts '
+        f'with each session: a resumed run draws the first steps\' candidates again.')
+    named = dict(call.args)
+    named['seed'], named['seed2'] = 1, _mix(self._op_key(call)) % (2**31 - 1) + 1
+    return call.original(**named)
+
+
+class _Call:
+  """A generated random-op function's call: its arguments by name."""
+
+  def __init__(self, module: str, name: str, original: Callable, bound: dict):
+    self.module, self.name, self.original = module, name, original
+    self.args = bound
+
+  def dtype(self) -> tf.DType:
+    for key in ('dtype', 'Tout'):
+      if self.args.get(key) is not None:
+        return tf.as_dtype(self.args[key])
+    for key in ('minval', 'alpha'):
+      if self.args.get(key) is not None:
+        return tf.convert_to_tensor(self.args[key]).dtype
+    return tf.float32
+
+
+def _arguments(original: Callable, args: tuple, kwargs: dict) -> dict:
+  """{name: value} of a generated function's call."""
+  return dict(inspect.signature(original).bind_partial(*args, **kwargs).arguments)
