@@ -111,6 +111,7 @@ from tensorflow.python.ops import gen_stateless_random_ops  # pylint: disable=g-
 from tensorflow.python.ops import gen_stateless_random_ops_v2  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import gradients_util  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import collective_ops  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import control_flow_v2_func_graphs  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import data_flow_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import nn_impl  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import variable_scope  # pylint: disable=g-direct-tensorflow-import
@@ -436,13 +437,32 @@ def _random_call(module_name: str, name: str, original: Callable) -> Callable:
   return call
 
 
+def _seed_recorded(original: Callable) -> Callable:
+  def get_seed(op_seed):
+    _random_handlers.op_seed = op_seed   # None: the graph's op seed counter gives it
+    return original(op_seed)
+  return get_seed
+
+
+def given_op_seed() -> Any:
+  """The op seed the model_fn gave the random op being handled (None: none given).
+
+  `random_seed.get_seed(op_seed)`, which every random op's Python function
+  calls just before its generated one, is recorded while `random_op_calls`
+  is active; `given_op_seed` reads it once.
+  """
+  seed, _random_handlers.op_seed = getattr(_random_handlers, 'op_seed', None), None
+  return seed
+
+
 @contextlib.contextmanager
 def random_op_calls(handler: Callable) -> Iterator[None]:
   """While active, this thread's calls of the generated random-op functions go to `handler`.
 
   `handler(module, name, original, args, kwargs)`: `module` a key of
   `RANDOM_MODULES`, `name` the function's (`'random_uniform'`),
-  `original(*args, **kwargs)` what TensorFlow would have done. Nested uses
+  `original(*args, **kwargs)` what TensorFlow would have done; the op seed
+  the model_fn gave the op, if any, is `given_op_seed()`. Nested uses
   stack: the innermost handler of the thread is called, and while it runs,
   its own calls go to TensorFlow. Other threads are unaffected.
   """
@@ -453,6 +473,8 @@ def random_op_calls(handler: Callable) -> Iterator[None]:
           original = getattr(module, name)
           _random_patch['saved'][(module_name, name)] = original
           setattr(module, name, _random_call(module_name, name, original))
+      _random_patch['get_seed'] = random_seed.get_seed
+      random_seed.get_seed = _seed_recorded(random_seed.get_seed)
     _random_patch['users'] += 1
   if not hasattr(_random_handlers, 'stack'):
     _random_handlers.stack = []
@@ -467,6 +489,7 @@ def random_op_calls(handler: Callable) -> Iterator[None]:
         for (module_name, name), original in _random_patch['saved'].items():
           setattr(RANDOM_MODULES[module_name], name, original)
         _random_patch['saved'].clear()
+        random_seed.get_seed = _random_patch.pop('get_seed')
 
 
 def random_op_calls_paused() -> contextlib.AbstractContextManager:
@@ -483,6 +506,16 @@ def random_op_calls_paused() -> contextlib.AbstractContextManager:
       if stack is not None:
         stack[:] = saved
   return paused()
+
+
+def cond_branch(graph: tf.Graph) -> tuple[tf.Graph, list] | None:
+  """For a `tf.cond` branch's graph: (the graph it is in, [(outer, inner) captured tensors]).
+
+  None for any other graph (a while loop's body, a `tf.function`, a graph).
+  """
+  if not isinstance(graph, control_flow_v2_func_graphs.CondBranchFuncGraph):
+    return None
+  return graph.outer_graph, list(graph.captures)
 
 
 def op_seed_count(graph: tf.Graph) -> int:

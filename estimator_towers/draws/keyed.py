@@ -51,7 +51,9 @@ from estimator_towers.inputs import sharding
 from estimator_towers.rows import row_dependence as rd
 from estimator_towers.towers import tower_context
 
-__all__ = ['KeyedDraws', 'refusal']
+__all__ = ['KeyedDraws', 'built_by_draws', 'refusal']
+
+SCOPE = 'keyed_draw'   # the name scope of the ops a keyed draw is made of
 
 _PHILOX = 1
 # gen_random_ops' stateful draws -> (streams' kind, the positions of shape and dtype / extras).
@@ -74,6 +76,11 @@ _UNKEYABLE = {'random_poisson': 'Poisson', 'random_poisson_v2': 'Poisson',
               'stateless_parameterized_truncated_normal': 'parameterised truncated normal'}
 _GLOBAL_STEP_WRITES = ('AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp',
                        'Assign', 'AssignAdd', 'AssignSub')
+
+
+def built_by_draws(op: tf.Operation) -> bool:
+  """Whether `op` is part of a keyed draw (the library's, not the model_fn's own op)."""
+  return any(part.startswith(SCOPE) for part in op.name.split('/')[:-1])
 
 
 def refusal(op: str, why: str, fix: str) -> ValueError:
@@ -187,8 +194,8 @@ class _Build:
     self.draws = draws
     self.position = position
     self.rows = rd.GrowingRead(tf.nest.flatten((features, labels), expand_composites=True))
+    self._branches: dict = {}   # a tf.cond branch's graph -> its reader
     self.ordinal = 0
-    self.first_seed = interception.op_seed_count(draws.graph)
 
   # -- The call ----------------------------------------------------------------
 
@@ -199,16 +206,24 @@ class _Build:
     if module == 'candidate_sampling' and not name.endswith('_candidate_sampler'):
       return original(*args, **kwargs)
     what = f'the random op {name} ({kwargs.get("name") or "unnamed"})'
-    if graph is not self.draws.graph:
+    if self._reader_of(graph) is None:
       raise refusal(what, f'it is built inside a function body or while loop ({graph.name}), '
-                          f'where each call draws on its own', 'draw it outside the '
-                          'function or loop (a mask of the whole sequence) and pass it in')
+                          f'whose every call or iteration would draw the same keyed values',
+                    'draw it outside the function or loop (a mask of the whole sequence) and '
+                    'pass it in')
     if module == 'stateful':
       raise refusal(what, 'a tf.random.Generator draws from the state of a variable, which '
                           'every tower advances on its own', 'draw with tf.random.uniform / '
                           'tf.random.normal (or their stateless forms)')
     self.ordinal += 1
     call = _Call(module, name, original, _arguments(original, args, kwargs))
+    call.op_seed = interception.given_op_seed()
+    with tf.name_scope(SCOPE):
+      return self._draw(call, what)
+
+  def _draw(self, call: '_Call', what: str) -> Any:
+    """The keyed draw of one random op's call."""
+    name, module = call.name, call.module
     if module == 'candidate_sampling':
       return self._sampler(call)
     if name in _UNKEYABLE:
@@ -242,13 +257,26 @@ class _Build:
   def _op_key(self, call: '_Call') -> int:
     """The op's own part of the key: graph seed, the model_fn's op seed, its place."""
     seed, seed2 = int(call.args.get('seed') or 0), int(call.args.get('seed2') or 0)
-    counted = range(self.first_seed, interception.op_seed_count(self.draws.graph))
-    if self.draws.graph.seed is not None and seed2 in counted:
+    if call.op_seed is None:
       seed2 = -1   # the graph's op seed counter's, which differs with the tower: not the op's
     return _mix(seed, seed2, self.ordinal)
 
   def _kind(self, t: Any) -> rd.Kind | None:
-    return self.rows.kind(t) if isinstance(t, tf.Tensor) else None
+    return self._reader_of(t.graph).kind(t) if isinstance(t, tf.Tensor) else None
+
+  def _reader_of(self, graph: tf.Graph) -> rd.GrowingRead | None:
+    """The rows of `graph`: the model_fn's, or a `tf.cond` branch's in it (dropout's with a
+    `training` tensor); None for a while loop's body or a function's."""
+    if graph is self.draws.graph:
+      return self.rows
+    branch = interception.cond_branch(graph)
+    outer = None if branch is None else self._reader_of(branch[0])
+    if outer is None:
+      return None
+    reader = self._branches.setdefault(graph, rd.GrowingRead([]))
+    for captured, inner in branch[1]:   # a branch's inputs are the values it captures
+      reader.add(inner, outer.kind(captured))
+    return reader
 
   # -- Draws ---------------------------------------------------------------------
 
@@ -278,8 +306,9 @@ class _Build:
              for j in range(found.blocks)]
     result = tf.reshape(tf.concat(parts, 0) if len(parts) > 1 else parts[0],
                         tf.concat([shape, tail], 0))
-    self.rows.declare(result, rd.flat_kind(found.per, found.blocks) if found.layout == rd.FLAT
-                      else rd.Kind(rd.ROWS, found.blocks))
+    self._reader_of(result.graph).declare(
+        result, rd.flat_kind(found.per, found.blocks) if found.layout == rd.FLAT
+        else rd.Kind(rd.ROWS, found.blocks))
     return result
 
   def _examples(self, found: rd.Kind, shape: tf.Tensor, what: str) -> tuple:
@@ -294,6 +323,7 @@ class _Build:
     if isinstance(found.per, int):
       return shape[0] // (found.blocks * found.per), tf.constant(found.per, tf.int64)
     rows = [t for t in self.rows.inputs if self.rows.kind(t) == rd.Kind(rd.ROWS)]
+    rows = [t for t in rows if t.graph is shape.graph]
     if not rows:
       raise refusal(what, 'its shape is that of flat rows, and the shard has no dense input '
                           'that says how many examples it holds', 'draw it on the '
@@ -349,6 +379,7 @@ class _Call:
   def __init__(self, module: str, name: str, original: Callable, bound: dict):
     self.module, self.name, self.original = module, name, original
     self.args = bound
+    self.op_seed = None
 
   def dtype(self) -> tf.DType:
     for key in ('dtype', 'Tout'):

@@ -197,7 +197,7 @@ def _stage(found: rd.RowDependence, inputs: list, joined: bool
           list(sources.values()))
 
 
-_PERMUTATIONS = frozenset(('ReverseV2', 'RandomShuffle', 'Roll'))
+_PERMUTATIONS = frozenset(('ReverseV2', 'RandomShuffle', 'StatelessShuffle', 'Roll'))
 _PRODUCTS = {'MatMul': 'transpose_a', 'BatchMatMul': 'adj_x', 'BatchMatMulV2': 'adj_x',
              'BatchMatMulV3': 'adj_x'}
 _ARITHMETIC = frozenset(('Add', 'AddV2', 'Sub', 'Mul', 'RealDiv', 'Div', 'DivNoNan', 'MulNoNan',

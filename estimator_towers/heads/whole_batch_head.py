@@ -69,6 +69,7 @@ import numpy as np
 import tensorflow as tf
 
 from estimator_towers.base import interception
+from estimator_towers.draws import keyed
 from estimator_towers.rows import row_dependence as rd
 from estimator_towers.sync_points import join as sync_points
 
@@ -212,6 +213,8 @@ def static_size(head: list, found: rd.RowDependence, frontier: list) -> str | No
   if not rows:
     return None
   for op in head:
+    if keyed.built_by_draws(op):   # a keyed draw's own arithmetic (groups, offsets)
+      continue
     if op.type in rd.ARITHMETIC and any(
         found.kind(t) is not None and found.kind(t).tag in (rd.SIZE, rd.SHAPE)
         for t in op.inputs):
@@ -264,6 +267,8 @@ def _shaped_by_size(head: list, found: rd.RowDependence, frontier: list) -> str 
   """
   rows = _static_rows(head, found, frontier)
   for op in head if rows else ():
+    if keyed.built_by_draws(op):
+      continue
     for t in op.inputs:
       if found.kind(t) is None:
         const = _constant_with(t, found, lambda c: any(d in rows for d in c.shape.as_list()))
@@ -300,13 +305,14 @@ _SHAPE_READS = frozenset(('Shape', 'ShapeN', 'Size', 'Rank'))
 def _constant_with(t: tf.Tensor, found: rd.RowDependence, holds: Callable,
                    limit: int = 200) -> tf.Tensor | None:
   """A constant `t` is computed from for which `holds(constant)`, not through a
-  variable, a shape read or a tensor of the shard (those the head reads as the
-  whole batch's)."""
+  variable, a shape read, a tensor of the shard (those the head reads as the
+  whole batch's) or a keyed draw (its constants are Philox's groups)."""
   pending, seen = [t], set()
   while pending and len(seen) < limit:
     x = pending.pop()
     if (x.op.name in seen or x.op.type in _VARIABLE_READS or x.op.type in _SHAPE_READS
-        or found.kind(x) is not None or interception.is_folded_rank(x)):
+        or found.kind(x) is not None or interception.is_folded_rank(x)
+        or keyed.built_by_draws(x.op)):
       continue
     seen.add(x.op.name)
     if x.op.type == 'Const':

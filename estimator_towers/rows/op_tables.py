@@ -24,7 +24,7 @@ ARITHMETIC = frozenset((
     'LogicalAnd', 'LogicalOr', 'LogicalNot'))
 # Ops applied elementwise (with broadcasting) or within each row.
 ELEMENTWISE = ARITHMETIC | frozenset((
-    'PreventGradient', 'CheckNumerics', 'EnsureShape', 'Snapshot', 'Bitcast', 'FloorDiv',
+    'PreventGradient', 'OptionalFromValue', 'CheckNumerics', 'EnsureShape', 'Snapshot', 'Bitcast', 'FloorDiv',
     'FloorMod', 'Mod', 'TruncateDiv', 'Expm1', 'Sign', 'Softsign', 'Rint', 'Relu6', 'Elu',
     'Selu', 'LeakyRelu', 'Gelu', 'IsNan', 'IsInf', 'IsFinite', 'Erf', 'Erfc', 'Sin', 'Cos',
     'Atan2', 'Xlogy', 'Xdivy', 'Sinh', 'Cosh', 'Atan', 'Asin', 'Acos', 'Tan', 'Lgamma',

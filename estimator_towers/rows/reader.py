@@ -21,6 +21,7 @@ the transposes that made them columns) are the frontier, each once.
 from __future__ import annotations
 
 from typing import Callable, Sequence
+import weakref
 
 import tensorflow as tf
 
@@ -56,10 +57,25 @@ _POSITION_OPS = SHAPES | frozenset((
     'Reshape', 'Squeeze', 'StridedSlice', 'GatherV2', 'Gather', 'GatherNd', 'ScatterNd'))
 
 
+# graph -> {tensor name: Kind}: tensors of a kind whatever computes them (keyed random draws).
+_declared_kinds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def declare_kind(tensor: tf.Tensor, kind: Kind) -> None:
+  """`tensor` is of `kind` whatever computes it: every read takes it so (`draws.keyed`)."""
+  _declared_kinds.setdefault(tensor.graph, {})[tensor.name] = kind
+
+
+def declared_kinds(graph: tf.Graph) -> dict:
+  """The kinds `declare_kind` gave tensors of `graph`, by name."""
+  return dict(_declared_kinds.get(graph, {}))
+
+
 def read(targets: Sequence[tf.Tensor], input_kinds: dict, examples: int | None,
          declared: Callable[[tf.Tensor], bool]) -> Reader:
   """The reader after visiting, in graph order, the ops between the inputs and `targets`."""
   declared_stats = {}
+  input_kinds = {**declared_kinds(targets[0].graph), **input_kinds}
 
   def stop(t: tf.Tensor) -> bool:
     if t.name in input_kinds:

@@ -105,7 +105,7 @@ from estimator_towers.rows.kinds import (COLS, FLAT, INDICES, LIFTED, LIFTED_SHA
                                          UNIQUE, Kind, Mixing, RowDependence, flat_kind,
                                          same_for_each)
 from estimator_towers.rows.op_tables import ARITHMETIC, ASSIGNS
-from estimator_towers.rows.reader import Reader, extend, read
+from estimator_towers.rows.reader import Reader, declare_kind, declared_kinds, extend, read
 
 # The names the other stages read as `row_dependence.<name>` (the kinds and the op table
 # re-exported from `kinds` and `op_tables`).
@@ -115,7 +115,6 @@ __all__ = ['ARITHMETIC', 'COLS', 'FLAT', 'INDICES', 'LIFTED', 'LIFTED_SHAPE', 'M
            'declared_kind', 'einsum_subscripts', 'flat_kind', 'GrowingRead', 'same_for_each', 'in_eval_spec']
 
 _cut_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {tensor name}
-_declared_kinds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {name: Kind}
 
 
 def add_rows(tensors: Sequence[tf.Tensor]) -> None:
@@ -128,37 +127,39 @@ def add_rows(tensors: Sequence[tf.Tensor]) -> None:
     _cut_rows.setdefault(t.graph, set()).add(t.name)
 
 
-def declare_kind(tensor: tf.Tensor, kind: Kind) -> None:
-  """`tensor` is of `kind` whatever computes it (a keyed draw of rows: `draws.keyed`)."""
-  _declared_kinds.setdefault(tensor.graph, {})[tensor.name] = kind
-
-
 def declared_kind(tensor: tf.Tensor) -> Kind | None:
   """The kind `declare_kind` gave `tensor`, if any."""
-  return _declared_kinds.get(tensor.graph, {}).get(tensor.name)
+  return declared_kinds(tensor.graph).get(tensor.name)
 
 
 class GrowingRead:
   """The kinds of a graph still being built (a model_fn's), read as they are asked for.
 
-  `inputs`: the shard's tensors (each rows). A tensor's kind depends only on
-  what computes it, so what was read stays read as the graph grows.
+  `inputs`: the shard's tensors (each rows); `kinds`: more tensors of known
+  kinds. A tensor's kind depends only on what computes it, so what was read
+  stays read as the graph grows.
   """
 
-  def __init__(self, inputs: Sequence[tf.Tensor]):
+  def __init__(self, inputs: Sequence[tf.Tensor], kinds: dict | None = None):
     self.inputs = [t for t in inputs if isinstance(t, tf.Tensor)]
     self._reader = Reader(None, lambda t: False)
     self._reader.kinds.update(input_kinds(self.inputs) if self.inputs else {})
+    self._reader.kinds.update(kinds or {})
+
+  def add(self, tensor: tf.Tensor, kind: Kind | None) -> None:
+    """`tensor` (an input of a graph inside another: a captured value) is of `kind`."""
+    if kind is not None and tensor.name not in self._reader.kinds:
+      self._reader.kinds[tensor.name] = kind
 
   def kind(self, tensor: tf.Tensor) -> Kind | None:
     """`tensor`'s kind (None: it does not depend on the shard's inputs)."""
-    if not self.inputs:
+    if not self._reader.kinds:
       return None
     extend(self._reader, [tensor])
     return self._reader.kind(tensor)
 
   def declare(self, tensor: tf.Tensor, kind: Kind) -> None:
-    """`tensor` is of `kind` whatever computes it, here and for `classify`."""
+    """`tensor` is of `kind` whatever computes it, here and in every later read."""
     declare_kind(tensor, kind)
     self._reader.kinds[tensor.name] = kind
 
@@ -184,7 +185,6 @@ def classify(targets: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],
     return RowDependence({}, [], [])
   kinds = input_kinds(inputs)
   kinds.update((name, ROWS_KIND) for name in _cut_rows.get(targets[0].graph, ()))
-  kinds.update(_declared_kinds.get(targets[0].graph, {}))
   reader = read(targets, kinds, _static_examples(inputs), declared)
   for t in targets:
     if reader.kind(t) is not None and reader.kind(t).tag == UNIQUE:
