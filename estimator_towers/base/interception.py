@@ -33,22 +33,15 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
   hook to replace batch statistics with global ones, so both are wrapped while
   the towers of a TRAIN graph are built with sync on, and only then.
 - Keras batch-norm layers' moving-average updates (`add_update` of
-  `BatchNormalizationBase`, Keras' private module): the towers after the
-  first one build their model_fn only for its forward and backward pass, and
-  their updates are dropped (the moving averages follow tower 0). Building
-  them anyway cost some 14 graph ops and Keras' update bookkeeping per batch
-  norm and tower (about a tenth of building a ResNet tower), so they are not
-  built there.
+  `BatchNormalizationBase`, Keras' private module): not built in the towers
+  after the first (their updates are dropped; building them cost about a
+  tenth of building a ResNet tower).
 - Shape reads kept in the graph. `tf.shape`, `tf.size`, `tf.zeros_like` and
-  `tf.ones_like` of a tensor whose shape is static give a constant of the
-  graph (`array_ops.shape_internal`, `size_internal`, `array_like_impl` with
-  `optimize=True`); while a tower is built they give the Shape, Size,
-  ZerosLike or OnesLike op instead (`optimize=False`, the path of a shape known
-  only at run time), so that a head on the whole batch reads the whole
-  batch's size where tower 0 read its shard's (`rows`, `heads`). Static
-  shape inference is unchanged, and the values are the same. `tf.rank`
-  (`rank_internal`) stays a constant, recorded as a rank's. The library's
-  own ops, built while a gradient request is answered, fold as ever.
+  `tf.ones_like` of a static shape fold to a constant (`array_ops`'
+  `shape_internal`, `size_internal`, `array_like_impl`, `optimize=True`);
+  while a tower is built they give their op instead (`optimize=False`), so
+  that a head on the whole batch reads the whole batch's size (`rows`,
+  `heads`). `tf.rank` (`rank_internal`) stays a constant, recorded as one.
 - The loss reduction. `tf.compat.v1.losses` and Keras' loss utilities record
   the reduction of the last loss they built on the graph
   (`Graph._last_loss_reduction`), which is how TensorFlow's own distribution
@@ -57,13 +50,10 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
   a batch statistic of a tower built early takes the later towers' shard
   statistics, which do not exist yet when it is built.
 - A control input added to an op that already exists
-  (`Operation._add_control_inputs`), and telling whether an op is inside v1
-  control flow (a control edge cannot cross into a v1 cond or loop).
-  TensorFlow has no public way to add an edge afterwards: a micro-batch's
-  input gates are made when the batch is split, before the previous
-  micro-batch's backward pass they must wait for exists; `ordering` makes a
-  read of a variable run before the updates created after it in a model_fn
-  that trains without gradients (k-means).
+  (`Operation._add_control_inputs`; not into v1 control flow): a
+  micro-batch's input gates wait for a backward pass built later; `ordering`
+  puts a variable's reads before its later updates (k-means); a write of
+  the global step waits for the step's keyed draws.
 - The branches of a functional `tf.cond` (`Graph._get_function`), which
   `row_dependence` reads like the rest of the graph.
 - The gradient of a `tf.function` call in a graph, kept on the Python op
@@ -72,14 +62,10 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
 - A fresh variable store (`variable_scope`'s store and scope-name counters):
   a tower after the first asks `get_variable` and `tf.compat.v1.layers` for
   exactly the names tower 0 asked for (`sharing`).
-- Random ops (`gen_random_ops`, `gen_stateless_random_ops`,
-  `gen_stateless_random_ops_v2`, `gen_stateful_random_ops`,
-  `gen_candidate_sampling_ops`): every random draw a model_fn makes
-  (`tf.random.*`, `tf.nn.dropout`, Keras' and `tf.image`'s random layers
-  and ops) reaches TensorFlow through these generated functions; there is no
-  public hook to draw them keyed by the example instead (`draws.keyed`), so
-  they are wrapped while a model_fn is built with keyed draws on, and only
-  then.
+- Random ops: every random draw a model_fn makes reaches TensorFlow through
+  the generated `gen_*random_ops` and `gen_candidate_sampling_ops`
+  functions; they are wrapped while a model_fn is built with keyed draws on
+  (`draws.keyed`), and only then.
 - Graph-mode building blocks with no public TF2 counterpart: the argument
   names Estimator reads off a model_fn or input_fn (`fn_args`), the v1
   collective all-reduce with explicit group and instance keys (`all_reduce`)
@@ -181,24 +167,65 @@ def batch_norm_calls(fused: Callable, moments: Callable) -> Iterator[None]:
     gen_nn_ops.fused_batch_norm_v3, nn_impl.moments, v1_nn.moments = saved
 
 
+class _SharedPatch:
+  """Attributes replaced while any thread holds the patch (counted, one lock), then restored.
+
+  `targets()` gives (owner, name, make) triples: `owner.name` becomes
+  `make(original)`. Each user thread says by its own thread-local state
+  whether the replacement acts for it; the patch itself is shared.
+  """
+
+  def __init__(self, targets: Callable[[], list]):
+    self._targets, self._users, self._saved = targets, 0, []
+    self._lock = threading.Lock()
+
+  @contextlib.contextmanager
+  def held(self) -> Iterator[None]:
+    with self._lock:
+      if self._users == 0:
+        for owner, name, make in self._targets():
+          original = getattr(owner, name)
+          self._saved.append((owner, name, original, name in vars(owner)))
+          setattr(owner, name, make(original))
+      self._users += 1
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._users -= 1
+        if self._users == 0:
+          for owner, name, original, own in reversed(self._saved):
+            if own:
+              setattr(owner, name, original)
+            else:
+              delattr(owner, name)   # an inherited method again
+          self._saved.clear()
+
+
 _KERAS_BATCH_NORM = 'keras.src.layers.normalization.batch_normalization'
 
 
-# Which threads skip batch-norm updates (depth of nesting), and the one patch
-# of Keras' add_update shared by them (installed while any thread skips).
+# Which threads skip batch-norm updates (depth of nesting); the Keras class patched.
 _skipping = threading.local()
-_skip_patch = {'users': 0, 'base': None, 'own': None}
-_skip_lock = threading.Lock()
+_skip_base: dict = {}
 
 
-def _skipping_add_update(layer, *args, **kwargs):
+def _skipping_add_update(own: Callable | None) -> Callable:
   """Keras' `Layer.add_update`, which adds nothing in a thread that skips updates."""
-  if getattr(_skipping, 'depth', 0):
-    return None  # its callables are not called
-  own = _skip_patch['own']
-  if own is not None:
-    return own(layer, *args, **kwargs)
-  return super(_skip_patch['base'], layer).add_update(*args, **kwargs)
+  base = _skip_base['class']
+
+  def add_update(layer, *args, **kwargs):
+    if getattr(_skipping, 'depth', 0):
+      return None  # its callables are not called
+    if own is not None:
+      return own(layer, *args, **kwargs)
+    return super(base, layer).add_update(*args, **kwargs)
+  return add_update
+
+
+_skip_patch = _SharedPatch(lambda: [(_skip_base['class'], 'add_update', lambda original:
+                                     _skipping_add_update(vars(_skip_base['class']).get(
+                                         'add_update')))])
 
 
 @contextlib.contextmanager
@@ -217,31 +244,18 @@ def batch_norm_updates_skipped() -> Iterator[None]:
   if base is None:
     yield
     return
-  with _skip_lock:
-    if _skip_patch['users'] == 0:
-      _skip_patch.update(base=base, own=base.__dict__.get('add_update'))
-      base.add_update = _skipping_add_update
-    _skip_patch['users'] += 1
+  _skip_base.setdefault('class', base)
   depth = getattr(_skipping, 'depth', 0)
-  _skipping.depth = depth + 1
-  try:
-    yield
-  finally:
-    _skipping.depth = depth
-    with _skip_lock:
-      _skip_patch['users'] -= 1
-      if _skip_patch['users'] == 0:
-        if _skip_patch['own'] is None:
-          del base.add_update
-        else:
-          base.add_update = _skip_patch['own']
-        # base and own stay: a call that looked the patch up just before stays valid.
+  with _skip_patch.held():
+    _skipping.depth = depth + 1
+    try:
+      yield
+    finally:
+      _skipping.depth = depth
 
 
 # The shape reads' patch: installed while any thread builds a tower, active in those threads.
 _unfolding = threading.local()
-_unfold_patch = {'users': 0, 'saved': None}
-_unfold_lock = threading.Lock()
 
 
 def _unfolded(original: Callable, position: int) -> Callable:
@@ -272,6 +286,13 @@ def _rank_recorded(original: Callable) -> Callable:
   return call
 
 
+_unfold_patch = _SharedPatch(lambda: [
+    (array_ops, 'shape_internal', lambda f: _unfolded(f, 2)),
+    (array_ops, 'size_internal', lambda f: _unfolded(f, 2)),
+    (array_ops, 'array_like_impl', lambda f: _unfolded(f, 5)),
+    (array_ops, 'rank_internal', _rank_recorded)])
+
+
 def is_folded_rank(tensor: tf.Tensor) -> bool:
   """Whether `tensor` is a `tf.rank` folded into a constant while a tower was built."""
   return tensor.op.name in _folded_ranks.get(tensor.graph, ())
@@ -289,27 +310,13 @@ def shape_reads_kept() -> Iterator[None]:
   rank does not depend on the batch), recorded as one (`is_folded_rank`).
   Other threads are unaffected.
   """
-  with _unfold_lock:
-    if _unfold_patch['users'] == 0:
-      saved = (array_ops.shape_internal, array_ops.size_internal, array_ops.array_like_impl,
-               array_ops.rank_internal)
-      _unfold_patch['saved'] = saved
-      array_ops.shape_internal = _unfolded(saved[0], 2)
-      array_ops.size_internal = _unfolded(saved[1], 2)
-      array_ops.array_like_impl = _unfolded(saved[2], 5)
-      array_ops.rank_internal = _rank_recorded(saved[3])
-    _unfold_patch['users'] += 1
   depth = getattr(_unfolding, 'depth', 0)
-  _unfolding.depth = depth + 1
-  try:
-    yield
-  finally:
-    _unfolding.depth = depth
-    with _unfold_lock:
-      _unfold_patch['users'] -= 1
-      if _unfold_patch['users'] == 0:
-        (array_ops.shape_internal, array_ops.size_internal, array_ops.array_like_impl,
-         array_ops.rank_internal) = _unfold_patch['saved']
+  with _unfold_patch.held():
+    _unfolding.depth = depth + 1
+    try:
+      yield
+    finally:
+      _unfolding.depth = depth
 
 
 @contextlib.contextmanager
@@ -412,15 +419,7 @@ RANDOM_MODULES = {
     'random': gen_random_ops, 'stateless': gen_stateless_random_ops,
     'stateless_v2': gen_stateless_random_ops_v2, 'stateful': gen_stateful_random_ops,
     'candidate_sampling': gen_candidate_sampling_ops}
-_random_lock = threading.Lock()
-_random_patch: dict = {'users': 0, 'saved': {}}
 _random_handlers = threading.local()
-
-
-def _random_functions(module) -> list:
-  return [name for name in dir(module)
-          if name.islower() and not name.startswith('_') and callable(getattr(module, name))
-          and name not in ('deprecated_endpoints', 'tf_export') and 'eager' not in name]
 
 
 def _random_call(module_name: str, name: str, original: Callable) -> Callable:
@@ -445,14 +444,20 @@ def _seed_recorded(original: Callable) -> Callable:
 
 
 def given_op_seed() -> Any:
-  """The op seed the model_fn gave the random op being handled (None: none given).
+  """The op seed the model_fn gave the random op being handled (None: none), read once.
 
-  `random_seed.get_seed(op_seed)`, which every random op's Python function
-  calls just before its generated one, is recorded while `random_op_calls`
-  is active; `given_op_seed` reads it once.
+  Every random op's Python function calls `random_seed.get_seed(op_seed)` just before.
   """
   seed, _random_handlers.op_seed = getattr(_random_handlers, 'op_seed', None), None
   return seed
+
+
+_random_patch = _SharedPatch(lambda: [
+    (module, name, lambda f, m=module_name, n=name: _random_call(m, n, f))
+    for module_name, module in RANDOM_MODULES.items() for name in dir(module)
+    if name.islower() and not name.startswith('_') and callable(getattr(module, name))
+    and name not in ('deprecated_endpoints', 'tf_export') and 'eager' not in name
+] + [(random_seed, 'get_seed', _seed_recorded)])
 
 
 @contextlib.contextmanager
@@ -466,53 +471,18 @@ def random_op_calls(handler: Callable) -> Iterator[None]:
   stack: the innermost handler of the thread is called, and while it runs,
   its own calls go to TensorFlow. Other threads are unaffected.
   """
-  with _random_lock:
-    if _random_patch['users'] == 0:
-      for module_name, module in RANDOM_MODULES.items():
-        for name in _random_functions(module):
-          original = getattr(module, name)
-          _random_patch['saved'][(module_name, name)] = original
-          setattr(module, name, _random_call(module_name, name, original))
-      _random_patch['get_seed'] = random_seed.get_seed
-      random_seed.get_seed = _seed_recorded(random_seed.get_seed)
-    _random_patch['users'] += 1
   if not hasattr(_random_handlers, 'stack'):
     _random_handlers.stack = []
-  _random_handlers.stack.append(handler)
-  try:
-    yield
-  finally:
-    _random_handlers.stack.pop()
-    with _random_lock:
-      _random_patch['users'] -= 1
-      if _random_patch['users'] == 0:
-        for (module_name, name), original in _random_patch['saved'].items():
-          setattr(RANDOM_MODULES[module_name], name, original)
-        _random_patch['saved'].clear()
-        random_seed.get_seed = _random_patch.pop('get_seed')
-
-
-def random_op_calls_paused() -> contextlib.AbstractContextManager:
-  """While active, this thread's random ops are TensorFlow's own (a library op's, not the model_fn's)."""
-  @contextlib.contextmanager
-  def paused():
-    stack = getattr(_random_handlers, 'stack', None)
-    saved = list(stack) if stack else []
-    if stack:
-      stack.clear()
+  with _random_patch.held():
+    _random_handlers.stack.append(handler)
     try:
       yield
     finally:
-      if stack is not None:
-        stack[:] = saved
-  return paused()
+      _random_handlers.stack.pop()
 
 
 def cond_branch(graph: tf.Graph) -> tuple[tf.Graph, list] | None:
-  """For a `tf.cond` branch's graph: (the graph it is in, [(outer, inner) captured tensors]).
-
-  None for any other graph (a while loop's body, a `tf.function`, a graph).
-  """
+  """A `tf.cond` branch's graph: (the graph it is in, [(outer, inner) captures]); else None."""
   if not isinstance(graph, control_flow_v2_func_graphs.CondBranchFuncGraph):
     return None
   return graph.outer_graph, list(graph.captures)

@@ -178,8 +178,13 @@ def _step_read(graph: tf.Graph) -> tf.Tensor:
 
 def _initialised_as_ever(next_creator: Callable, **kwargs) -> Any:
   """A variable's initial value draws as TensorFlow does (once, by tower 0: not per shard)."""
-  with interception.random_op_calls_paused():
+  with interception.random_op_calls(_as_tensorflow_draws):
     return next_creator(**kwargs)
+
+
+def _as_tensorflow_draws(module: str, name: str, original: Callable, args: tuple, kwargs: dict):
+  del module, name
+  return original(*args, **kwargs)
 
 
 def _mix(*parts) -> int:
