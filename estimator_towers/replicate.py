@@ -96,8 +96,8 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   naming the op (an error with loss_reduction='exact'); declare a statistic
   it does not recognise with `loss_denominator(d)`. The other towers are
   made at that moment and stopped at their own request, so they have their
-  forward pass only: copied from tower 0's ops (with their own shard, device
-  and random seeds) where that is what building them would give, else built
+  forward pass only: copied from tower 0's ops (with their own shard and
+  device) where that is what building them would give, else built
   by running the model_fn again. What the model_fn
   then does (clipping, loss scaling, its optimizer's apply_gradients, a
   manual global_step update) runs once. Gradients with respect to anything
@@ -124,7 +124,14 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   the variable sits on a parameter server. Features from
   `staged_input_fn(input_fn, plan)` are read from per-device staging areas.
   The devices the towers get are logged once per graph. With one device
-  (and micro_batches=1) the model_fn runs as it is, under that device.
+  (and micro_batches=1) the model_fn runs as it is, under that device, its
+  random draws keyed as on any other topology.
+
+  On random draws (`random_draws='keyed'`): every random op (dropout, noise,
+  tf.image's, categorical) draws each example's values by the example's
+  position in the global batch and the global step, so the model_fn
+  decorated for one device is the reference on any topology, and a resumed
+  run draws what an uninterrupted one does.
 
   On micro-batches (`micro_batches=k`): each device's shard is split again,
   by the same rule, into k micro-batches, and the model_fn is built once per

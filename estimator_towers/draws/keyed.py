@@ -74,6 +74,11 @@ _UNKEYABLE = {'random_poisson': 'Poisson', 'random_poisson_v2': 'Poisson',
               'parameterized_truncated_normal': 'parameterised truncated normal',
               'stateless_random_poisson': 'Poisson', 'stateless_random_binomial': 'binomial',
               'stateless_parameterized_truncated_normal': 'parameterised truncated normal'}
+# Every draw this module keys (or refuses); any other generated function (a key and counter,
+# the algorithm, a gamma draw's gradient, a user's keyed shuffle) is TensorFlow's as ever.
+_DRAWS = frozenset(_STATEFUL) | frozenset(_SEEDED) | frozenset(_KEYED) | frozenset(_UNKEYABLE) | {
+    'multinomial', 'stateless_multinomial', 'random_gamma', 'stateless_random_gamma_v2',
+    'stateless_random_gamma_v3', 'random_shuffle'}
 _GLOBAL_STEP_WRITES = ('AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp',
                        'Assign', 'AssignAdd', 'AssignSub')
 
@@ -206,9 +211,7 @@ class _Build:
 
   def handle(self, module: str, name: str, original: Callable, args: tuple, kwargs: dict):
     graph = tf.compat.v1.get_default_graph()
-    if module == 'stateless_v2' and name not in _KEYED and name != 'stateless_random_gamma_v3':
-      return original(*args, **kwargs)   # key and counter, the algorithm, a shuffle
-    if module == 'candidate_sampling' and not name.endswith('_candidate_sampler'):
+    if not (name in _DRAWS or module == 'stateful' or name.endswith('_candidate_sampler')):
       return original(*args, **kwargs)
     what = f'the random op {name} ({kwargs.get("name") or "unnamed"})'
     if self._reader_of(graph) is None:
