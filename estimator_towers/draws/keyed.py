@@ -22,9 +22,12 @@ run stopped and resumed draws what an uninterrupted run draws. The values
 differ from the undecorated model_fn's own stateful stream (the same
 distribution); a stateless op of batch rows on axis 0 gives its own values.
 Categorical draws are the Gumbel-max of keyed uniforms; a shuffle is
-`StatelessShuffle`; a candidate sampler (sampled softmax) keeps its stateful
-op, seeded the same on every tower (the same candidates each step; a warning
-says that its stream restarts with a session).
+`StatelessShuffle` (passing no gradient, as `RandomShuffle`); a candidate
+sampler (sampled softmax) keeps its stateful op, seeded the same on every
+tower (the same candidates each step; a warning says that its stream
+restarts with a session). Under a graph-level seed an unseeded op's key
+leaves out the op seed the graph's counter gave it (which differs with the
+tower); an op seed the model_fn gives is kept, whatever its value.
 
 What cannot be keyed is refused at graph construction, naming the op and the
 fix: a random op inside a function body or while loop, a
@@ -133,7 +136,7 @@ class KeyedDraws:
       context, _ = tower_context.peek()
       build = _Build(self, features, labels, self.position(context.index))
       with interception.random_op_calls(build.handle), interception.shape_reads_kept(), \
-          tf.compat.v1.variable_creator_scope(_initialised_as_ever):
+          tf.compat.v1.variable_creator_scope(build.initialised_as_ever):
         spec = run(features, labels, mode)
       self.order_step_writes()
       return spec
@@ -169,12 +172,6 @@ def _step_read(graph: tf.Graph) -> tf.Tensor:
     return tf.identity(value, name='step')
 
 
-def _initialised_as_ever(next_creator: Callable, **kwargs) -> Any:
-  """A variable's initial value draws as TensorFlow does (once, by tower 0: not per shard)."""
-  with interception.random_op_calls_paused():
-    return next_creator(**kwargs)
-
-
 def _mix(*parts) -> int:
   digest = hashlib.sha256(repr(parts).encode()).digest()
   return int.from_bytes(digest[:8], 'little') & (2**63 - 1)
@@ -188,7 +185,16 @@ class _Build:
     self.position = position
     self.rows = rd.GrowingRead(tf.nest.flatten((features, labels), expand_composites=True))
     self.ordinal = 0
-    self.first_seed = interception.op_seed_count(draws.graph)
+    # The graph's op seed counter as of the last random op (or variable): what it gives next
+    # is the next unseeded op's seed2, which differs with the tower and is not the op's own.
+    self.seeds_given = interception.op_seed_count(draws.graph)
+
+  def initialised_as_ever(self, next_creator: Callable, **kwargs) -> Any:
+    """A variable's initial value draws as TensorFlow does (once, by tower 0: not per shard)."""
+    with interception.random_op_calls_paused():
+      variable = next_creator(**kwargs)
+    self.seeds_given = interception.op_seed_count(self.draws.graph)   # its initializer's
+    return variable
 
   # -- The call ----------------------------------------------------------------
 
@@ -209,6 +215,7 @@ class _Build:
                           'tf.random.normal (or their stateless forms)')
     self.ordinal += 1
     call = _Call(module, name, original, _arguments(original, args, kwargs))
+    call.counted = self._counted(call)
     if module == 'candidate_sampling':
       return self._sampler(call)
     if name in _UNKEYABLE:
@@ -216,9 +223,9 @@ class _Build:
     key, counter = self._key_counter(call)
     if name in ('multinomial', 'stateless_multinomial'):
       return self._categorical(call, key, counter)
-    if name in ('random_shuffle',):
-      return interception.RANDOM_MODULES['stateless_v2'].stateless_shuffle(
-          call.args['value'], key, counter, _PHILOX, name=call.args.get('name'))
+    if name in ('random_shuffle',):   # no gradient, as RandomShuffle (StatelessShuffle has none)
+      return tf.stop_gradient(interception.RANDOM_MODULES['stateless_v2'].stateless_shuffle(
+          call.args['value'], key, counter, _PHILOX, name=call.args.get('name')))
     kind = _STATEFUL.get(name) or _SEEDED.get(name) or _KEYED.get(name) or 'gamma'
     trails = kind == 'gamma' and call.module == 'random'   # RandomGamma: shape + alpha's shape
     if trails and self._kind(call.args['alpha']) is not None:
@@ -242,10 +249,21 @@ class _Build:
   def _op_key(self, call: '_Call') -> int:
     """The op's own part of the key: graph seed, the model_fn's op seed, its place."""
     seed, seed2 = int(call.args.get('seed') or 0), int(call.args.get('seed2') or 0)
-    counted = range(self.first_seed, interception.op_seed_count(self.draws.graph))
-    if self.draws.graph.seed is not None and seed2 in counted:
+    if call.counted:
       seed2 = -1   # the graph's op seed counter's, which differs with the tower: not the op's
     return _mix(seed, seed2, self.ordinal)
+
+  def _counted(self, call: '_Call') -> bool:
+    """Whether the op's seed2 is the one the graph-level seed's counter just gave it.
+
+    An unseeded op's `get_seed` takes the counter's next value right before
+    the op is made; an op seed the model_fn gives takes none, and is the op's
+    own even where it equals a value the counter gave an earlier op.
+    """
+    count = interception.op_seed_count(self.draws.graph)
+    given = count > self.seeds_given and call.args.get('seed2') == count - 1
+    self.seeds_given = count
+    return self.draws.graph.seed is not None and given
 
   def _kind(self, t: Any) -> rd.Kind | None:
     return self.rows.kind(t) if isinstance(t, tf.Tensor) else None
@@ -307,7 +325,7 @@ class _Build:
     samples = tf.cast(call.args['num_samples'], tf.int32)
     shape = tf.concat([tf.shape(logits)[:1], tf.reshape(samples, [1]), tf.shape(logits)[1:]], 0)
     u = self.keyed('uniform', shape, tf.float64, key, counter, 'a categorical draw')
-    tiny = float(tf.float64.tiny)
+    tiny = 2.0 ** -1022   # float64's smallest normal number (DType has no .tiny)
     gumbel = -tf.math.log(-tf.math.log(tiny + (1.0 - tiny) * u))
     scores = tf.cast(tf.expand_dims(logits, 1), tf.float64) + gumbel
     out = call.args.get('output_dtype', tf.int64)
