@@ -22,9 +22,12 @@ run stopped and resumed draws what an uninterrupted run draws. The values
 differ from the undecorated model_fn's own stateful stream (the same
 distribution); a stateless op of batch rows on axis 0 gives its own values.
 Categorical draws are the Gumbel-max of keyed uniforms; a shuffle is
-`StatelessShuffle`; a candidate sampler (sampled softmax) keeps its stateful
-op, seeded the same on every tower (the same candidates each step; a warning
-says that its stream restarts with a session).
+`StatelessShuffle` (passing no gradient, as `RandomShuffle`); a candidate
+sampler (sampled softmax) keeps its stateful op, seeded the same on every
+tower (the same candidates each step; a warning says that its stream
+restarts with a session). Under a graph-level seed an unseeded op's key
+leaves out the op seed the graph's counter gave it (which differs with the
+tower); an op seed the model_fn gives is kept, whatever its value.
 
 What cannot be keyed is refused at graph construction, naming the op and the
 fix: a random op inside a function body or while loop, a
@@ -239,9 +242,9 @@ class _Build:
     key, counter = self._key_counter(call)
     if name in ('multinomial', 'stateless_multinomial'):
       return self._categorical(call, key, counter)
-    if name in ('random_shuffle',):
-      return interception.RANDOM_MODULES['stateless_v2'].stateless_shuffle(
-          call.args['value'], key, counter, _PHILOX, name=call.args.get('name'))
+    if name in ('random_shuffle',):   # no gradient, as RandomShuffle (StatelessShuffle has none)
+      return tf.stop_gradient(interception.RANDOM_MODULES['stateless_v2'].stateless_shuffle(
+          call.args['value'], key, counter, _PHILOX, name=call.args.get('name')))
     kind = _STATEFUL.get(name) or _SEEDED.get(name) or _KEYED.get(name) or 'gamma'
     trails = kind == 'gamma' and call.module == 'random'   # RandomGamma: shape + alpha's shape
     if trails and self._kind(call.args['alpha']) is not None:
@@ -345,7 +348,7 @@ class _Build:
     samples = tf.cast(call.args['num_samples'], tf.int32)
     shape = tf.concat([tf.shape(logits)[:1], tf.reshape(samples, [1]), tf.shape(logits)[1:]], 0)
     u = self.keyed('uniform', shape, tf.float64, key, counter, 'a categorical draw')
-    tiny = float(tf.float64.tiny)
+    tiny = 2.0 ** -1022   # float64's smallest normal number (DType has no .tiny)
     gumbel = -tf.math.log(-tf.math.log(tiny + (1.0 - tiny) * u))
     scores = tf.cast(tf.expand_dims(logits, 1), tf.float64) + gumbel
     out = call.args.get('output_dtype', tf.int64)
