@@ -33,10 +33,6 @@ reference. Each layout must equal it within `testlib.TOLERANCE`:
   Poisson and gamma draws of batch rows, flat rows of data-dependent counts,
   an unknown `random_draws`), one test per message.
 
-Two library bugs are marked `xfail(strict=True)` (each says where): time-major
-dropout in PREDICT, and draws before the frontier of a mixing loss in
-micro-batches (drawn again at micro-batch 0's position by the first pass).
-
 The towered side draws with `RANDOM_DRAWS`: set it to 'per_shard' (each tower
 draws on its own, the behaviour before keyed draws) to see these tests fail;
 `test_per_shard_draws_differ_from_one_device` checks that they can.
@@ -202,9 +198,6 @@ def test_a_draw_without_batch_rows_is_one_value_on_every_tower():
     testlib.assert_close(actual[name], expected[name], err_msg=name)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    'library bug: a draw whose shape has the batch on axis 1 (a transpose mixes the rows) is '
-    'drawn per tower from position 0 in PREDICT, where no whole-batch head draws it'))
 @pytest.mark.parametrize('layout', DRAW_LAYOUTS)
 def test_time_major_dropout_predicts_as_one_device(layout):
   """x transposed to [T, B, H], dropped out and transposed back."""
@@ -408,15 +401,7 @@ def _in_batch_softmax(layout=None):
   return _train(_in_batch_softmax_model_fn, layout, x=_embeddings_input())
 
 
-MICRO_BATCH_BUG = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    'library bug: the cached-gradient head\'s first pass copies tower 0\'s keyed draws for '
-    'micro-batch i without its position (heads/cached_gradients._FirstPass._copy)'))
-
-
-@pytest.mark.parametrize('layout', [
-    '3_towers',
-    pytest.param('1x2', marks=MICRO_BATCH_BUG),
-    pytest.param('2x2', marks=MICRO_BATCH_BUG)])
+@pytest.mark.parametrize('layout', ['3_towers', '1x2', '2x2'])
 def test_in_batch_softmax_with_dropout_before_the_embeddings_trains_as_one_device(layout):
   for actual, expected in zip(_in_batch_softmax(layout), _in_batch_softmax()):
     testlib.assert_variables_close(actual, expected)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import weakref
 from typing import Any, Callable, Sequence
 
 import tensorflow as tf
@@ -54,7 +55,7 @@ from estimator_towers.inputs import sharding
 from estimator_towers.rows import row_dependence as rd
 from estimator_towers.towers import tower_context
 
-__all__ = ['KeyedDraws', 'built_by_draws', 'refusal']
+__all__ = ['KeyedDraws', 'built_by_draws', 'positions_for', 'refusal']
 
 SCOPE = 'keyed_draw'   # the name scope of the ops a keyed draw is made of
 
@@ -101,6 +102,16 @@ def refusal(op: str, why: str, fix: str) -> ValueError:
       f'result depends on the device count).')
 
 
+_of_graph: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # graph -> its KeyedDraws
+
+
+def positions_for(graph: tf.Graph, k: int) -> dict:
+  """{tower 0's position tensor's name: shard k's}: what a copy of tower 0's ops for shard k
+  reads in place of tower 0's, for its keyed draws ({} without keyed draws)."""
+  draws = _of_graph.get(graph)
+  return {} if draws is None else {draws.position(0).name: draws.position(k)}
+
+
 class KeyedDraws:
   """The keyed draws of one graph: wraps the model_fn calls that build its towers.
 
@@ -123,6 +134,7 @@ class KeyedDraws:
       for size in sizes:
         self.positions.append(total)
         total = total + tf.cast(size, tf.int64)
+    _of_graph[graph] = self
 
   @classmethod
   def of_shards(cls, graph: tf.Graph, shards: Any, across: Any = None) -> 'KeyedDraws':
@@ -146,7 +158,9 @@ class KeyedDraws:
 
     def keyed_run(features, labels, mode):
       context, _ = tower_context.peek()
-      build = _Build(self, features, labels, self.position(context.index))
+      build = _Build(self, features, labels, self.position(context.index),
+                     towered_predict=mode == tf.estimator.ModeKeys.PREDICT and len(
+                         self.positions) > 1)
       with interception.random_op_calls(build.handle), interception.shape_reads_kept(), \
           tf.compat.v1.variable_creator_scope(_initialised_as_ever):
         spec = run(features, labels, mode)
@@ -184,6 +198,20 @@ def _step_read(graph: tf.Graph) -> tf.Tensor:
     return tf.identity(value, name='step')
 
 
+def _transposed_rows(shape: tf.Tensor, kind_of: Callable) -> tuple | None:
+  """(rows, perm) where `shape` is that of `tf.transpose(rows, perm)`, the batch moved."""
+  op = shape.op
+  while op.type in ('Cast', 'Identity'):
+    op = op.inputs[0].op
+  if op.type != 'Shape' or op.inputs[0].op.type != 'Transpose':
+    return None
+  rows, perm = op.inputs[0].op.inputs
+  perm = tf.get_static_value(perm)
+  if perm is None or len(perm) < 2 or perm[0] == 0 or kind_of(rows) != rd.Kind(rd.ROWS):
+    return None
+  return rows, [int(p) for p in perm]
+
+
 def _initialised_as_ever(next_creator: Callable, **kwargs) -> Any:
   """A variable's initial value draws as TensorFlow does (once, by tower 0: not per shard)."""
   with interception.random_op_calls(_as_tensorflow_draws):
@@ -203,9 +231,11 @@ def _mix(*parts) -> int:
 class _Build:
   """One model_fn call's keyed draws: its inputs' rows, its position, its random ops in order."""
 
-  def __init__(self, draws: KeyedDraws, features: Any, labels: Any, position: tf.Tensor):
+  def __init__(self, draws: KeyedDraws, features: Any, labels: Any, position: tf.Tensor,
+               towered_predict: bool = False):
     self.draws = draws
     self.position = position
+    self.towered_predict = towered_predict   # no head on the whole batch draws a mixed shape
     self.rows = rd.GrowingRead(tf.nest.flatten((features, labels), expand_composites=True))
     self._branches: dict = {}   # a tf.cond branch's graph -> its reader
     self.ordinal = 0
@@ -304,6 +334,19 @@ class _Build:
       alpha = tf.convert_to_tensor(alpha)
       extra['alpha'] = alpha
     tail = tf.shape(alpha, out_type=tf.int64) if alpha_trails else shape[:0]
+    moved = _transposed_rows(shape, self._kind)
+    if moved is not None:   # the batch on another axis (time-major): drawn batch-first
+      rows, perm = moved
+      return tf.transpose(self.keyed(kind, tf.shape(rows), dtype, key, counter, what, alpha,
+                                     alpha_trails, **extra), perm)
+    if found is not None and self.towered_predict and found.tag not in (
+        rd.SHAPE, rd.LIFTED_SHAPE):
+      raise refusal(what, f'its shape ({shape.name}) depends on the batch in a way the library '
+                          f'cannot follow ({found.tag}), and in PREDICT each tower draws its own '
+                          f'shard, with no head on the whole batch to draw it once',
+                    'draw it with the shape of rows whose first axis is the batch '
+                    '(tf.shape(x) of such an x, then reshape or transpose the draw), or '
+                    'predict on one device')
     if found is None or found.tag not in (rd.SHAPE, rd.LIFTED_SHAPE):
       # Not the batch's (one value on every tower), or mixed: drawn on the whole batch once.
       whole = tf.concat([shape, tail], 0)

@@ -45,6 +45,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from estimator_towers.draws import keyed
 from estimator_towers.heads import chunked_head
 from estimator_towers.heads import whole_batch_head
 from estimator_towers.inputs import micro_batches
@@ -139,6 +140,7 @@ class _FirstPass:
       ordered = [tf.identity(u) for u in ungated]
     self._devices[i] = device
     self._copies[i] = {t.name: u for t, u in zip(self._inputs, ordered)}
+    self._copies[i].update(keyed.positions_for(self._inputs[0].graph, i))   # its draws' rows
     self._values[i] = {}
     self._made[device] = []
 
