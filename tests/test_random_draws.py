@@ -485,3 +485,45 @@ def test_error_an_unknown_random_draws_setting():
   with pytest.raises(ValueError, match=r"random_draws must be one of \('keyed', 'per_shard'\), "
                                        r"got 'bogus': use \"keyed\""):
     et.replicate_model_fn(_draws_model_fn, devices=['/cpu:0'], random_draws='bogus')
+
+
+def test_error_a_draw_of_a_mixed_shape_in_a_towered_predict():
+  def draw(x):
+    pairs = tf.matmul(x[:, 0, :], x[:, 0, :], transpose_b=True)   # [B, B]: mixes the rows
+    return tf.reduce_sum(tf.nn.dropout(pairs, rate=0.5), -1)
+  with pytest.raises(ValueError, match=r'cannot be: its shape \(.*\) depends on the batch in a '
+                                       r'way the library cannot follow \(mixed\), and in PREDICT '
+                                       r'each tower draws its own shard.*' + _FIX):
+    _build(draw)
+
+
+def test_error_dropout_of_a_sparse_tensors_entries():
+  """A SparseTensor's entries are flat rows whose count per example only the values decide."""
+  def model_fn(features, mode):
+    values = features['ids'].values                    # a SparseTensor's entries: flat rows
+    flat = tf.reshape(tf.tile(tf.cast(values, tf.float32)[:, None], [1, 2]), [-1, 2])
+    noise = tf.nn.dropout(tf.ones_like(flat), rate=0.5)
+    return tf.estimator.EstimatorSpec(mode, predictions={'n': tf.reduce_sum(noise) + 0.0 * tf.zeros(
+        tf.shape(features['ids'])[:1])})
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    ids = tf.sparse.from_dense(tf.constant([[1, 0], [2, 3], [0, 4]], tf.int64))
+    with pytest.raises(ValueError, match=r'cannot be: its shape is that of flat rows whose count '
+                                         r'per example only the values decide.*' + _FIX):
+      _decorated(model_fn, '3_towers')({'ids': ids}, None, ModeKeys.PREDICT, None, None)
+
+
+def test_a_candidate_sampler_warns_that_its_stream_restarts(monkeypatch):
+  warnings = testlib.logged_warnings(monkeypatch)
+
+  def model_fn(features, mode):
+    ids = tf.cast(tf.abs(features['x'][:, 0, :1]) * 10, tf.int64)
+    sampled, _, _ = tf.random.log_uniform_candidate_sampler(ids, 1, 5, True, 50)
+    return tf.estimator.EstimatorSpec(mode, predictions={
+        'ids': ids[:, 0] + 0 * tf.reduce_sum(sampled)})
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    x = tf.compat.v1.placeholder_with_default(_data()[0][:BATCH], [None, T, H])
+    _decorated(model_fn, '3_towers')({'x': x}, None, ModeKeys.PREDICT, None, None)
+  assert any('the candidate sampler log_uniform_candidate_sampler draws the same candidates on '
+             'every tower' in w and 'restarts with each session' in w for w in warnings), warnings

@@ -367,21 +367,18 @@ class _Build:
 
   def _examples(self, found: rd.Kind, shape: tf.Tensor, what: str) -> tuple:
     """(the shard's examples, rows per example) of a shape of rows or flat rows."""
-    if found.tag == rd.LIFTED_SHAPE or (found.layout == rd.FLAT and
-                                        not rd.same_for_each(found.per)):
+    rows = [t for t in self.rows.inputs if self.rows.kind(t) == rd.Kind(rd.ROWS)
+            and t.graph is shape.graph]
+    if found.tag == rd.LIFTED_SHAPE or (found.layout == rd.FLAT and not (
+        isinstance(found.per, int) or rd.same_for_each(found.per) and rows)):
       raise refusal(what, 'its shape is that of flat rows whose count per example only the '
-                          'values decide (the tokens a pad remover keeps)', 'draw it on the '
-                          'padded [batch, length, ...] tensor before the padding is removed')
+                          'values decide (the tokens a pad remover keeps, a SparseTensor\'s '
+                          'entries)', 'draw it on the padded [batch, length, ...] tensor '
+                          'before the padding is removed')
     if found.layout != rd.FLAT:
       return shape[0] // found.blocks, tf.constant(1, tf.int64)
     if isinstance(found.per, int):
       return shape[0] // (found.blocks * found.per), tf.constant(found.per, tf.int64)
-    rows = [t for t in self.rows.inputs if self.rows.kind(t) == rd.Kind(rd.ROWS)]
-    rows = [t for t in rows if t.graph is shape.graph]
-    if not rows:
-      raise refusal(what, 'its shape is that of flat rows, and the shard has no dense input '
-                          'that says how many examples it holds', 'draw it on the '
-                          '[batch, length, ...] tensor before it is flattened')
     examples = tf.shape(rows[0], out_type=tf.int64)[0]
     return examples, shape[0] // tf.maximum(found.blocks * examples, 1)
 
