@@ -89,7 +89,6 @@ _PHILOX_SAMPLES = 4
 # truncated normal (random_op_cpu.h), Philox steps for gamma
 # (stateless_random_gamma_op.cc).
 _RESERVED_SAMPLES_PER_OUTPUT = 256
-_LOW32 = 0xFFFFFFFF
 
 
 def group_size(kind: str, dtype: tf.DType) -> int:
@@ -122,29 +121,18 @@ def _check(kind: str, dtype: tf.DType) -> None:
 def advance(counter: tf.Tensor, steps: tf.Tensor) -> tf.Tensor:
   """The 128-bit Philox counter (2 x uint64, low word first) plus `steps` (int64 >= 0), with carry.
 
-  Computed on four 32-bit limbs held in int64 (no uint64 arithmetic, which
-  not every device has a kernel for); wraps at 2**128 like the kernel's Skip.
+  The words are added as int64 (two's complement: the same bits as uint64's
+  sum); the carry is whether the low word's sum is below it, compared as
+  unsigned (both with the sign bit flipped). No uint64 arithmetic, which not
+  every device has a kernel for. Wraps at 2**128 like the kernel's Skip.
   """
   with tf.name_scope('advance'):
-    low_word, high_word = tf.unstack(
-        tf.bitcast(tf.convert_to_tensor(counter, tf.uint64), tf.int64), num=2)
-    zero = tf.zeros([], tf.int64)
-    addends = _halves(tf.cast(steps, tf.int64)) + [zero, zero]
-    limbs, carry = [], zero
-    for limb, addend in zip(_halves(low_word) + _halves(high_word), addends):
-      total = limb + addend + carry  # < 2**33: no overflow in int64
-      limbs.append(tf.bitwise.bitwise_and(total, _LOW32))
-      carry = tf.bitwise.right_shift(total, 32)
-    words = [tf.bitwise.bitwise_or(low, tf.bitwise.left_shift(high, 32))
-             for low, high in (limbs[:2], limbs[2:])]
-    return tf.bitcast(tf.stack(words), tf.uint64)
-
-
-def _halves(word: tf.Tensor) -> list[tf.Tensor]:
-  """An int64's low and high 32 bits, each as an int64 in [0, 2**32)."""
-  low32 = tf.constant(_LOW32, tf.int64)
-  return [tf.bitwise.bitwise_and(word, low32),
-          tf.bitwise.bitwise_and(tf.bitwise.right_shift(word, tf.constant(32, tf.int64)), low32)]
+    low, high = tf.unstack(tf.bitcast(tf.convert_to_tensor(counter, tf.uint64), tf.int64), num=2)
+    total = low + tf.cast(steps, tf.int64)
+    sign = tf.constant(-2**63, tf.int64)
+    carry = tf.cast(tf.less(tf.bitwise.bitwise_xor(total, sign),
+                            tf.bitwise.bitwise_xor(low, sign)), tf.int64)
+    return tf.bitcast(tf.stack([total, high + carry]), tf.uint64)
 
 
 def _op(kind: str, shape: tf.Tensor, dtype: tf.DType, key: tf.Tensor, counter: tf.Tensor,
