@@ -307,6 +307,15 @@ def test_training_draws_as_one_device(case, layout):
     testlib.assert_variables_close(actual, expected)
 
 
+def test_built_towers_draw_as_one_device(monkeypatch):
+  """Towers built by calling the model_fn again (not copied from tower 0's ops) draw the same."""
+  from estimator_towers import replicate  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(replicate, '_tower_copies', lambda *args: None)
+  built = _train(_train_model_fn, '3_towers', 'labels', GRAPH_SEED, {'op_seeds': False})
+  for actual, expected in zip(built, _trained('graph_seed')):
+    testlib.assert_variables_close(actual, expected)
+
+
 def _time_major_model_fn(features, labels, mode):
   x = tf.transpose(features['x'], [1, 0, 2])     # [T, B, H]
   x = tf.transpose(tf.nn.dropout(x, rate=0.5), [1, 0, 2])
