@@ -4,9 +4,10 @@
 which TensorFlow 2 does not have: `_install_contrib` serves tf-slim's layers
 under that name before BERT is imported (once: `bert.run_pretraining` defines
 absl flags when imported). `model_fn()` is `run_pretraining.model_fn_builder`'s
-model_fn on a tiny `BertConfig` without dropout (random draws per example are
-not what these tests check), its TPUEstimatorSpec turned into an
-EstimatorSpec, its initializers seeded by the variable names; it trains with
+model_fn on a tiny `BertConfig`, without dropout unless asked (`dropout=True`:
+BERT's default, 0.1 on the hidden layers and on the attention probabilities),
+its TPUEstimatorSpec turned into an EstimatorSpec, its initializers seeded by
+the variable names; it trains with
 BERT's own optimizer (AdamWeightDecay, gradients
 clipped by their global norm, the global step advanced by hand). `features()`
 are what BERT's input_fn gives (labels None).
@@ -70,10 +71,12 @@ def _flags_of_its_own():
       setattr(module, n, f)
 
 
-def model_fn(learning_rate: float = 1e-2):
-  """BERT's pre-training model_fn (an Estimator model_fn giving an EstimatorSpec)."""
+def model_fn(learning_rate: float = 1e-2, dropout: bool = False):
+  """BERT's pre-training model_fn (an Estimator model_fn giving an EstimatorSpec);
+  `dropout`: BertConfig's default dropout probabilities, else none."""
   modeling, run_pretraining = modules()
-  config = modeling.BertConfig(**CONFIG)
+  config = modeling.BertConfig(**(CONFIG if not dropout else {
+      k: v for k, v in CONFIG.items() if not k.endswith('dropout_prob')}))
   bert_fn = run_pretraining.model_fn_builder(
       bert_config=config, init_checkpoint=None, learning_rate=learning_rate,
       num_train_steps=NUM_TRAIN_STEPS, num_warmup_steps=0, use_tpu=False,

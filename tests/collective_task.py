@@ -12,7 +12,8 @@ to let a test kill it mid-training), eval (the evaluator writes its metrics to
 dump/eval.json), features_only (the input_fn yields features only, the
 labels among them as 'y', as BERT's pre-training input_fn does),
 user_session_config (the RunConfig's session_config is a ConfigProto built by
-hand, not make_run_config's).
+hand, not make_run_config's), save_every and keep (the chief's checkpoints: every so many
+steps, so many kept; 0 keeps all), random_draws (make_plan's; 'keyed' unless given).
 """
 
 import json
@@ -207,10 +208,27 @@ def batch_reductions_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=first + second, train_op=train_op)
 
 
+def random_draws_model_fn(features, labels, mode, params):
+  """Random draws of three kinds: Gaussian noise of tf.shape(x) on the inputs, dropout of
+  the hidden rows, and one scalar drawn per step (the same for every example)."""
+  x = features['x']
+  noisy = x + 0.5 * tf.random.normal(tf.shape(x))
+  hidden = tf.compat.v1.layers.dense(
+      noisy, 4, activation=tf.nn.tanh,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1))
+  hidden = tf.nn.dropout(hidden, rate=0.5) * tf.random.uniform([], 0.5, 1.5)
+  logits = tf.compat.v1.layers.dense(
+      hidden, testlib.NUM_CLASSES,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(loss, params))
+
+
 MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_model_fn,
           'bn': bn_model_fn, 'clip': clip_model_fn, 'top_k': top_k_model_fn,
           'clip_weighted': clip_weighted_model_fn, 'mixup': mixup_model_fn,
-          'attention': attention_model_fn, 'batch_reductions': batch_reductions_model_fn}
+          'attention': attention_model_fn, 'batch_reductions': batch_reductions_model_fn,
+          'random_draws': random_draws_model_fn}
 
 
 def input_fn(data, suffix, batch, features_only=False):
@@ -288,10 +306,12 @@ def main(spec_path):
                       variable_strategy='collective',
                       micro_batches=spec.get('micro_batches', 1),
                       sync_batch_norm=spec.get('sync_batch_norm', False),
-                      worker_timeout_secs=spec.get('timeout', 60))
+                      worker_timeout_secs=spec.get('timeout', 60),
+                      random_draws=spec.get('random_draws', 'keyed'))
   model_fn = et.replicate_model_fn(MODELS[spec['model']], plan=plan)
   settings = dict(model_dir=spec['model_dir'], save_checkpoints_steps=spec.get('save_every', 1000),
-                  save_summary_steps=1000, log_step_count_steps=1000)
+                  keep_checkpoint_max=spec.get('keep', 5), save_summary_steps=1000,
+                  log_step_count_steps=1000)
   if spec.get('user_session_config'):  # the usual hand-made ConfigProto: no device filters
     run_config = tf.estimator.RunConfig(session_config=tf.compat.v1.ConfigProto(
         device_count={'CPU': spec['towers']}, inter_op_parallelism_threads=2,

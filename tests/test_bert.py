@@ -1,7 +1,7 @@
 """google-research BERT's pre-training model_fn on towers: data-parallel and exact.
 
-BERT (`bert-tensorflow`'s `run_pretraining.model_fn_builder`, tiny and without
-dropout: `bert_model.py`) reads its encoder's einsums (`rows/einsum.py`), its
+BERT (`bert-tensorflow`'s `run_pretraining.model_fn_builder`, tiny:
+`bert_model.py`) reads its encoder's einsums (`rows/einsum.py`), its
 reshapes of [n, T, d] to [n * T, d] and back with the batch size from
 `tf.shape` or static, its attention mask (`tf.ones([n, T, 1])` times the
 reshaped input mask) and `gather_indexes` (positions plus `range(n) * T`
@@ -9,8 +9,13 @@ into the flat sequence: each example's own tokens, `rows/flat.py`) as
 per-example: the row reader finds no mixing op, every device runs the whole
 model on its own rows (about the plain graph's heavy ops each), and
 training with BERT's own AdamWeightDecay (gradients clipped by their global
-norm) equals the plain model_fn on the whole batch, with the batch size
-unknown or static (`drop_remainder=True`).
+norm) equals one device on the whole batch: with BERT's default dropout (0.1
+on the hidden layers, embeddings and attention probabilities; keyed draws, so
+the reference is the model_fn decorated for one device) on towers,
+micro-batches and both, and without dropout the plain model_fn itself, with
+the batch size static (`drop_remainder=True`). The runs are `EstimatorGraph`s
+(one graph and session, as Estimator builds and drives them), read after each
+step.
 """
 
 import functools
@@ -20,7 +25,9 @@ import pytest
 import tensorflow as tf
 
 import bert_model
+import estimator_graph
 import heavy_ops
+import test_random_restart
 import testlib
 import estimator_towers as et
 from estimator_towers.rows import row_dependence as rd
@@ -53,51 +60,73 @@ def test_the_row_reader_finds_no_mixing_op(static):
 
 
 def test_every_tower_runs_the_whole_model(warnings):
-  """3 towers: each device holds about the plain graph's heavy ops (before: 123/23/23 of 63)."""
+  """3 towers: each device holds about the plain graph's heavy ops (before: 123/23/23 of 63),
+  with BERT's dropout, whose draws are keyed on every tower; and BERT's
+  `global_step.assign(global_step + 1)`, in no order with the forward pass, waits for the
+  reads of the step that key the draws (else a step could draw with the next step's key)."""
   features = bert_model.features(BATCH)
-  plain = heavy_ops.train_graph(bert_model.model_fn(), features, None)
+  plain = heavy_ops.train_graph(bert_model.model_fn(dropout=True), features, None)
   towered = heavy_ops.train_graph(
-      et.replicate_model_fn(bert_model.model_fn(), devices=testlib.cpu_devices(3)), features,
-      None)
+      et.replicate_model_fn(bert_model.model_fn(dropout=True), devices=testlib.cpu_devices(3)),
+      features, None)
   share = heavy_ops.least_share(towered, plain, 3)
   assert share >= 0.9, (share, heavy_ops.per_device(towered), heavy_ops.total(plain))
   assert not warnings, warnings
+  test_random_restart.assert_the_step_is_read_before_written(towered)
 
 
 def _without_global_step(values):
-  """BERT's `global_step + 1` assignment is not ordered after the step's reads (one device too)."""
+  """The variables but the global step (checked on its own: 0, 1, 2)."""
   return {name: value for name, value in values.items() if name != 'global_step'}
 
 
+def _trained(model_fn, num_devices=1, static_batch=False):
+  """Every global variable after steps 1 and 2 of one run (an EstimatorGraph)."""
+  def input_fn():
+    return bert_model.input_fn(BATCH, static_batch)().take(2)
+  graph = estimator_graph.EstimatorGraph(model_fn, input_fn, tf.estimator.ModeKeys.TRAIN,
+                                         num_cpus=num_devices)
+  recorder = testlib.StateRecorder()
+  graph.hooks.append(recorder)
+  try:
+    assert graph.run() == 2
+  finally:
+    graph.close()
+  assert [values['global_step'] for values in recorder.states] == [0, 1, 2]
+  return [_without_global_step(values) for values in recorder.states[1:]]
+
+
 @functools.lru_cache(maxsize=None)
-def _plain(static_batch):
-  estimator = testlib.stepwise_estimator(bert_model.model_fn())
-  return tuple(_without_global_step(v) for v in testlib.train_and_read(
-      estimator, bert_model.input_fn(BATCH, static_batch), at=(1, 2)))
+def _one_device(dropout, static_batch):
+  """BERT decorated for one device (with dropout: the reference of keyed draws), or plain."""
+  model_fn = bert_model.model_fn(dropout=dropout)
+  return _trained(et.replicate_model_fn(model_fn, devices=['/cpu:0']) if dropout else model_fn,
+                  static_batch=static_batch)
 
 
-def _check_towered(num_devices, micro_batches, static_batch, warnings):
-  towered = testlib.stepwise_estimator(
-      et.replicate_model_fn(bert_model.model_fn(), devices=testlib.cpu_devices(num_devices),
-                            micro_batches=micro_batches),
-      num_cpus=num_devices)
-  after = testlib.train_and_read(towered, bert_model.input_fn(BATCH, static_batch), at=(1, 2))
-  for step, values, plain in zip((1, 2), after, _plain(static_batch)):
-    assert any(name.endswith('/adam_v') for name in plain), sorted(plain)
-    testlib.assert_variables_close(_without_global_step(values), plain)
+def _check_towered(num_devices, micro_batches, dropout, static_batch, warnings):
+  towered = et.replicate_model_fn(bert_model.model_fn(dropout=dropout),
+                                  devices=testlib.cpu_devices(num_devices),
+                                  micro_batches=micro_batches)
+  after = _trained(towered, num_devices, static_batch)
+  for values, expected in zip(after, _one_device(dropout, static_batch)):
+    assert any(name.endswith('/adam_v') for name in expected), sorted(expected)
+    testlib.assert_variables_close(values, expected)
   assert not warnings, warnings
 
 
 @pytest.mark.parametrize('layout', sorted(LAYOUTS))
-def test_towers_train_equal_to_plain(layout, warnings):
-  """Every variable and AdamWeightDecay slot (m, v) within 1e-5 of plain after steps 1 and 2."""
+def test_towers_with_dropout_train_equal_to_one_device(layout, warnings):
+  """BERT's default dropout: every variable and AdamWeightDecay slot (m, v) within 1e-5 of
+  the model_fn decorated for one device after steps 1 and 2."""
   num_devices, micro_batches = LAYOUTS[layout]
-  _check_towered(num_devices, micro_batches, False, warnings)
+  _check_towered(num_devices, micro_batches, True, False, warnings)
 
 
 def test_a_static_batch_trains_equal_to_plain(warnings):
-  """drop_remainder=True: each shard's batch size (4) is static, and so are BERT's sizes."""
-  _check_towered(3, 1, True, warnings)
+  """drop_remainder=True: each shard's batch size (4) is static, and so are BERT's sizes;
+  without dropout, equal to the plain model_fn."""
+  _check_towered(3, 1, False, True, warnings)
 
 
 def _in_batch_model_fn(features, labels, mode, params):

@@ -2,7 +2,9 @@
 
 The reference is the plain single-device model_fn trained on the global
 batches (the union of the workers' batches of each step) from the chief's
-first checkpoint; every worker's variables must be bit-equal to the chief's.
+first checkpoint (with random draws: the model_fn decorated for one device,
+whose keyed draws every layout must draw); every worker's variables must be
+bit-equal to the chief's.
 Each cluster is a set of subprocesses (tests/collective_task.py) with free
 127.0.0.1 ports, bounded in time, killed by their own pids.
 """
@@ -138,14 +140,16 @@ def _batches_input_fn(batches):
   return fn
 
 
-def _plain_from(model_dir, checkpoint, model_fn, params, tmp_path, num_cpus=1):
-  """A plain (or `num_cpus`) Estimator whose model_dir starts at `checkpoint` of `model_dir`."""
+def _plain_from(model_dir, checkpoint, model_fn, params, tmp_path, num_cpus=1, **config_kwargs):
+  """A plain (or `num_cpus`) Estimator whose model_dir starts at `checkpoint` of `model_dir`;
+  `config_kwargs`: RunConfig's."""
   plain_dir = tmp_path / 'plain'
   plain_dir.mkdir()
   for f in glob.glob(os.path.join(model_dir, f'{checkpoint}.*')):
     shutil.copy(f, plain_dir)
   (plain_dir / 'checkpoint').write_text(f'model_checkpoint_path: "{checkpoint}"\n')
-  return testlib.make_estimator(model_fn, num_cpus, model_dir=str(plain_dir), params=params)
+  return testlib.make_estimator(model_fn, num_cpus, model_dir=str(plain_dir), params=params,
+                                **config_kwargs)
 
 
 def _spec(tmp_path, model, towers, micro_batches=1, **extra):
@@ -240,6 +244,38 @@ def _assert_workers_equal_the_chief(tmp_path, chief, sizes):
     assert sorted(values.files) == sorted(chief), rank
     for name in chief:
       np.testing.assert_array_equal(values[name], chief[name], err_msg=f'rank {rank} {name}')
+
+
+# The chief's input ends first: the worker's rows start after the chief's 6, then its 2, then 0.
+CHIEF_ENDS_FIRST = {0: 14, 1: 30}
+
+
+@pytest.mark.timeout(240)
+def test_random_draws_across_two_workers_of_two_towers_equal_one_device(tmp_path):
+  """Keyed draws: Gaussian noise of tf.shape(x), dropout and a scalar drawn per step on 2
+  workers x 2 towers draw what the model_fn decorated for one device draws on the global
+  batches, each worker's rows at their global positions (the chief's input ends after 3
+  steps: the batches are 12, 12, 8, 6, 6, the worker's rows after 6, 6, 2, 0, 0 of the
+  chief's): every variable and slot after steps 1, 3 and 5 (the chief's checkpoint of every
+  step, all kept)."""
+  data = _data(tmp_path / 'data.npz', CHIEF_ENDS_FIRST)
+  batches = _global_batches(data, CHIEF_ENDS_FIRST)
+  spec = _spec(tmp_path, 'random_draws', 2, save_every=1, keep=0)
+  Cluster(tmp_path, spec).run()
+  one_device = et.replicate_model_fn(collective_task.random_draws_model_fn, devices=['/cpu:0'])
+  reference = _plain_from(spec['model_dir'], 'model.ckpt-0', one_device,
+                          {'learning_rate': 0.1}, tmp_path, save_checkpoints_steps=1,
+                          keep_checkpoint_max=0)
+  reference.train(_batches_input_fn(batches), steps=len(batches))
+  for step in (1, 3, len(batches)):
+    checkpoint = f'model.ckpt-{step}'
+    testlib.assert_variables_close(
+        testlib.checkpoint_variables(os.path.join(spec['model_dir'], checkpoint)),
+        testlib.checkpoint_variables(os.path.join(reference.model_dir, checkpoint)))
+  chief = testlib.variables(testlib.make_estimator(collective_task.random_draws_model_fn,
+                                                   model_dir=spec['model_dir']))
+  assert chief['global_step'] == len(batches) == 5
+  _assert_workers_equal_the_chief(tmp_path, chief, CHIEF_ENDS_FIRST)
 
 
 @pytest.mark.timeout(240)

@@ -85,6 +85,10 @@ _DRAWS = frozenset(_STATEFUL) | frozenset(_SEEDED) | frozenset(_KEYED) | frozens
     'stateless_random_gamma_v3', 'random_shuffle'}
 _GLOBAL_STEP_WRITES = ('AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp',
                        'Assign', 'AssignAdd', 'AssignSub')
+# Calls of a function body (a v2 tf.cond / while loop, a tf.function), which may write the
+# variables they are given.
+_FUNCTION_CALLS = ('If', 'StatelessIf', 'Case', 'StatelessCase', 'While', 'StatelessWhile',
+                   'PartitionedCall', 'StatefulPartitionedCall')
 
 
 def built_by_draws(op: tf.Operation) -> bool:
@@ -126,7 +130,6 @@ class KeyedDraws:
 
   def __init__(self, graph: tf.Graph, sizes: Sequence[Any], batch: Any, first_row: Any = 0):
     self.graph = graph
-    self._first_op = len(graph.get_operations())   # the model_fn's ops come after
     with tf.name_scope('keyed_draws'), tf.control_dependencies(None):
       self.step = _step_read(graph)
       self.batch = tf.cast(batch, tf.int64)
@@ -134,6 +137,7 @@ class KeyedDraws:
       for size in sizes:
         self.positions.append(total)
         total = total + tf.cast(size, tf.int64)
+    self._first_op = len(graph.get_operations())   # the model_fn's ops come after
     _of_graph[graph] = self
 
   @classmethod
@@ -172,16 +176,19 @@ class KeyedDraws:
     """Every write of the global step the model_fn makes waits for the step's read.
 
     (BERT's `global_step.assign(global_step + 1)` is grouped with its update,
-    in no order with the forward pass.)
+    in no order with the forward pass.) A write inside a function body (a v2
+    `tf.cond`): the call given the step waits.
     """
     step = tf.compat.v1.train.get_global_step(self.graph)
     if step is None or self.step.op.type == 'Const':
       return
-    handle = getattr(step, 'handle', None)
+    variable = (getattr(getattr(step, 'handle', None), 'op', None), step.op)
     for op in self.graph.get_operations()[self._first_op:]:
-      if (op.type in _GLOBAL_STEP_WRITES and op.inputs
-          and op.inputs[0].op in (getattr(handle, 'op', None), step.op)
-          and self.step.op not in op.control_inputs
+      if op.type in _GLOBAL_STEP_WRITES:
+        writes = bool(op.inputs) and op.inputs[0].op in variable
+      else:
+        writes = op.type in _FUNCTION_CALLS and any(t.op in variable for t in op.inputs)
+      if (writes and self.step.op not in op.control_inputs
           and not interception.in_control_flow(op)):
         interception.add_control_inputs(op, [self.step.op])
 
