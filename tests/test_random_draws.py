@@ -19,7 +19,9 @@ reference. Each layout must equal it within `testlib.TOLERANCE`:
   towers) and 2 (1/1/0: an empty shard). PREDICT concatenates the towers'
   predictions in input order, so each example's draw is compared directly.
   Under a graph-level seed, an op seed the model_fn gives stays the op's own
-  where the graph's counter gave the same number to an earlier op.
+  where the graph's counter gave the same number to an earlier op. A draw
+  shaped by a reshape to the shard's static batch size (BERT's shapes under
+  `drop_remainder=True`) draws as one device too.
 - TRAIN: a small model of the main kinds, every variable and slot after 1 and
   3 steps, under a graph-level seed only and under op seeds, with labels and
   features only (a dict, a plain Tensor); time-major dropout, a mixup by
@@ -392,6 +394,27 @@ def _evaluate(layout=None):
 
 def test_monte_carlo_dropout_evaluates_as_one_device():
   _assert_all_close(_evaluate('3_towers'), _evaluate(), '3_towers')
+
+
+def _static_reshape_predicted(layout=None):
+  """Dropout of a reshape to the shard's static batch size (BERT's `get_shape_list`)."""
+  def model_fn(features, mode):
+    x = features['x']
+    flat = tf.reshape(x, [x.shape[0], T * H])   # the static batch size, a Python int
+    return tf.estimator.EstimatorSpec(mode, predictions={'dropout': tf.nn.dropout(flat, 0.5)})
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    spec = _decorated(model_fn, layout)({'x': tf.constant(_data()[0][:BATCH])}, None,
+                                        ModeKeys.PREDICT, None, None)
+    config = tf.compat.v1.ConfigProto(device_count={'CPU': _num_cpus(layout)})
+    with tf.compat.v1.Session(config=config) as session:
+      return session.run(spec.predictions['dropout'])
+
+
+def test_a_draw_of_a_static_batch_size_predicts_as_one_device():
+  """A static batch: the shard's size in a reshape is a constant, which the draw's reader must
+  know for the shard's size (before: mixing, each tower drew rows 0..n of one draw)."""
+  testlib.assert_close(_static_reshape_predicted('3_towers'), _static_reshape_predicted())
 
 
 # --- An in-batch softmax with dropout before the embeddings, in micro-batches ------------

@@ -142,7 +142,7 @@ class GrowingRead:
 
   def __init__(self, inputs: Sequence[tf.Tensor], kinds: dict | None = None):
     self.inputs = [t for t in inputs if isinstance(t, tf.Tensor)]
-    self._reader = Reader(None, lambda t: False)
+    self._reader = Reader(_static_examples(self.inputs), lambda t: False)
     self._reader.kinds.update(input_kinds(self.inputs) if self.inputs else {})
     self._reader.kinds.update(kinds or {})
 
