@@ -1,5 +1,5 @@
-"""What the bench scripts share: the MLP they time, its flags, the machine they
-ran on, interleaved timing and paired-change reporting, and fresh processes
+"""What the bench scripts share: the MLP they time, its flags, a BERT-style
+encoder, the machine they ran on, interleaved timing and paired-change reporting, and fresh processes
 per configuration for peak memory.
 
 A script that times the MLP calls `define_mlp_flags(...)` with its own
@@ -85,6 +85,13 @@ def define_mlp_flags(*, num_cpu_devices: int = 2, batch_size: int = 256,
   flags.DEFINE_integer('rounds', rounds, rounds_help)
 
 
+def define_encoder_flags(seq_length: int = 32, width: int = 64, layers: int = 2) -> None:
+  """The flags of `encoder_model_fn`'s size: --seq_length, --width, --layers."""
+  flags.DEFINE_integer('seq_length', seq_length, 'Tokens per example.')
+  flags.DEFINE_integer('width', width, 'The encoder\'s hidden width (heads x head size).')
+  flags.DEFINE_integer('layers', layers, 'Encoder layers.')
+
+
 def mlp_name() -> str:
   """The MLP's shape as the headers print it: 256-512-512-10."""
   return f'{FLAGS.num_features}-{FLAGS.hidden}-{FLAGS.hidden}-{NUM_CLASSES}'
@@ -118,6 +125,68 @@ def mlp_model_fn(global_mean_accuracy: bool = False) -> Callable:
     train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
   return model_fn
+
+
+ENCODER_HEADS, ENCODER_VOCAB = 4, 1000
+
+
+def _glorot(seed: int):
+  return tf.compat.v1.glorot_uniform_initializer(seed=seed)
+
+
+def _layer_norm(x):
+  mean, variance = tf.nn.moments(x, [-1], keepdims=True)
+  return (x - mean) * tf.math.rsqrt(variance + 1e-6)
+
+
+def _encoder_layer(x, i: int, width: int, dropout: Callable):
+  """One encoder layer, as google-research/bert writes it (`tf.einsum` everywhere)."""
+  heads, size = ENCODER_HEADS, width // ENCODER_HEADS
+  with tf.compat.v1.variable_scope(f'layer_{i}'):
+    q, k, v = (tf.einsum('abc,cde->abde', x, tf.compat.v1.get_variable(
+        name, [x.shape[-1], heads, size], initializer=_glorot(3)))
+               for name in ('query', 'key', 'value'))
+    scores = tf.einsum('BTNH,BFNH->BNFT', k, q) / float(np.sqrt(size))
+    context = tf.einsum('BNFT,BTNH->BFNH', dropout(tf.nn.softmax(scores)), v)
+    w = tf.compat.v1.get_variable('output', [heads, size, width], initializer=_glorot(4))
+    x = _layer_norm(x + dropout(tf.einsum('BFNH,NHD->BFD', context, w)))
+    w1 = tf.compat.v1.get_variable('intermediate', [width, 4 * width], initializer=_glorot(5))
+    w2 = tf.compat.v1.get_variable('ffn_output', [4 * width, width], initializer=_glorot(6))
+    hidden = tf.einsum('abc,cd->abd', tf.nn.gelu(tf.einsum('abc,cd->abd', x, w1)), w2)
+    return _layer_norm(x + dropout(hidden))
+
+
+def encoder_model_fn(width: int, layers: int, dropout: float = 0.0) -> Callable:
+  """A BERT-style encoder's single-device model_fn: einsum attention, features only.
+
+  Features are {'ids': [batch, tokens] ids < ENCODER_VOCAB}; the label of an
+  example is its first token's parity; momentum SGD. `dropout` > 0: dropout
+  of that rate on the embeddings, the attention probabilities and every
+  hidden output (BERT's places); 0: none (no random op).
+  """
+  def drop(x):
+    return tf.nn.dropout(x, rate=dropout) if dropout else x
+
+  def model_fn(features, labels, mode):
+    del labels
+    ids = features['ids']
+    table = tf.compat.v1.get_variable('embeddings', [ENCODER_VOCAB, width],
+                                      initializer=_glorot(1))
+    x = drop(tf.gather(table, ids))
+    for i in range(layers):
+      x = _encoder_layer(x, i, width, drop)
+    logits = tf.compat.v1.layers.dense(tf.reduce_mean(x, 1), 2, kernel_initializer=_glorot(7))
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(ids[:, 0] % 2, logits)
+    train_op = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9).minimize(
+        loss, tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  return model_fn
+
+
+def encoder_tokens(num_examples: int, seq_length: int) -> dict:
+  """Fixed random token ids for `encoder_model_fn`."""
+  rng = np.random.RandomState(0)
+  return {'ids': rng.randint(1, ENCODER_VOCAB, [num_examples, seq_length]).astype(np.int32)}
 
 
 def synthetic_data(num_examples: int = 4096) -> tuple[np.ndarray, np.ndarray]:

@@ -33,7 +33,6 @@ import sys
 
 from absl import app
 from absl import flags
-import numpy as np
 import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -44,58 +43,8 @@ from estimator_towers.reporting import work_share  # pylint: disable=wrong-impor
 FLAGS = flags.FLAGS
 benchlib.define_mlp_flags(num_cpu_devices=4, batch_size=64, num_features=256, hidden=512,
                           warmup_steps=5, steps=20, rounds=5)
-flags.DEFINE_integer('seq_length', 32, 'Tokens per example.')
-flags.DEFINE_integer('width', 64, 'The encoder\'s hidden width (heads x head size).')
-flags.DEFINE_integer('layers', 2, 'Encoder layers.')
+benchlib.define_encoder_flags()
 flags.DEFINE_bool('quick', False, 'A smoke run: 1 warm-up step, 3 rounds of 3 steps.')
-
-_HEADS, _VOCAB = 4, 1000
-
-
-def _dense_3d(x, heads, size, name):
-  w = tf.compat.v1.get_variable(name, [x.shape[-1], heads, size],
-                                initializer=tf.compat.v1.glorot_uniform_initializer(seed=3))
-  return tf.einsum('abc,cde->abde', x, w)
-
-
-def _layer_norm(x):
-  mean, variance = tf.nn.moments(x, [-1], keepdims=True)
-  return (x - mean) * tf.math.rsqrt(variance + 1e-6)
-
-
-def _layer(x, i):
-  heads, size = _HEADS, FLAGS.width // _HEADS
-  with tf.compat.v1.variable_scope(f'layer_{i}'):
-    q, k, v = (_dense_3d(x, heads, size, n) for n in ('query', 'key', 'value'))
-    scores = tf.einsum('BTNH,BFNH->BNFT', k, q) / float(np.sqrt(size))
-    context = tf.einsum('BNFT,BTNH->BFNH', tf.nn.softmax(scores), v)
-    w = tf.compat.v1.get_variable('output', [heads, size, FLAGS.width],
-                                  initializer=tf.compat.v1.glorot_uniform_initializer(seed=4))
-    x = _layer_norm(x + tf.einsum('BFNH,NHD->BFD', context, w))
-    w1 = tf.compat.v1.get_variable('intermediate', [FLAGS.width, 4 * FLAGS.width],
-                                   initializer=tf.compat.v1.glorot_uniform_initializer(seed=5))
-    w2 = tf.compat.v1.get_variable('ffn_output', [4 * FLAGS.width, FLAGS.width],
-                                   initializer=tf.compat.v1.glorot_uniform_initializer(seed=6))
-    return _layer_norm(x + tf.einsum('abc,cd->abd', tf.nn.gelu(tf.einsum('abc,cd->abd', x, w1)),
-                                     w2))
-
-
-def encoder_model_fn(features, labels, mode):
-  """Features only (token ids); the label of an example is its first token's parity."""
-  del labels
-  ids = features['ids']
-  table = tf.compat.v1.get_variable('embeddings', [_VOCAB, FLAGS.width],
-                                    initializer=tf.compat.v1.glorot_uniform_initializer(seed=1))
-  x = tf.gather(table, ids)
-  for i in range(FLAGS.layers):
-    x = _layer(x, i)
-  logits = tf.compat.v1.layers.dense(
-      tf.reduce_mean(x, 1), 2, kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=7))
-  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(ids[:, 0] % 2, logits)
-  train_op = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9).minimize(
-      loss, tf.compat.v1.train.get_global_step())
-  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
-
 
 def _session(model_fn, devices, data):
   """(session, train_op) of `model_fn` on `devices`, features as `data` gives them."""
@@ -134,8 +83,8 @@ def main(argv):
   del argv
   if FLAGS.quick:
     FLAGS.warmup_steps, FLAGS.steps, FLAGS.rounds = 1, 3, 3
-  rng = np.random.RandomState(0)
-  tokens = {'ids': rng.randint(1, _VOCAB, [1024, FLAGS.seq_length]).astype(np.int32)}
+  tokens = benchlib.encoder_tokens(1024, FLAGS.seq_length)
+  encoder_model_fn = benchlib.encoder_model_fn(FLAGS.width, FLAGS.layers)
   mlp_data = benchlib.synthetic_data(1024)
   towers = benchlib.cpu_devices()
   sessions, graphs = {}, {}
@@ -147,7 +96,8 @@ def main(argv):
       graphs[f'{name} {layout}'] = graph
   benchlib.print_header(
       f'{FLAGS.num_cpu_devices} virtual CPU devices, global batch {FLAGS.batch_size}; encoder: '
-      f'{FLAGS.layers} layers, width {FLAGS.width}, {_HEADS} heads, {FLAGS.seq_length} tokens '
+      f'{FLAGS.layers} layers, width {FLAGS.width}, {benchlib.ENCODER_HEADS} heads, '
+      f'{FLAGS.seq_length} tokens '
       f'(einsum attention); MLP {benchlib.mlp_name()}',
       f'steps/sec: median of {FLAGS.rounds} interleaved chunks of {FLAGS.steps} steps after '
       f'{FLAGS.warmup_steps} warm-up steps')
