@@ -46,6 +46,7 @@ import inspect
 import weakref
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from estimator_towers.base import interception
@@ -132,6 +133,9 @@ class KeyedDraws:
     self.graph = graph
     with tf.name_scope('keyed_draws'), tf.control_dependencies(None):
       self.step = _step_read(graph)
+      # The step's Philox key, shared by every draw of the step; an op's counter is its own.
+      self.key = tf.raw_ops.StatelessRandomGetKeyCounter(
+          seed=tf.stack([tf.constant(0, tf.int64), self.step]))[0]
       self.batch = tf.cast(batch, tf.int64)
       self.positions, total = [], tf.cast(first_row, tf.int64)
       for size in sizes:
@@ -203,6 +207,20 @@ def _step_read(graph: tf.Graph) -> tf.Tensor:
                     lambda: tf.cast(step.read_value(), tf.int64),
                     lambda: tf.constant(0, tf.int64))
     return tf.identity(value, name='step')
+
+
+def _static_tail(shape: tf.Tensor) -> list | None:
+  """The sizes after the first of a shape vector, where known when the graph is built."""
+  op = shape.op
+  while op.type in ('Cast', 'Identity'):
+    op = op.inputs[0].op
+  if op.type == 'Shape':
+    dims = op.inputs[0].shape
+    return dims[1:].as_list() if dims.rank and dims[1:].is_fully_defined() else None
+  value = tf.get_static_value(op.outputs[0], partial=True)
+  if value is None or any(v is None for v in value[1:]):
+    return None
+  return [int(v) for v in value[1:]]
 
 
 def _transposed_rows(shape: tf.Tensor, kind_of: Callable) -> tuple | None:
@@ -290,17 +308,18 @@ class _Build:
                           'of an alpha that does not depend on the batch')
     extra = {k: call.args[k] for k in ('minval', 'maxval') if call.args.get(k) is not None}
     return self.keyed(kind, call.args['shape'], call.dtype(), key, counter, what,
-                      alpha=call.args.get('alpha'), alpha_trails=trails, **extra)
+                      alpha=call.args.get('alpha'), alpha_trails=trails, word=call.word, **extra)
 
   def _key_counter(self, call: '_Call') -> tuple:
-    """The draw's key and counter: the op's and the step's, or the stateless op's own."""
+    """The draw's key and counter: the step's key and the op's own counter word [0, op], or
+    the stateless op's own key and counter (`call.word`: the op's word, or None)."""
     v2 = interception.RANDOM_MODULES['stateless_v2']
     if call.module == 'stateless_v2':
       return call.args['key'], call.args['counter']
     if call.module == 'stateless':
       return v2.stateless_random_get_key_counter(call.args['seed'])
-    seed = tf.stack([tf.constant(self._op_key(call), tf.int64), self.draws.step])
-    return v2.stateless_random_get_key_counter(seed)
+    call.word = self._op_key(call)
+    return self.draws.key, tf.bitcast(tf.constant([0, call.word], tf.int64), tf.uint64)
 
   def _op_key(self, call: '_Call') -> int:
     """The op's own part of the key: graph seed, the model_fn's op seed, its place."""
@@ -329,23 +348,25 @@ class _Build:
   # -- Draws ---------------------------------------------------------------------
 
   def keyed(self, kind: str, shape: Any, dtype: tf.DType, key: tf.Tensor, counter: tf.Tensor,
-            what: str, alpha: Any = None, alpha_trails: bool = False, **extra) -> tf.Tensor:
+            what: str, alpha: Any = None, alpha_trails: bool = False, word: int | None = None,
+            **extra) -> tf.Tensor:
     """The keyed draw of `shape`: rows by their global position, else one value everywhere.
 
     `alpha_trails`: a stateful gamma draw, whose shape is `shape` followed by
     alpha's (a stateless one broadcasts alpha to `shape`).
     """
-    shape = tf.cast(tf.convert_to_tensor(shape), tf.int64)
+    shape = tf.convert_to_tensor(shape)
+    if shape.dtype not in (tf.int32, tf.int64):
+      shape = tf.cast(shape, tf.int64)
     found = self._kind(shape)
     if alpha is not None:
       alpha = tf.convert_to_tensor(alpha)
       extra['alpha'] = alpha
-    tail = tf.shape(alpha, out_type=tf.int64) if alpha_trails else shape[:0]
     moved = _transposed_rows(shape, self._kind)
     if moved is not None:   # the batch on another axis (time-major): drawn batch-first
       rows, perm = moved
       return tf.transpose(self.keyed(kind, tf.shape(rows), dtype, key, counter, what, alpha,
-                                     alpha_trails, **extra), perm)
+                                     alpha_trails, word, **extra), perm)
     if found is not None and self.towered_predict and found.tag not in (
         rd.SHAPE, rd.LIFTED_SHAPE):
       raise refusal(what, f'its shape ({shape.name}) depends on the batch in a way the library '
@@ -354,11 +375,16 @@ class _Build:
                     'draw it with the shape of rows whose first axis is the batch '
                     '(tf.shape(x) of such an x, then reshape or transpose the draw), or '
                     'predict on one device')
+    tail = tf.shape(alpha, out_type=shape.dtype) if alpha_trails else None
     if found is None or found.tag not in (rd.SHAPE, rd.LIFTED_SHAPE):
       # Not the batch's (one value on every tower), or mixed: drawn on the whole batch once.
-      whole = tf.concat([shape, tail], 0)
-      return tf.reshape(streams.draw_rows(kind, 1, whole, dtype, key, counter, 0, batch=1,
-                                          **extra), whole)
+      whole = shape if tail is None else tf.concat([shape, tail], 0)
+      return streams.draw(kind, whole, dtype, key, counter, **extra)
+    aligned = self._aligned(kind, shape, found, dtype, key, counter, word, alpha_trails, extra)
+    if aligned is not None:
+      return aligned
+    shape = tf.cast(shape, tf.int64)
+    tail = shape[:0] if tail is None else tf.cast(tail, tf.int64)
     examples, per = self._examples(found, shape, what)
     row = tf.concat([tf.reshape(per, [1]), shape[1:], tail], 0)
     parts = [streams.draw_rows(kind, examples, row, dtype, key, counter,
@@ -370,6 +396,36 @@ class _Build:
     self._reader_of(result.graph).declare(
         result, rd.flat_kind(found.per, found.blocks) if found.layout == rd.FLAT
         else rd.Kind(rd.ROWS, found.blocks))
+    return result
+
+  def _aligned(self, kind: str, shape: tf.Tensor, found: rd.Kind, dtype: tf.DType,
+               key: tf.Tensor, counter: tf.Tensor, word: int | None, alpha_trails: bool,
+               extra: dict) -> tf.Tensor | None:
+    """The draw of rows whose elements (known when built) fill whole Philox groups: the op
+    asked for the shard's shape itself at the counter of its first row; else None."""
+    tail = _static_tail(shape)
+    alpha = extra.get('alpha')
+    if alpha_trails:
+      tail = None if tail is None or not alpha.shape.is_fully_defined() else (
+          tail + alpha.shape.as_list())
+    per = found.per if found.layout == rd.FLAT else 1
+    if tail is None or found.blocks != 1 or not isinstance(per, int):
+      return None
+    if kind == 'gamma' and alpha.shape.num_elements() != 1 and (
+        alpha_trails or alpha.shape.rank != len(tail) + 1):
+      return None   # an alpha shared by the rows: numbered alpha first (`streams`)
+    elements = per * int(np.prod(tail, dtype=np.int64))
+    group = streams.group_size(kind, dtype)
+    if elements % group:
+      return None
+    steps = self.position * (elements // group * streams.group_skip(kind, dtype))
+    counter = (tf.bitcast(tf.stack([steps, tf.constant(word, tf.int64)]), tf.uint64)
+               if word is not None else streams.advance(counter, steps))
+    if alpha_trails:
+      shape = tf.concat([shape, tf.shape(alpha, out_type=shape.dtype)], 0)
+    result = streams.draw(kind, shape, dtype, key, counter, **extra)
+    self._reader_of(result.graph).declare(
+        result, rd.flat_kind(found.per) if found.layout == rd.FLAT else rd.Kind(rd.ROWS))
     return result
 
   def _examples(self, found: rd.Kind, shape: tf.Tensor, what: str) -> tuple:
@@ -438,6 +494,7 @@ class _Call:
     self.module, self.name, self.original = module, name, original
     self.args = bound
     self.op_seed = None
+    self.word = None   # the op's own counter word (its low word 0), if the library keys it
 
   def dtype(self) -> tf.DType:
     for key in ('dtype', 'Tout'):

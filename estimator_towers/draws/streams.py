@@ -67,7 +67,7 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ['DTYPES', 'KINDS', 'advance', 'draw_rows', 'group_size', 'group_skip']
+__all__ = ['DTYPES', 'KINDS', 'advance', 'draw', 'draw_rows', 'group_size', 'group_skip']
 
 KINDS = ('uniform', 'normal', 'truncated_normal', 'uniform_int', 'uniform_full_int', 'gamma')
 
@@ -133,6 +133,22 @@ def advance(counter: tf.Tensor, steps: tf.Tensor) -> tf.Tensor:
     carry = tf.cast(tf.less(tf.bitwise.bitwise_xor(total, sign),
                             tf.bitwise.bitwise_xor(low, sign)), tf.int64)
     return tf.bitcast(tf.stack([total, high + carry]), tf.uint64)
+
+
+def draw(kind: str, shape: tf.Tensor, dtype: tf.DType, key: tf.Tensor, counter: tf.Tensor,
+         minval: Any = None, maxval: Any = None, alpha: Any = None) -> tf.Tensor:
+  """The whole draw of `shape`: the stateless V2 op of `kind` (Philox) at `counter`.
+
+  Rows [r, r + n) of a [B, ...] draw whose rows hold a multiple of
+  `group_size` elements are this draw of [n, ...] at the counter advanced by
+  `r * elements_per_row // group_size * group_skip` (see the module doc).
+  """
+  _check(kind, dtype)
+  if kind == 'uniform_int':
+    minval, maxval = tf.convert_to_tensor(minval, dtype), tf.convert_to_tensor(maxval, dtype)
+  if kind == 'gamma':
+    alpha = tf.convert_to_tensor(alpha, dtype)
+  return _op(kind, shape, tf.as_dtype(dtype), key, counter, minval, maxval, alpha)
 
 
 def _op(kind: str, shape: tf.Tensor, dtype: tf.DType, key: tf.Tensor, counter: tf.Tensor,
