@@ -559,3 +559,22 @@ def test_a_candidate_sampler_warns_that_its_stream_restarts(monkeypatch):
     _decorated(model_fn, '3_towers')({'x': x}, None, ModeKeys.PREDICT, None, None)
   assert any('the candidate sampler log_uniform_candidate_sampler draws the same candidates on '
              'every tower' in w and 'restarts with each session' in w for w in warnings), warnings
+
+
+def _random_normaliser_model_fn(features, labels, mode):
+  """sum(l * w) / sum(w) of random weights: a normaliser made of draws, not a count."""
+  logits = tf.compat.v1.layers.dense(tf.reduce_mean(features['x'], 1), 3,
+                                     kernel_initializer=tf.compat.v1.constant_initializer(0.1))
+  xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+  w = tf.random.uniform(tf.shape(xent), 0.5, 1.5)
+  loss = tf.reduce_sum(xent * w) / tf.reduce_sum(w)
+  train_op = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(
+      loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+@pytest.mark.parametrize('layout', ['3_towers', '1x2', '2x2'])
+def test_a_normaliser_of_random_weights_trains_as_one_device(layout):
+  for actual, expected in zip(_train(_random_normaliser_model_fn, layout),
+                              _train(_random_normaliser_model_fn)):
+    testlib.assert_variables_close(actual, expected)

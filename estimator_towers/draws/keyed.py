@@ -3,15 +3,18 @@
 The rule. With `random_draws='keyed'` (the default) every random op a
 model_fn builds, on any tower, micro-batch or worker and on one device alike,
 is drawn by a counter-based (Philox) stateless op instead:
-- its **key** is set by the op and the step: the graph-level seed, the op
-  seed the model_fn gave (if any), the op's place among the random ops of its
-  model_fn call (the same in every tower and on one device), and the global
-  step, read once per step before the step's update of it. A stateless op's
-  key is its own seed's (or key and counter's), without the step;
-- its **counter** is set by the example's position in the global batch: a
+- its **key** is the step's: made from the global step, read once per step
+  before the step's update of it, and shared by every draw of the step;
+- its **counter**'s high word is the op's own: the graph-level seed, the op
+  seed the model_fn gave (if any) and the op's place among the random ops of
+  its model_fn call (the same in every tower and on one device). A stateless
+  op's key and counter are its own seed's (or the ones it was given);
+- its counter's low word is set by the example's position in the global batch: a
   draw whose shape has the batch's rows (`tf.shape(x)` of rows, flat rows of
   a fixed count per example, stacked views) gives row i of the global batch
-  what a draw of the whole batch gives it (`streams.draw_rows`), so each
+  what a draw of the whole batch gives it (`streams`: where a row fills whole
+  Philox groups, the op asked for the shard's own shape at its first row's
+  counter; else `streams.draw_rows`), so each
   device draws its own rows only, and a worker's rows keep their global
   positions. A draw whose shape does not depend on the batch (a scalar per
   step) is the same value on every tower. A draw shaped by a value that mixes
@@ -131,7 +134,7 @@ class KeyedDraws:
 
   def __init__(self, graph: tf.Graph, sizes: Sequence[Any], batch: Any, first_row: Any = 0):
     self.graph = graph
-    with tf.name_scope('keyed_draws'), tf.control_dependencies(None):
+    with tf.name_scope('random_draws'), tf.control_dependencies(None):
       self.step = _step_read(graph)
       # The step's Philox key, shared by every draw of the step; an op's counter is its own.
       self.key = tf.raw_ops.StatelessRandomGetKeyCounter(

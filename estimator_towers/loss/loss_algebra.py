@@ -60,6 +60,7 @@ import weakref
 import tensorflow as tf
 
 from estimator_towers.base import logs
+from estimator_towers.draws import keyed
 from estimator_towers.rows import row_dependence
 from estimator_towers.towers import tower_context
 
@@ -150,14 +151,17 @@ class Dependence:
     """
     key = (tensor.op.name, values)
     if key not in self._memo:
-      self._memo[key] = _search(tensor.op, self.inputs, self._variables, values)
+      self._memo[key] = _search(tensor.op, self.inputs, self._variables, values, draws=True)
     return self._memo[key]
 
   def shard(self, tensor: tf.Tensor) -> bool:
     return self.of(tensor)[0]
 
 
-def _search(start: tf.Operation, inputs: set, variables: set, values: bool) -> tuple[bool, bool]:
+def _search(start: tf.Operation, inputs: set, variables: set, values: bool,
+            draws: bool = False) -> tuple[bool, bool]:
+  """(reaches an op of `inputs`, reaches one of `variables`); `draws`: a keyed draw counts
+  as the shard's inputs (values of its examples, by their positions)."""
   shard = variable = False
   pending, seen = [start], set()
   while pending and len(seen) < _SEARCH_LIMIT and not (shard and variable):
@@ -165,6 +169,9 @@ def _search(start: tf.Operation, inputs: set, variables: set, values: bool) -> t
     if op.name in seen:
       continue
     seen.add(op.name)
+    if draws and keyed.built_by_draws(op):
+      shard = True
+      continue
     shard = shard or op.name in inputs
     variable = variable or op.name in variables
     if not (values and op.type in SHAPE_OPS):
@@ -375,7 +382,8 @@ class _Parser:
       seen.add(op.name)
       if op.type in _VALUE_SHAPED and self.dependence.shard(op.outputs[0]):
         return False
-      pending.extend(t.op for t in op.inputs)
+      if not keyed.built_by_draws(op):   # a keyed draw has one value per example
+        pending.extend(t.op for t in op.inputs)
     return True
 
   def _nests(self, x: tf.Tensor) -> bool:
@@ -399,7 +407,8 @@ class _Parser:
       if op.type in _REDUCTIONS and op.outputs and _one_element(op.outputs[0]) and (
           not self.batch_norms(op.outputs[0])):
         found = self.dependence.of(op.outputs[0], values=True)[0]
-      pending.extend(t.op for t in op.inputs)
+      if not keyed.built_by_draws(op):   # a keyed draw's own arithmetic is no statistic
+        pending.extend(t.op for t in op.inputs)
     self._nested[x.op.name] = found
     return found
 

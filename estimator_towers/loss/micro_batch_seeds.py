@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from estimator_towers.draws import keyed
 from estimator_towers.loss import loss_algebra
 from estimator_towers.loss import seeds as seeds_lib
 from estimator_towers.loss import statistics as statistics_lib
@@ -62,7 +63,7 @@ def micro_batch(expression: Expression, find: Callable, ungated: Callable,
           statistics_lib.report_unmatched(expression.loss, statistic.source, i)
           return None
       else:  # from the shard's inputs, before the gates
-        source = _clone(statistic.source, expression, ungated(i), sizes[i], sizes[0])
+        source = _clone(statistic.source, expression, ungated(i), sizes[i], sizes[0], i)
       found[statistic.key] = statistic.of(source)
     values.append(found)
   totals = statistics_lib.whole_batch_totals(values, nonempty, across, (
@@ -166,7 +167,7 @@ def _coefficients(expression: Expression, known: dict, numerators: list, totals:
 
 
 def _clone(source: tf.Tensor, expression: Expression, inputs: Sequence[tf.Tensor],
-           size: Any, first_size: Any) -> tf.Tensor:
+           size: Any, first_size: Any, shard: int) -> tf.Tensor:
   """Tower 0's `source` computed again from another shard's `inputs`.
 
   `source` depends on no trained variable's values; its ops are copied with
@@ -174,9 +175,11 @@ def _clone(source: tf.Tensor, expression: Expression, inputs: Sequence[tf.Tensor
   `expression.dependence`'s). Where it takes only the shape of a tensor
   computed from trained variables (a `tf.ones_like(losses)` that broadcasts
   weights, a `tf.size`), that shape is tower 0's with its first dimension
-  scaled from tower 0's `first_size` examples to the shard's `size`.
+  scaled from tower 0's `first_size` examples to the shard's `size`. Keyed
+  random draws draw the shard's own rows (`shard`'s position).
   """
   mapping = {t.name: i for t, i in zip(expression.dependence.input_tensors, inputs)}
+  mapping.update(keyed.positions_for(source.graph, shard))   # its keyed draws' rows
   memo: dict = {}
 
   def clone(t: tf.Tensor) -> tf.Tensor:
