@@ -578,3 +578,11 @@ def test_a_normaliser_of_random_weights_trains_as_one_device(layout):
   for actual, expected in zip(_train(_random_normaliser_model_fn, layout),
                               _train(_random_normaliser_model_fn)):
     testlib.assert_variables_close(actual, expected)
+
+
+def test_error_a_stateless_draw_of_another_algorithm():
+  def draw(x):
+    return tf.random.stateless_uniform(tf.shape(x), seed=[1, 2], alg='threefry')
+  with pytest.raises(ValueError, match=r'the random op stateless_random_uniform_v2 .* cannot be: '
+                                       r'its algorithm is not Philox.*' + _FIX):
+    _build(draw)

@@ -297,6 +297,11 @@ class _Build:
       return self._sampler(call)
     if name in _UNKEYABLE:
       return self._unkeyable(call, what, _UNKEYABLE[name])
+    alg = tf.get_static_value(call.args.get('alg')) if module == 'stateless_v2' else None
+    if alg is not None and alg not in (_PHILOX, 3):   # 3: 'auto_select', Philox on CPUs, GPUs
+      raise refusal(what, f'its algorithm is not Philox (alg={call.args.get("alg")!r}), and a '
+                          f'keyed draw sets a Philox counter', 'use alg=\'philox\' or '
+                          '\'auto_select\' (TensorFlow\'s choice on CPUs and GPUs)')
     key, counter = self._key_counter(call)
     if name in ('multinomial', 'stateless_multinomial'):
       return self._categorical(call, key, counter)
