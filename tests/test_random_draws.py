@@ -200,6 +200,23 @@ def test_a_draw_without_batch_rows_is_one_value_on_every_tower():
     testlib.assert_close(actual[name], expected[name], err_msg=name)
 
 
+def _sampled_model_fn(features, mode):
+  """Sampled-softmax candidates (no batch rows), given to every example."""
+  x = features['x']
+  ids = tf.cast(tf.abs(x[:, 0, :1]) * 10, tf.int64)
+  sampled, _, _ = tf.random.log_uniform_candidate_sampler(ids, 1, 5, True, 50)
+  return tf.estimator.EstimatorSpec(mode, predictions={
+      'sampled': tf.tile(sampled[None], [tf.shape(x)[0], 1])})
+
+
+def test_sampled_candidates_are_one_device_s_on_every_tower():
+  """The candidate sampler's op is seeded the same on every tower: one device's candidates."""
+  expected, actual = _predict(_sampled_model_fn), _predict(_sampled_model_fn, '3_towers')
+  np.testing.assert_array_equal(actual['sampled'], expected['sampled'])
+  first = actual['sampled'][:BATCH]
+  np.testing.assert_array_equal(first, np.broadcast_to(first[0], first.shape))
+
+
 @pytest.mark.parametrize('layout', DRAW_LAYOUTS)
 def test_time_major_dropout_predicts_as_one_device(layout):
   """x transposed to [T, B, H], dropped out and transposed back."""
