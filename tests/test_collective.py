@@ -200,7 +200,7 @@ def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize('model, micro_batches', [
-    ('clip', 1), ('clip_weighted', 1), ('top_k', 1), ('mixup', 1), ('attention', 1), ('clip', 2),
+    ('clip_weighted', 1), ('top_k', 1), ('mixup', 1), ('attention', 1), ('clip', 2),
     ('batch_reductions', 1)])
 def test_cross_example_losses_across_two_workers_of_two_towers(tmp_path, model, micro_batches):
   """Issue 33: an in-batch softmax with a trained temperature (and a trained weight of its
