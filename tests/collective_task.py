@@ -209,18 +209,27 @@ def batch_reductions_model_fn(features, labels, mode, params):
 
 
 def random_draws_model_fn(features, labels, mode, params):
-  """Random draws of three kinds: Gaussian noise of tf.shape(x) on the inputs, dropout of
-  the hidden rows, and one scalar drawn per step (the same for every example)."""
+  """Random draws of every common kind: Gaussian, truncated normal and stateless noise of
+  tf.shape(x), an integer scale per example, Keras' GaussianNoise, dropout (v1 keep_prob and
+  v2 rate), a categorical and a gamma draw per example, and one scalar drawn per step."""
   x = features['x']
-  noisy = x + 0.5 * tf.random.normal(tf.shape(x))
+  rows = tf.shape(x)[:1]
+  noisy = (x + 0.5 * tf.random.normal(tf.shape(x)) + 0.1 * tf.random.truncated_normal(tf.shape(x))
+           + 0.1 * tf.random.stateless_uniform(tf.shape(x), seed=[3, 4]))
+  noisy *= tf.cast(tf.random.uniform(rows, 1, 3, dtype=tf.int32), tf.float32)[:, None]
   hidden = tf.compat.v1.layers.dense(
       noisy, 4, activation=tf.nn.tanh,
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1))
+  hidden = tf.keras.layers.GaussianNoise(0.1)(hidden, training=True)
+  hidden = tf.compat.v1.nn.dropout(hidden, keep_prob=0.8)
   hidden = tf.nn.dropout(hidden, rate=0.5) * tf.random.uniform([], 0.5, 1.5)
+  picked = tf.random.categorical(tf.zeros(tf.concat([rows, [2]], 0)), 1)    # [n, 1]
+  hidden *= 1.0 + 0.5 * tf.cast(picked, tf.float32)
   logits = tf.compat.v1.layers.dense(
       hidden, testlib.NUM_CLASSES,
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
-  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+  weights = tf.random.gamma(rows, 2.0)
+  loss = tf.reduce_mean(weights * tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(loss, params))
 
 

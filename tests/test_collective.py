@@ -252,7 +252,7 @@ CHIEF_ENDS_FIRST = {0: 14, 1: 30}
 
 @pytest.mark.timeout(240)
 def test_random_draws_across_two_workers_of_two_towers_equal_one_device(tmp_path):
-  """Keyed draws: Gaussian noise of tf.shape(x), dropout and a scalar drawn per step on 2
+  """Keyed draws (every common kind: `collective_task.random_draws_model_fn`) on 2
   workers x 2 towers draw what the model_fn decorated for one device draws on the global
   batches, each worker's rows at their global positions (the chief's input ends after 3
   steps: the batches are 12, 12, 8, 6, 6, the worker's rows after 6, 6, 2, 0, 0 of the
