@@ -172,11 +172,14 @@ class _SharedPatch:
 
   `targets()` gives (owner, name, make) triples: `owner.name` becomes
   `make(original)`. Each user thread says by its own thread-local state
-  whether the replacement acts for it; the patch itself is shared.
+  whether the replacement acts for it; the patch itself is shared. With
+  `active` (a thread-local), holding the patch also raises the holding
+  thread's `active.depth` (nested holds count), which the replacements read.
   """
 
-  def __init__(self, targets: Callable[[], list]):
+  def __init__(self, targets: Callable[[], list], active: threading.local | None = None):
     self._targets, self._users, self._saved = targets, 0, []
+    self._active = active
     self._lock = threading.Lock()
 
   @contextlib.contextmanager
@@ -188,9 +191,14 @@ class _SharedPatch:
           self._saved.append((owner, name, original, name in vars(owner)))
           setattr(owner, name, make(original))
       self._users += 1
+    depth = getattr(self._active, 'depth', 0)
+    if self._active is not None:
+      self._active.depth = depth + 1
     try:
       yield
     finally:
+      if self._active is not None:
+        self._active.depth = depth
       with self._lock:
         self._users -= 1
         if self._users == 0:
@@ -225,7 +233,7 @@ def _skipping_add_update(own: Callable | None) -> Callable:
 
 _skip_patch = _SharedPatch(lambda: [(_skip_base['class'], 'add_update', lambda original:
                                      _skipping_add_update(vars(_skip_base['class']).get(
-                                         'add_update')))])
+                                         'add_update')))], _skipping)
 
 
 @contextlib.contextmanager
@@ -245,13 +253,8 @@ def batch_norm_updates_skipped() -> Iterator[None]:
     yield
     return
   _skip_base.setdefault('class', base)
-  depth = getattr(_skipping, 'depth', 0)
   with _skip_patch.held():
-    _skipping.depth = depth + 1
-    try:
-      yield
-    finally:
-      _skipping.depth = depth
+    yield
 
 
 # The shape reads' patch: installed while any thread builds a tower, active in those threads.
@@ -290,7 +293,7 @@ _unfold_patch = _SharedPatch(lambda: [
     (array_ops, 'shape_internal', lambda f: _unfolded(f, 2)),
     (array_ops, 'size_internal', lambda f: _unfolded(f, 2)),
     (array_ops, 'array_like_impl', lambda f: _unfolded(f, 5)),
-    (array_ops, 'rank_internal', _rank_recorded)])
+    (array_ops, 'rank_internal', _rank_recorded)], _unfolding)
 
 
 def is_folded_rank(tensor: tf.Tensor) -> bool:
@@ -310,13 +313,8 @@ def shape_reads_kept() -> Iterator[None]:
   rank does not depend on the batch), recorded as one (`is_folded_rank`).
   Other threads are unaffected.
   """
-  depth = getattr(_unfolding, 'depth', 0)
   with _unfold_patch.held():
-    _unfolding.depth = depth + 1
-    try:
-      yield
-    finally:
-      _unfolding.depth = depth
+    yield
 
 
 @contextlib.contextmanager

@@ -144,7 +144,7 @@ class KeyedDraws:
       for size in sizes:
         self.positions.append(total)
         total = total + tf.cast(size, tf.int64)
-    self._first_op = len(graph.get_operations())   # the model_fn's ops come after
+    self._first_op = len(graph.get_operations())   # the model_fn's ops (not yet read) from here
     _of_graph[graph] = self
 
   @classmethod
@@ -190,7 +190,9 @@ class KeyedDraws:
     if step is None or self.step.op.type == 'Const':
       return
     variable = (getattr(getattr(step, 'handle', None), 'op', None), step.op)
-    for op in self.graph.get_operations()[self._first_op:]:
+    ops = self.graph.get_operations()
+    first, self._first_op = self._first_op, len(ops)   # the next call reads only newer ops
+    for op in ops[first:]:
       if op.type in _GLOBAL_STEP_WRITES:
         writes = bool(op.inputs) and op.inputs[0].op in variable
       else:
