@@ -65,6 +65,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
                        micro_batches: int = 1,
                        cross_example: str = 'auto',
                        random_draws: str = 'keyed',
+                       resume_input: bool = True,
                        plan: plan_lib.DevicePlan | None = None) -> Callable:
   """Turns a single-device Estimator model_fn into a towered one.
 
@@ -179,6 +180,10 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
       page) or 'per_shard' (each tower draws its shard on its own, as the
       undecorated model_fn would: what is lost is that the training then
       depends on the device count and a restart redraws).
+    resume_input: True (default: in TRAIN a tf.data input's position, batches
+      prefetched or staged included, is saved in every checkpoint, so a resumed
+      run continues the same global batches on any topology) or False (every
+      train() call and restart reads from the first element again).
     plan: a `DevicePlan` from `make_plan`, instead of the arguments above.
 
   Returns:
@@ -213,7 +218,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     raise TypeError(f'model_fn must be callable, got {model_fn!r}.')
   plan = plan_lib.plan_from_arguments(plan, num_gpus, devices, variable_strategy,
                                       loss_reduction, sync_batch_norm, micro_batches,
-                                      cross_example, random_draws)
+                                      cross_example, random_draws, resume_input)
 
   def decorate(fn: Callable) -> Callable:
     return _wrap(fn, plan)

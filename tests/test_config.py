@@ -6,6 +6,7 @@ References are built independently of the code under test: plans from
 
 import dataclasses
 
+import numpy as np
 import pytest
 import tensorflow as tf
 from tensorflow_estimator.python.estimator import run_config as run_config_lib
@@ -125,6 +126,15 @@ def test_strategy_added_later_is_accepted(monkeypatch):
   assert config.plan.variable_strategy == 'added_later'
 
 
+@pytest.mark.parametrize('value', [False, np.False_, True, np.True_])
+def test_resume_input_reaches_the_plan(value):
+  config = make_config(num_cpu_devices=2, resume_input=value)
+  assert config.resume_input is bool(value)  # numpy's bool stored as Python's
+  assert config.plan == make_plan(devices=['/cpu:0', '/cpu:1'], resume_input=bool(value))
+  assert config.plan.resume_input is bool(value)
+  assert make_config().plan.resume_input is True
+
+
 # --- One test per error message ------------------------------------------------
 
 def test_unknown_argument():
@@ -177,6 +187,15 @@ def test_plan_errors_surface(kwargs, message):
 def test_bool_fields(name):
   with pytest.raises(ValueError, match=f"{name} must be True or False .*--no{name}.*got 'yes'"):
     make_config(**{name: 'yes'})
+
+
+@pytest.mark.parametrize('value', [1, 0, 'yes', None])
+def test_resume_input_must_be_a_bool(value):
+  with pytest.raises(ValueError, match=f'resume_input must be True or False, got {value!r}: use '
+                     r'resume_input=True \(the default\) to save the position of a tf\.data '
+                     r'input in every checkpoint.* or resume_input=False to read the input '
+                     r'from its first element'):
+    make_config(resume_input=value)
 
 
 @pytest.mark.parametrize('name', ['intra_op_threads', 'inter_op_threads'])

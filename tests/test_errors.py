@@ -87,6 +87,23 @@ def test_plan_and_a_plan_setting_together():
     replicate_model_fn(lambda features: None, plan=plan, sync_batch_norm=True)
 
 
+@pytest.mark.parametrize('value', [1, 'yes'])
+def test_resume_input_must_be_a_bool(value):
+  with pytest.raises(ValueError, match=f'resume_input must be True or False, got {value!r}: use '
+                     r'resume_input=True \(the default\) .* or resume_input=False'):
+    replicate_model_fn(testlib.v1_model_fn, devices=['/cpu:0'], resume_input=value)
+
+
+def test_resume_input_with_a_plan():
+  plan = make_plan(devices=['/cpu:0'])
+  with pytest.raises(ValueError, match=r'Give either plan or resume_input=False, not both.*'
+                                       r'make_plan'):
+    replicate_model_fn(testlib.v1_model_fn, plan=plan, resume_input=False)
+  with pytest.raises(ValueError, match='resume_input must be True or False, got 1'):
+    replicate_model_fn(testlib.v1_model_fn, plan=plan, resume_input=1)  # 1 == True: still refused
+  replicate_model_fn(testlib.v1_model_fn, plan=plan, resume_input=np.True_)  # numpy's bool is one
+
+
 def test_plan_and_devices_together():
   with pytest.raises(ValueError, match='Give either plan or num_gpus/devices, not both'):
     replicate_model_fn(testlib.v1_model_fn, devices=['/cpu:0'], plan=make_plan(num_gpus=1))

@@ -141,6 +141,25 @@ def test_flag_errors_at_parse_time_in_flag_syntax(args, message):
                        str(raised.value).split(': ', 1)[1]), str(raised.value)
 
 
+@pytest.mark.parametrize('args, expected', [([], True), (['--resume_input'], True),
+                                            (['--noresume_input'], False)])
+def test_resume_input_flag_reaches_the_plan(args, expected):
+  config = config_from_flags(parsed('--num_cpu_devices=2', *args))
+  assert config.resume_input is expected
+  assert config.plan == make_plan(devices=['/cpu:0', '/cpu:1'], resume_input=expected)
+  assert config.plan.resume_input is expected
+
+
+def test_resume_input_not_a_bool_in_flag_syntax():
+  """A value set after parsing (validators bypassed): the fix names both flags."""
+  flag_values = parsed()
+  flag_values['resume_input'].value = 1
+  with pytest.raises(ValueError, match=r'--resume_input must be True or False, got '
+                     r'--resume_input=1: use --resume_input \(the default\) .* or '
+                     r'--noresume_input to read the input from its first element'):
+    config_from_flags(flag_values)
+
+
 def test_config_from_flags_errors_in_flag_syntax():
   """Values set after parsing (validators bypassed) are checked again."""
   flag_values = parsed()

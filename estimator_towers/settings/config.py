@@ -53,6 +53,9 @@ class TowersConfig:
     random_draws: 'keyed' (each example's random draws set by its position
       in the global batch and the global step) or 'per_shard' (each tower
       draws on its own: the result depends on the device count).
+    resume_input: True (default): in TRAIN a tf.data input's position is saved
+      in every checkpoint, so a resumed run continues the same global batches;
+      False: every train() call and restart reads from the first element.
     log_device_placement: log the device of every op when the session starts.
     allow_soft_placement: let TensorFlow move ops without a kernel for their
       device (summaries on a GPU tower, say) to another device. On by default,
@@ -85,6 +88,7 @@ class TowersConfig:
   loss_reduction: str = 'auto'
   cross_example: str = 'auto'
   random_draws: str = 'keyed'
+  resume_input: bool = True
   log_device_placement: bool = False
   allow_soft_placement: bool = True
   gpu_memory_fraction: float = 0.0
@@ -107,6 +111,7 @@ class TowersConfig:
                               loss_reduction=self.loss_reduction,
                               cross_example=self.cross_example,
                               random_draws=self.random_draws,
+                              resume_input=self.resume_input,
                               staging_depth=self.staging_depth,
                               staging_backend=self.staging_backend,
                               allow_cpu_fallback=self.allow_cpu_fallback,
@@ -190,6 +195,8 @@ def _make_config(kwargs: dict[str, Any], resolve: bool) -> TowersConfig:
   _check_memory_fraction(kwargs.get('gpu_memory_fraction', 0.0))
   if 'visible_gpus' in kwargs:
     kwargs['visible_gpus'] = _normalize_visible_gpus(kwargs['visible_gpus'])
+  if 'resume_input' in kwargs:  # numpy's bool kept as Python's
+    kwargs['resume_input'] = plan_lib.validate_resume_input(kwargs['resume_input'])
   config = TowersConfig(**kwargs)
   plan = config.plan  # make_plan's checks: count, devices, strategy, reduction, depth.
   _check_gpus_visible(plan, config.visible_gpus)

@@ -135,6 +135,15 @@ def _definitions() -> dict[str, Callable[[flags.FlagValues], object]]:
           'same on any device count, micro-batch or worker and after a restart; '
           'per_shard: each tower draws its shard on its own (the result depends '
           'on the device count).', flag_values=fv),
+      'resume_input': lambda fv: flags.DEFINE_bool(
+          'resume_input', True,
+          'In training, save the position of a tf.data input (its iterator and '
+          'the batches prefetched or staged on devices) in every checkpoint, so '
+          'a resumed train() or restarted job continues the same sequence of '
+          'global batches on any number of devices, micro-batches or workers. '
+          '--noresume_input: every train() call and restart reads its input '
+          'from the first element again (examples seen twice, others never).',
+          flag_values=fv),
       'sync_batch_norm': lambda fv: flags.DEFINE_bool(
           'sync_batch_norm', False,
           'In training, normalise every batch norm with the mean and variance '

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import numpy as np
+
 from estimator_towers.base import spelling
 from estimator_towers.cluster import servers as cross_worker_servers
 from estimator_towers.placement import devices as devices_lib
@@ -59,6 +61,9 @@ class DevicePlan:
       tower draws its shard on its own, as the undecorated model_fn would:
       the draws, and so the training, then depend on the device count and
       restart with each session).
+    resume_input: True (default): in TRAIN a tf.data input's position (its
+      iterator, batches prefetched or staged) is saved in every checkpoint, so
+      a resumed run continues the same global batches; False: it starts over.
     staging_depth: shards kept in flight per device by the staged input_fn.
     staging_backend: how the staged input_fn prefetches shards:
       'staging_area' (a StagingArea per device; the only value).
@@ -92,6 +97,7 @@ class DevicePlan:
   worker_timeout_secs: float = 120.0
   cross_example: str = 'auto'
   random_draws: str = 'keyed'
+  resume_input: bool = True
 
   def resolve(self) -> tuple[str, ...]:
     """The devices the towers really get on this machine.
@@ -122,7 +128,8 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
               micro_batches: int = 1,
               worker_timeout_secs: float = 120.0,
               cross_example: str = 'auto',
-              random_draws: str = 'keyed') -> DevicePlan:
+              random_draws: str = 'keyed',
+              resume_input: bool = True) -> DevicePlan:
   """Validates arguments and returns a DevicePlan.
 
   Give the plan to `replicate_model_fn(model_fn, plan=plan)` and, for staged
@@ -160,13 +167,17 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
       its position in the global batch and the global step, the same on any
       topology and after a restart) or 'per_shard' (each tower draws on its
       own: the result depends on the device count).
+    resume_input: True (default: in TRAIN the tf.data input's position is
+      saved in every checkpoint, so a resumed run continues the same global
+      batches) or False (every train() call reads from the first element).
 
   Raises:
     ValueError: for a count together with devices, a negative count,
       duplicate or malformed devices, an unknown strategy, reduction or
       cross_example, or a
       negative staging depth, an unknown or removed staging backend, or
-      micro_batches that is not a positive integer.
+      micro_batches that is not a positive integer, or a resume_input that
+      is not a bool.
 
   Example:
       ```python
@@ -194,6 +205,7 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
         f'losses do) and "sum" when it adds up per-example losses.')
   validate_cross_example(cross_example)
   validate_random_draws(random_draws)
+  resume_input = validate_resume_input(resume_input)
   if isinstance(staging_depth, bool) or not isinstance(staging_depth, int) or staging_depth < 0:
     raise ValueError(
         f'{spelling.name("staging_depth")} must be a non-negative integer '
@@ -228,7 +240,8 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
                     sync_batch_norm=sync_batch_norm,
                     micro_batches=micro_batches,
                     worker_timeout_secs=float(worker_timeout_secs),
-                    cross_example=cross_example, random_draws=random_draws)
+                    cross_example=cross_example, random_draws=random_draws,
+                    resume_input=resume_input)
 
 
 def validate_random_draws(value: object) -> None:
@@ -241,6 +254,24 @@ def validate_random_draws(value: object) -> None:
                    'use "keyed" to draw each example\'s random values by its position in the '
                    'global batch (the same on any device count and after a restart), or '
                    '"per_shard" to let each tower draw on its own.')
+
+
+def validate_resume_input(value: object) -> bool:
+  """Checks a `resume_input` setting and returns it as a Python bool.
+
+  Raises:
+    ValueError: unless `value` is a bool (Python's or numpy's); 1 or 'yes' are not.
+  """
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(
+        f'{spelling.name("resume_input")} must be True or False, got '
+        f'{spelling.value("resume_input", value)}: use '
+        f'{spelling.setting("resume_input", True)} (the default) to save the '
+        f'position of a tf.data input in every checkpoint, so a resumed run '
+        f'continues the same global batches, or '
+        f'{spelling.setting("resume_input", False)} to read the input from its '
+        f'first element at every train() call and restart.')
+  return bool(value)
 
 
 def validate_cross_example(value: object) -> None:
@@ -265,7 +296,8 @@ def plan_from_arguments(plan: DevicePlan | None, num_gpus: int | None,
                         devices: Sequence[str] | None, variable_strategy: str,
                         loss_reduction: str, sync_batch_norm: bool,
                         micro_batches: int, cross_example: str = 'auto',
-                        random_draws: str = 'keyed') -> DevicePlan:
+                        random_draws: str = 'keyed',
+                        resume_input: bool = True) -> DevicePlan:
   """`replicate_model_fn`'s plan: the one it was given, or one made from its arguments.
 
   Raises:
@@ -279,19 +311,22 @@ def plan_from_arguments(plan: DevicePlan | None, num_gpus: int | None,
                      loss_reduction=loss_reduction,
                      sync_batch_norm=sync_batch_norm,
                      micro_batches=micro_batches,
-                     cross_example=cross_example, random_draws=random_draws)
+                     cross_example=cross_example, random_draws=random_draws,
+                     resume_input=resume_input)
   if num_gpus is not None or devices is not None:
     raise ValueError('Give either plan or num_gpus/devices, not both; the '
                      'plan already names the devices.')
   if not isinstance(plan, DevicePlan):
     raise TypeError(f'plan must be a DevicePlan from make_plan, got {plan!r}.')
+  validate_resume_input(resume_input)  # 1 == True: not an override, still not a bool.
   overridden = {name: value for name, value, default in (
       ('variable_strategy', variable_strategy, 'cpu'),
       ('loss_reduction', loss_reduction, 'auto'),
       ('sync_batch_norm', sync_batch_norm, False),
       ('micro_batches', micro_batches, 1),
       ('cross_example', cross_example, 'auto'),
-      ('random_draws', random_draws, 'keyed')) if value != default}
+      ('random_draws', random_draws, 'keyed'),
+      ('resume_input', resume_input, True)) if value != default}
   if overridden:
     settings = ', '.join(f'{name}={value!r}' for name, value in overridden.items())
     raise ValueError(
