@@ -34,6 +34,7 @@ from estimator_towers.gradients import other_towers
 from estimator_towers.gradients import whole_batch as gradients
 from estimator_towers.inputs import empty_shards
 from estimator_towers.inputs import micro_batches as micro_batches_lib
+from estimator_towers.inputs import position
 from estimator_towers.inputs import shards as shards_lib
 from estimator_towers.inputs import staging
 from estimator_towers.loss import reported
@@ -259,33 +260,19 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
         f'{placement.name}, loss_reduction={plan.loss_reduction}'
         f'{f", micro_batches={plan.micro_batches}" if plan.micro_batches > 1 else ""}).')
     run = functools.partial(call_user, params=params, config=config)
-    staged = staging.staged_shards(features, labels, plan, tower_devices)
+    from_staging = staging.is_staged(features)
     across = None if mode != ModeKeys.TRAIN else cross_worker.for_train_graph(
-        config, plan.variable_strategy, plan.worker_timeout_secs, staged is not None)
-    if across is not None:  # a TRAIN graph of one worker of several
-      features, labels, has_data = cross_worker.live_inputs(features, labels)
-      across.set_live(has_data)  # ThroughputHook's batch: the cluster's (_build_train)
-      return _build_towers(run, features, labels, mode, plan, placement, None, across)
-    if mode == ModeKeys.TRAIN:  # For ThroughputHook's examples/sec.
-      throughput.record_global_batch(staged.batch if staged is not None
-                                     else throughput.first_leaf_rows(features))
-    if single and plan.random_draws == 'keyed':  # one device draws what any topology does
-      run = keyed.KeyedDraws.whole_batch(
-          tf.compat.v1.get_default_graph(), *((features, labels) if staged is None
-                                              else (staged.features[0], staged.labels[0]))
-      ).wrap(run)
-    if staged is not None:  # Towers read prefetched shards from staging areas.
-      if single:
-        with tf.device(tower_devices[0]), tower_context.entering(0, 1, tower_devices[0], True):
-          return staged.attach_hook(run(staged.features[0], staged.labels[0], mode))
-      return staged.attach_hook(
-          _build_towers(run, features, labels, mode, plan, placement, staged))
-    if single:
-      with tf.device(tower_devices[0]), tower_context.entering(0, 1, tower_devices[0], True):
-        return run(features, labels, mode)
-    if serving:
-      return run(features, labels, mode)
-    return _build_towers(run, features, labels, mode, plan, placement)
+        config, plan.variable_strategy, plan.worker_timeout_secs, from_staging)
+    source = None
+    if mode == ModeKeys.TRAIN and plan.resume_input:  # the input's position, checkpointed
+      features, labels, source = position.own(
+          features, labels, replace=not from_staging and across is None,
+          global_only=across is not None)
+    spec = _towered_spec(run, features, labels, mode, plan, placement, tower_devices, single,
+                         serving, across, source)
+    if source is not None:
+      spec = position.attach(spec, source, config, staged=from_staging)
+    return spec
 
   # Estimator passes only the arguments a model_fn's signature names: mirror the
   # user's labels/params, and always take mode and config, which towering needs.
@@ -296,6 +283,38 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
        for n in names])
   del towered_model_fn.__wrapped__  # Estimator must see our signature.
   return towered_model_fn
+
+
+def _towered_spec(run, features, labels, mode, plan, placement, tower_devices, single, serving,
+                  across, source) -> tf.estimator.EstimatorSpec:
+  """The spec of one graph: staged or plain input, one device or towers, one worker or several."""
+  staged = staging.staged_shards(features, labels, plan, tower_devices, source)
+  if across is not None:  # a TRAIN graph of one worker of several
+    features, labels, has_data = cross_worker.live_inputs(
+        features, labels, None if source is None else source.next_for_worker(across.rank,
+                                                                             across.size))
+    across.set_live(has_data)  # ThroughputHook's batch: the cluster's (_build_train)
+    return _build_towers(run, features, labels, mode, plan, placement, None, across)
+  if mode == ModeKeys.TRAIN:  # For ThroughputHook's examples/sec.
+    throughput.record_global_batch(staged.batch if staged is not None
+                                   else throughput.first_leaf_rows(features))
+  if single and plan.random_draws == 'keyed':  # one device draws what any topology does
+    run = keyed.KeyedDraws.whole_batch(
+        tf.compat.v1.get_default_graph(), *((features, labels) if staged is None
+                                            else (staged.features[0], staged.labels[0]))
+    ).wrap(run)
+  if staged is not None:  # Towers read prefetched shards from staging areas.
+    if single:
+      with tf.device(tower_devices[0]), tower_context.entering(0, 1, tower_devices[0], True):
+        return staged.attach_hook(run(staged.features[0], staged.labels[0], mode))
+    return staged.attach_hook(
+        _build_towers(run, features, labels, mode, plan, placement, staged))
+  if single:
+    with tf.device(tower_devices[0]), tower_context.entering(0, 1, tower_devices[0], True):
+      return run(features, labels, mode)
+  if serving:
+    return run(features, labels, mode)
+  return _build_towers(run, features, labels, mode, plan, placement)
 
 
 def _build_towers(run, features, labels, mode, plan, placement, staged=None, across=None):

@@ -93,8 +93,14 @@ def input_fn(x, y, batch_size: int, static_batch: bool = False, epochs: int = 1)
   return fn
 
 
+# The input's position (the library's, in TRAIN checkpoints): not a variable.
+POSITION_PREFIX = 'input_position/'
+
+
 def variables(estimator: tf.estimator.Estimator) -> dict[str, np.ndarray]:
-  return {n: estimator.get_variable_value(n) for n in estimator.get_variable_names()}
+  """The checkpoint's variables (not the input position) by name."""
+  return {n: estimator.get_variable_value(n) for n in estimator.get_variable_names()
+          if not n.startswith(POSITION_PREFIX)}
 
 
 def stepwise_estimator(model_fn, num_cpus: int = 1, model_dir: str | None = None,
@@ -107,7 +113,8 @@ def stepwise_estimator(model_fn, num_cpus: int = 1, model_dir: str | None = None
 def checkpoint_variables(path: str) -> dict[str, np.ndarray]:
   """Every value of checkpoint `path`, under the names `variables` gives."""
   reader = tf.train.load_checkpoint(path)
-  return {n: reader.get_tensor(n) for n in reader.get_variable_to_shape_map()}
+  return {n: reader.get_tensor(n) for n in reader.get_variable_to_shape_map()
+          if not n.startswith(POSITION_PREFIX)}
 
 
 def train_and_read(estimator: tf.estimator.Estimator, input_fn, at=(1, 3),

@@ -70,6 +70,10 @@ graph construction, and so that a TensorFlow upgrade has one file to check.
   names Estimator reads off a model_fn or input_fn (`fn_args`), the v1
   collective all-reduce with explicit group and instance keys (`all_reduce`)
   and per-device prefetch buffers (`StagingArea`).
+- An input's position in the checkpoint (`inputs.position`): the Saver's
+  base class for what is not a variable (`SaveableObject`), the list a
+  deferred Saver saves (`Saver._var_list`), and which op types are stateful
+  (`op_def_registry`), read for the ops of a dataset's functions.
 - Estimator's server start under `train_and_evaluate`
   (`_TrainingExecutor._start_std_server`), replaced so that a collective
   task's server names the chief as its group leader (`cluster.servers`).
@@ -87,6 +91,7 @@ import tensorflow as tf
 from tensorflow.python.eager import backprop  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.eager import record  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import importer  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.framework import op_def_registry  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import random_seed  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import array_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import gen_candidate_sampling_ops  # pylint: disable=g-direct-tensorflow-import
@@ -101,6 +106,7 @@ from tensorflow.python.ops import control_flow_v2_func_graphs  # pylint: disable
 from tensorflow.python.ops import data_flow_ops  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import nn_impl  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import variable_scope  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.training.saving import saveable_object  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
 # The original functions; the combined gradient is built with these.
@@ -569,6 +575,19 @@ fn_args = function_utils.fn_args            # a model_fn's / input_fn's argument
 all_reduce = collective_ops.all_reduce      # v1 all-reduce with group and instance keys
 StagingArea = data_flow_ops.StagingArea     # a device's prefetch buffer
 VariableScope = variable_scope.VariableScope
+SaveableObject = saveable_object.SaveableObject  # what a Saver saves besides variables
+SaveSpec = saveable_object.SaveSpec
+
+
+def is_stateful(op_type: str) -> bool:
+  """Whether TensorFlow registers `op_type` as stateful (also for ops in function bodies)."""
+  op_def = op_def_registry.get(op_type)
+  return bool(op_def is not None and op_def.is_stateful)
+
+
+def set_saver_var_list(saver: Any, var_list: list) -> None:
+  """What a deferred Saver will save, set before its build (`Saver._var_list`)."""
+  saver._var_list = var_list  # pylint: disable=protected-access
 
 
 @contextlib.contextmanager

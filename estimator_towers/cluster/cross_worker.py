@@ -279,12 +279,14 @@ def _written_variables(across: CrossWorker, update_ops: Sequence[tf.Operation]) 
   return [written[name] for name in sorted(written)]
 
 
-def live_inputs(features: Any, labels: Any) -> tuple[Any, Any, tf.Tensor]:
+def live_inputs(features: Any, labels: Any, read: tuple | None = None
+                ) -> tuple[Any, Any, tf.Tensor]:
   """features and labels read so that an ended input gives one zero example.
 
   Estimator's features and labels are the outputs of one `IteratorGetNext`
   of the input_fn's dataset; they are read instead with
-  `IteratorGetNextAsOptional` from the same iterator.
+  `IteratorGetNextAsOptional` from the same iterator, or given as `read`:
+  (has_value, features, labels) already read (the positioned input).
 
   Returns:
     (features, labels, has_data): has_data is False once the input ended,
@@ -293,6 +295,8 @@ def live_inputs(features: Any, labels: Any) -> tuple[Any, Any, tf.Tensor]:
   Raises:
     ValueError: if the inputs do not all come from one dataset iterator.
   """
+  if read is not None:
+    return _one_zero_example_unless(*read)
   leaves = [t for t in tf.nest.flatten((features, labels), expand_composites=True)
             if t is not None]  # absent labels: a features-only dataset
   ops = {t.op for t in leaves if isinstance(t, tf.Tensor)}
@@ -359,3 +363,26 @@ def for_train_graph(config: Any, variable_strategy: str, timeout_secs: float,
         f'instead): it would not give the single-device update. '
         f'Train without it, or on one machine.')
   return CrossWorker(cluster, timeout_secs=timeout_secs)
+
+
+def _one_zero_example_unless(has_data: tf.Tensor, features: Any, labels: Any
+                             ) -> tuple[Any, Any, tf.Tensor]:
+  """(features, labels, has_data), every dense leaf one example of zeros without data."""
+  structure = (features, labels)
+  leaves = [t for t in tf.nest.flatten(structure) if t is not None]
+  if any(not isinstance(t, tf.Tensor) for t in leaves):
+    raise ValueError(
+        'variable_strategy=\'collective\' across workers needs the input_fn to '
+        'return a tf.data.Dataset of dense Tensors (features, labels): when one '
+        'worker\'s input ends before the others\', it keeps meeting their '
+        'all-reduces with one zero example of weight zero.')
+  with tf.name_scope('live_inputs'):
+    values = tf.cond(has_data, lambda: [tf.identity(t) for t in leaves],
+                     lambda: [tf.zeros([1] + [d if d is not None else 1
+                                              for d in t.shape.as_list()[1:]], t.dtype)
+                              for t in leaves])
+  for value, leaf in zip(values, leaves):
+    value.set_shape(tf.TensorShape([None]).concatenate(leaf.shape[1:]))
+  replaced = iter(values)
+  out = tf.nest.map_structure(lambda t: None if t is None else next(replaced), structure)
+  return out[0], out[1], has_data

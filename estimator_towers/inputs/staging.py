@@ -195,6 +195,13 @@ def staged_input_fn(input_fn: Callable, plan: plan_lib.DevicePlan,
   return wrapped_input_fn
 
 
+def is_staged(features: Any) -> bool:
+  """Whether `features` came from a `staged_input_fn` of this graph."""
+  flat_features = _flat(features)
+  host_batch = _registry(tf.compat.v1.get_default_graph()).get(_key(flat_features))
+  return host_batch is not None and host_batch.flat_features == flat_features
+
+
 @dataclasses.dataclass(frozen=True)
 class StagedShards:
   """Per-tower inputs read on the tower devices, and the hook that feeds them.
@@ -232,11 +239,11 @@ class StagingHook(tf.compat.v1.train.SessionRunHook):
   end of input.
   """
 
-  def __init__(self, put: tf.Tensor, step: tf.Tensor, initializer: tf.Operation,
+  def __init__(self, put: tf.Tensor, step: tf.Tensor, start: Callable[[Any], None],
                clear: tf.Operation, depth: int):
     self._put = put
     self._step_args = tf.compat.v1.train.SessionRunArgs(step)
-    self._initializer = initializer
+    self._start = start  # sets the input's position (a fresh iterator, or as restored)
     self._clear = clear
     self._depth = depth
     self._staged = 0
@@ -244,9 +251,11 @@ class StagingHook(tf.compat.v1.train.SessionRunHook):
 
   def after_create_session(self, session, coord):
     del coord
-    # A new session starts from a fresh iterator and empty areas, whatever a
-    # previous session (or a remote worker's leftovers) left behind.
-    session.run([self._initializer, self._clear])
+    # A new session starts with empty areas, whatever a previous session (or a
+    # remote worker's leftovers) left behind, and the input where its position
+    # says: the first element, or where the restored checkpoint left off.
+    session.run(self._clear)
+    self._start(session)
     self._staged = 0
     self._exhausted = False
     for _ in range(self._depth):
@@ -286,7 +295,7 @@ def _split(value: Any, with_labels: bool, num_towers: int) -> list:
 
 
 def _stage(host_batch: _HostBatch, with_labels: bool, tower_devices: Sequence[str],
-           host: str) -> tuple[list, StagingHook]:
+           host: str, source: Any = None) -> tuple[list, StagingHook]:
   """A StagingArea per tower device, filled by a put op that the hook runs.
 
   Args:
@@ -294,6 +303,8 @@ def _stage(host_batch: _HostBatch, with_labels: bool, tower_devices: Sequence[st
     with_labels: whether shards carry labels (not in PREDICT).
     tower_devices: one device per tower.
     host: the input pipeline's device.
+    source: the positioned training input (`position.Source`), or None to
+      read the input_fn's iterator from its first element.
 
   Returns:
     Each tower's shard (read on its device) and the driving hook.
@@ -301,9 +312,14 @@ def _stage(host_batch: _HostBatch, with_labels: bool, tower_devices: Sequence[st
   graph = tf.compat.v1.get_default_graph()
   iterator = host_batch.iterator
   with tf.device(host):
-    optional = iterator.get_next_as_optional()
-    has_value = optional.has_value()
-  features_spec, labels_spec = _features_and_labels(optional.element_spec, with_labels)
+    if source is None:
+      optional = iterator.get_next_as_optional()
+      has_value, element_spec = optional.has_value(), optional.element_spec
+      next_value = optional.get_value
+    else:
+      has_value, value = source.get_next_as_optional()
+      element_spec, next_value = source.element_spec, lambda: value
+  features_spec, labels_spec = _features_and_labels(element_spec, with_labels)
   element_spec = (features_spec, labels_spec) if with_labels else features_spec
   dtypes = [s.dtype for s in tf.nest.flatten(element_spec, expand_composites=True)]
   areas = []
@@ -311,13 +327,16 @@ def _stage(host_batch: _HostBatch, with_labels: bool, tower_devices: Sequence[st
     with tf.device(device):
       areas.append(interception.StagingArea(
           dtypes, shared_name=graph.unique_name('staging_area')))
+  in_flight = None if source is None else _InFlight(source, host, graph,
+                                                    host_batch.plan.staging_depth)
 
   shard_specs = []
 
   def put_next_batch():
-    shards = _split(optional.get_value(), with_labels, len(areas))
+    batch = next_value()
+    shards = _split(batch, with_labels, len(areas))
     del shard_specs[:]
-    puts = []
+    puts = [] if in_flight is None else [in_flight.put(batch)]
     for area, device, shard in zip(areas, tower_devices, shards):
       shard_specs.append(tf.nest.map_structure(tf.type_spec_from_value, shard))
       with tf.device(device):
@@ -340,11 +359,58 @@ def _stage(host_batch: _HostBatch, with_labels: bool, tower_devices: Sequence[st
       gets.append(components[0].op)
       clears.append(area.clear())
   with tf.device(host):
+    if in_flight is not None:
+      gets.append(in_flight.get())
+      clears.append(in_flight.area.clear())
     with tf.control_dependencies(gets):
       step = tf.identity(put, name='staged_step')
     clear = tf.group(*clears, name='clear_staged')
-  return shards, StagingHook(put=put, step=step, initializer=iterator.initializer,
-                             clear=clear, depth=host_batch.plan.staging_depth)
+  start = (source.ensure if source is not None
+           else lambda session: session.run(iterator.initializer))
+  return shards, StagingHook(put=put, step=step, start=start, clear=clear,
+                             depth=host_batch.plan.staging_depth)
+
+
+class _InFlight:
+  """The global batches staged on the devices, kept whole on the host for the checkpoint.
+
+  Each put also puts its global batch here, and each step takes one out with
+  the devices' shards, so this area holds what the devices hold, in order;
+  `source.pending_in_flight` serializes them when a checkpoint is written
+  (guarded peeks: it never waits on an empty area).
+  """
+
+  def __init__(self, source: Any, host: str, graph: tf.Graph, depth: int):
+    self.source = source
+    self.depth = depth
+    self.host = host
+    with tf.device(host):
+      self.area = interception.StagingArea(
+          [s.dtype for s in source.specs], shared_name=graph.unique_name('in_flight'))
+    source.pending_in_flight = self.serialized
+
+  def put(self, batch: Any) -> tf.Operation:
+    with tf.device(self.host):
+      return self.area.put(tf.nest.flatten(batch, expand_composites=True))
+
+  def get(self) -> tf.Operation:
+    with tf.device(self.host):
+      got = self.area.get()
+      return (got[0] if isinstance(got, (list, tuple)) else got).op
+
+  def serialized(self) -> tf.Tensor:
+    """[n, components] strings: the staged global batches, oldest first."""
+    columns = len(self.source.specs)
+    rows = []
+    with tf.device(self.host):
+      size = self.area.size()
+      for i in range(self.depth):
+        def peek(i=i):
+          got = self.area.peek(i)
+          got = list(got) if isinstance(got, (list, tuple)) else [got]
+          return tf.stack([tf.io.serialize_tensor(t) for t in got])[None]
+        rows.append(tf.cond(size > i, peek, lambda: tf.zeros([0, columns], tf.string)))
+      return tf.concat(rows, 0)
 
 
 # The backend names and their check live in staging_backends, which plan.py
@@ -367,7 +433,7 @@ def _describe(plan: plan_lib.DevicePlan) -> str:
 
 
 def staged_shards(features: Any, labels: Any, plan: plan_lib.DevicePlan,
-                  tower_devices: Sequence[str]) -> StagedShards | None:
+                  tower_devices: Sequence[str], source: Any = None) -> StagedShards | None:
   """Builds the staging for a host batch of `staged_input_fn`.
 
   Args:
@@ -375,6 +441,8 @@ def staged_shards(features: Any, labels: Any, plan: plan_lib.DevicePlan,
     labels: its labels (None in PREDICT: then no labels are staged).
     plan: the towered model_fn's plan.
     tower_devices: the resolved tower devices.
+    source: the positioned training input (`position.Source`) the staging
+      reads, or None (EVAL, PREDICT, resume_input=False).
 
   Returns:
     The per-tower shards and their hook, or None if `features` did not come
@@ -409,7 +477,7 @@ def staged_shards(features: Any, labels: Any, plan: plan_lib.DevicePlan,
   host = host_batch.iterator.initializer.device or '/cpu:0'
 
   with tf.name_scope('staged_input'):
-    shards, hook = _stage(host_batch, with_labels, tower_devices, host)
+    shards, hook = _stage(host_batch, with_labels, tower_devices, host, source)
     feature_shards, label_shards, sizes = [], [], []
     for shard, device in zip(shards, tower_devices):
       shard_features, shard_labels = shard if with_labels else (shard, None)

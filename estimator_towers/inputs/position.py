@@ -1,0 +1,372 @@
+"""The training input's position, saved in every checkpoint with the variables.
+
+Rule: in TRAIN the library reads the input_fn's dataset through its own
+iterator (`Source`), whose position is part of the checkpoint: the same Saver
+that writes the variables (`PositionSaver`, Estimator's own settings) writes
+tf.data's state of that iterator (its cursors, shuffle buffers and seeds) and
+the global batches the iterator had already handed out that no step consumed
+(staged on devices by `staged_input_fn`), as serialized tensors. A checkpoint's
+weights and its input position therefore always belong together. Restoring
+sets the iterator to the saved state (no batch is read again, so resuming costs
+the same at any step) and queues the saved batches: the next steps read them
+first, then the iterator. A resumed run sees the global batches an
+uninterrupted one sees, in the same order.
+
+The position counts global batches: devices, micro-batches and staging depth
+split a global batch after it is read, so a run resumes on any of them. What
+is not a global batch of the dataset (one worker's shard of the data) is not
+positioned here; `global_batches` is how workers read one sequence.
+
+When a session starts, exactly one of three sets the position: the Saver's
+restore (a checkpoint with a position), the Scaffold's init_fn (no
+checkpoint: the first element) or, for a task that restores nothing (a
+worker), the input's hook. A checkpoint without a position (written with
+`resume_input=False` or before it existed) or of another dataset restores the
+variables alone, with one warning, and the input starts from its first
+element.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+from absl import logging
+import tensorflow as tf
+
+from estimator_towers.base import interception
+from estimator_towers.base import logs
+from estimator_towers.inputs import global_batches
+from estimator_towers.inputs import positionable
+
+# The checkpoint keys, under one name: <NAME>/iterator, /pending, /fingerprint.
+NAME = 'input_position'
+
+
+class Source:
+  """The training input: the library's own iterator of a dataset, and a replay.
+
+  Args:
+    variant: the dataset's variant tensor (what the input_fn's iterator was
+      made from).
+    element_spec: the structure of an element: (features, labels) or
+      features alone.
+    fingerprint: the dataset's fingerprint (`positionable`).
+    device: the input pipeline's device.
+    with_labels: whether an element is (features, labels).
+  """
+
+  def __init__(self, variant: tf.Tensor, element_spec: Any, fingerprint: str, device: str,
+               with_labels: bool):
+    self.element_spec = element_spec
+    self.with_labels = with_labels
+    self.is_global = global_batches.is_global(variant)
+    self.specs = tf.nest.flatten(element_spec, expand_composites=True)
+    self.fingerprint = fingerprint
+    self.device = device
+    self._ready: 'weakref.WeakSet' = weakref.WeakSet()  # sessions whose position is set
+    self.pending_in_flight: Callable[[], tf.Tensor] | None = None  # set by staging
+    with tf.name_scope(NAME), tf.device(device):
+      dataset = tf.data.experimental.from_variant(variant, element_spec)
+      self.iterator = tf.compat.v1.data.make_initializable_iterator(dataset)
+      self.resource = self.iterator.initializer.inputs[1]  # MakeIterator(dataset, iterator)
+      # Saved global batches still to be read: one row of serialized components each.
+      self.replay = tf.compat.v1.Variable(
+          tf.zeros([0, len(self.specs)], tf.string), trainable=False, collections=[],
+          shape=tf.TensorShape([None, len(self.specs)]), use_resource=True, name='replay')
+      self.replayed = tf.compat.v1.Variable(
+          tf.constant(0, tf.int64), trainable=False, collections=[], use_resource=True,
+          name='replayed')
+      self.initializer = tf.group(
+          self.iterator.initializer, self.replay_from(tf.zeros([0, len(self.specs)], tf.string)),
+          name='initialize')
+
+  # Reading.
+
+  def replay_from(self, pending: tf.Tensor) -> tf.Operation:
+    """An op that queues `pending` ([n, components] serialized) to be read first."""
+    return tf.group(self.replay.assign(pending, read_value=False),
+                    self.replayed.assign(0, read_value=False))
+
+  def _replaying(self) -> tf.Tensor:
+    return self.replayed.read_value() < tf.cast(tf.shape(self.replay)[0], tf.int64)
+
+  def _next_replayed(self) -> list:
+    row = tf.gather(self.replay, self.replayed.read_value())
+    with tf.control_dependencies([row]):
+      advance = self.replayed.assign_add(1, read_value=False)
+    with tf.control_dependencies([advance]):
+      flat = []
+      for i, spec in enumerate(self.specs):
+        value = tf.io.parse_tensor(row[i], spec.dtype)
+        value.set_shape(spec.shape)
+        flat.append(value)
+      return flat
+
+  def get_next(self) -> Any:
+    """The next element (saved batches first); OutOfRangeError at the end."""
+    with tf.name_scope(NAME), tf.device(self.device):
+      flat = tf.cond(self._replaying(), self._next_replayed,
+                     lambda: tf.nest.flatten(self.iterator.get_next(), expand_composites=True),
+                     name='next')
+      return self._pack(flat)
+
+  def get_next_as_optional(self) -> tuple[tf.Tensor, Any]:
+    """(has_value, element): the next element, or zeros once the input ended."""
+    def from_iterator():
+      optional = self.iterator.get_next_as_optional()
+      return tf.cond(
+          optional.has_value(),
+          lambda: [tf.constant(True)] + tf.nest.flatten(optional.get_value(),
+                                                        expand_composites=True),
+          lambda: [tf.constant(False)] + [
+              tf.zeros([d if d is not None else 0 for d in s.shape.as_list()], s.dtype)
+              for s in self.specs])
+
+    with tf.name_scope(NAME), tf.device(self.device):
+      out = tf.cond(self._replaying(), lambda: [tf.constant(True)] + self._next_replayed(),
+                    from_iterator, name='next_as_optional')
+      return out[0], self._pack(out[1:])
+
+  def next_for_worker(self, rank: int, count: int) -> tuple[tf.Tensor, Any, Any]:
+    """(has_value, features, labels) of worker `rank` of `count`: its rows of a global batch.
+
+    A dataset read through `global_batches` gives every worker the same
+    global batch, of which it takes its rows (`global_batches.worker_rows`);
+    a worker whose share of the last batch is empty has no value.
+    """
+    has_value, element = self.get_next_as_optional()
+    if self.is_global:
+      with tf.name_scope(NAME), tf.device(self.device):
+        element = global_batches.worker_rows(element, rank, count)
+        rows = tf.shape(tf.nest.flatten(element)[0])[0]
+        has_value = tf.logical_and(has_value, rows > 0)
+    if self.with_labels:
+      return has_value, element[0], element[1]
+    return has_value, element, None
+
+  def _pack(self, flat: list) -> Any:
+    for value, spec in zip(flat, self.specs):
+      value.set_shape(spec.shape)
+    return tf.nest.pack_sequence_as(self.element_spec, flat, expand_composites=True)
+
+  # The checkpoint.
+
+  def pending(self) -> tf.Tensor:
+    """The global batches handed out but not consumed: [n, components] strings."""
+    with tf.device(self.device):
+      rest = self.replay[self.replayed.read_value():]
+      if self.pending_in_flight is None:
+        return rest
+      return tf.concat([self.pending_in_flight(), rest], 0)
+
+  def saveable(self) -> 'PositionSaveable':
+    with tf.name_scope(NAME):
+      return PositionSaveable(self)
+
+  def restorable(self, save_path: str) -> str | None:
+    """None if the checkpoint at `save_path` holds this dataset's position, else why not."""
+    reader = tf.train.load_checkpoint(save_path)
+    if not reader.has_tensor(f'{NAME}/iterator'):
+      return ('it holds no input position (written with resume_input=False, or by '
+              'another version)')
+    saved = reader.get_tensor(f'{NAME}/fingerprint')
+    saved = saved.decode() if isinstance(saved, bytes) else str(saved)
+    if saved != self.fingerprint:
+      return ('the input_fn\'s dataset is not the one the checkpoint was written with '
+              '(another batch size, other files, other ops), and tf.data would go on '
+              'with the old one')
+    return None
+
+  # Sessions.
+
+  def mark_ready(self, session: Any) -> None:
+    self._ready.add(session)
+
+  def initialize(self, session: Any) -> None:
+    """Sets the position to the dataset's first element."""
+    session.run(self.initializer)
+    self._ready.add(session)
+
+  def ensure(self, session: Any) -> None:
+    """Sets the position to the first element unless a restore or init already did."""
+    if session not in self._ready:
+      self.initialize(session)
+
+
+class PositionSaveable(interception.SaveableObject):
+  """The position as a Saver saves it: tf.data's state, the pending batches, the fingerprint."""
+
+  def __init__(self, source: Source):
+    self._source = source
+    resource = source.resource
+    with tf.device(source.device):
+      # Bytes rather than a variant, so that every key reads with numpy
+      # (`Estimator.get_variable_value`, checkpoint tools).
+      state = tf.io.serialize_tensor(tf.raw_ops.SerializeIterator(
+          resource_handle=resource, external_state_policy=2))  # 2: FAIL on external state
+      pending = source.pending()
+      fingerprint = tf.constant(source.fingerprint)
+    specs = [interception.SaveSpec(state, '', f'{NAME}/iterator', device=source.device),
+             interception.SaveSpec(pending, '', f'{NAME}/pending', device=source.device),
+             interception.SaveSpec(fingerprint, '', f'{NAME}/fingerprint',
+                                   device=source.device)]
+    super().__init__(resource, specs, NAME)
+
+  def restore(self, restored_tensors, restored_shapes):
+    del restored_shapes
+    state, pending, _ = restored_tensors
+    source = self._source
+    resource = source.resource
+    with tf.device(source.device):
+      with tf.control_dependencies([source.iterator.initializer]):
+        deserialize = tf.raw_ops.DeserializeIterator(
+            resource_handle=resource, serialized=tf.io.parse_tensor(state, tf.variant))
+      return tf.group(deserialize, source.replay_from(pending))
+
+
+class PositionSaver(tf.compat.v1.train.Saver):
+  """Estimator's Saver with the input's position, and a fallback without it.
+
+  Args:
+    source: the positioned input.
+    config: the RunConfig (how many checkpoints to keep).
+  """
+
+  def __init__(self, source: Source, config: Any):
+    kwargs = dict(sharded=True, save_relative_paths=True,
+                  max_to_keep=getattr(config, 'keep_checkpoint_max', 5),
+                  keep_checkpoint_every_n_hours=getattr(
+                      config, 'keep_checkpoint_every_n_hours', 10000.0))
+    super().__init__(defer_build=True, **kwargs)
+    self._source = source
+    self._kwargs = kwargs
+    self._without_position = None
+
+  def build(self):
+    if self._without_position is None:
+      others = tf.compat.v1.global_variables() + tf.compat.v1.get_collection(
+          tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS)
+      interception.set_saver_var_list(self, others + [self._source.saveable()])
+      self._without_position = tf.compat.v1.train.Saver(var_list=others, **self._kwargs)
+    super().build()
+
+  def restore(self, sess, save_path):
+    reason = self._source.restorable(save_path) if save_path else 'no checkpoint'
+    if reason is None:
+      super().restore(sess, save_path)
+      self._source.mark_ready(sess)
+      return
+    logging.warning('estimator_towers: restoring %s without the input position: %s. The '
+                    'input starts from its first element.', save_path, reason)
+    self._without_position.restore(sess, save_path)
+    self._source.initialize(sess)
+
+
+class PositionHook(tf.compat.v1.train.SessionRunHook):
+  """Sets the position in a session that neither restored nor initialized it (a worker)."""
+
+  def __init__(self, source: Source):
+    self._source = source
+
+  def after_create_session(self, session, coord):
+    del coord
+    self._source.ensure(session)
+
+
+def attach(spec: tf.estimator.EstimatorSpec, source: Source, config: Any,
+           staged: bool) -> tf.estimator.EstimatorSpec:
+  """`spec` whose session start sets the position, and whose Saver saves it.
+
+  Args:
+    spec: the TRAIN spec.
+    source: the positioned input.
+    config: the RunConfig.
+    staged: whether the staging hook sets the position (else a PositionHook).
+  """
+  base = spec.scaffold or tf.compat.v1.train.Scaffold()
+  saver_taken = base.saver is not None or tf.compat.v1.get_collection(
+      tf.compat.v1.GraphKeys.SAVERS)
+  if saver_taken:
+    logging.warning(
+        'estimator_towers: the model_fn brings its own Saver (Scaffold.saver or the '
+        'SAVERS collection), so the input position is not saved: a resumed train() '
+        'reads its input from the first element. Leave the Saver to Estimator to '
+        'resume the input, or pass resume_input=False to say this is intended.')
+  else:
+    tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.SAVERS,
+                                   PositionSaver(source, config))
+  user_init_fn = base._init_fn  # pylint: disable=protected-access
+
+  def init_fn(scaffold, session):
+    del scaffold
+    if user_init_fn is not None:
+      user_init_fn(session)
+    source.initialize(session)
+
+  scaffold = tf.compat.v1.train.Scaffold(
+      init_op=base.init_op, init_feed_dict=base.init_feed_dict, init_fn=init_fn,
+      ready_op=base.ready_op, ready_for_local_init_op=base.ready_for_local_init_op,
+      local_init_op=base.local_init_op, summary_op=base.summary_op, saver=base.saver,
+      local_init_feed_dict=base.local_init_feed_dict, copy_from_scaffold=None)
+  hooks = tuple(spec.training_hooks or ())
+  if not staged:
+    hooks += (PositionHook(source),)
+  return spec._replace(scaffold=scaffold, training_hooks=hooks)
+
+
+def own(features: Any, labels: Any, replace: bool, global_only: bool = False
+        ) -> tuple[Any, Any, Source | None]:
+  """The training input read through a `Source`, or unchanged with one warning why not.
+
+  Args:
+    features: the features Estimator passed (outputs of an input_fn's
+      iterator, or of `staged_input_fn`'s).
+    labels: the labels (None for a features-only dataset).
+    replace: whether to return the Source's next element in their place
+      (False: staging reads the Source itself).
+    global_only: only a dataset of global batches (`global_batches`) can be
+      positioned (several workers).
+
+  Returns:
+    (features, labels, source), source None when the input cannot be positioned.
+  """
+  leaves = [t for t in tf.nest.flatten((features, labels)) if t is not None]
+  ops = {t.op for t in leaves if isinstance(t, tf.Tensor)}
+  get_next = next(iter(ops)) if len(ops) == 1 else None
+  if get_next is None or get_next.type != 'IteratorGetNext':
+    return _unpositioned(features, labels, 'the input_fn returns tensors, not a tf.data.Dataset')
+  makers = [op for op in get_next.inputs[0].consumers() if op.type == 'MakeIterator']
+  if len(makers) != 1:
+    return _unpositioned(features, labels, f'its iterator ({get_next.inputs[0].op.type}) was '
+                         f'not made by Estimator from a tf.data.Dataset (a hand-made or '
+                         f'one-shot iterator)')
+  variant = makers[0].inputs[0]
+  if global_only and not global_batches.is_global(variant):
+    return _unpositioned(features, labels, 'the workers of a cluster read it each on their '
+                         'own, so no one position describes it (read global batches with '
+                         'estimator_towers.global_batches(...) to resume it)')
+  dataset_graph = positionable.DatasetGraph(variant)
+  fingerprint = dataset_graph.fingerprint()
+  if dataset_graph.reasons:
+    logs.warning_once(positionable.unpositionable_warning(dataset_graph.reasons))
+    return features, labels, None
+  structure = (features, labels) if labels is not None else features
+  element_spec = tf.nest.map_structure(tf.type_spec_from_value, structure)
+  source = Source(variant, element_spec, fingerprint, makers[0].device or '/cpu:0',
+                  with_labels=labels is not None)
+  if not replace:
+    return features, labels, source
+  with tf.device(source.device):  # Estimator's iterator then reads nothing at all.
+    empty = tf.data.experimental.from_variant(variant, element_spec).take(0)
+  interception.replace_input(makers[0], 0, tf.data.experimental.to_variant(empty))
+  element = source.get_next()
+  return ((element[0], element[1]) if labels is not None else (element, None)) + (source,)
+
+
+def _unpositioned(features: Any, labels: Any, why: str) -> tuple[Any, Any, None]:
+  logs.warning_once(
+      f'estimator_towers: the training input cannot be positioned: {why}. A resumed '
+      f'train() or a restarted job reads it again from its first element. Return a '
+      f'tf.data.Dataset from the input_fn to resume it where it left off.')
+  return features, labels, None
