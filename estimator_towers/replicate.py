@@ -135,6 +135,13 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
   decorated for one device is the reference on any topology, and a resumed
   run draws what an uninterrupted one does.
 
+  On resuming (`resume_input=True`): in TRAIN the towers read the input_fn's
+  dataset through the library's own iterator, whose position (tf.data's state
+  and the global batches staged on devices) every checkpoint saves with the
+  variables, so the next train() call or a restarted job continues the same
+  sequence of global batches, on any number of devices, micro-batches or
+  (through `global_batches`) workers.
+
   On micro-batches (`micro_batches=k`): each device's shard is split again,
   by the same rule, into k micro-batches, and the model_fn is built once per
   (device, micro-batch) pair, a "tower" above; the micro-batches of a device

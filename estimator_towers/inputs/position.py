@@ -39,8 +39,10 @@ from estimator_towers.base import logs
 from estimator_towers.inputs import global_batches
 from estimator_towers.inputs import positionable
 
-# The checkpoint keys, under one name: <NAME>/iterator, /pending, /fingerprint.
+# The checkpoint keys, under one name: <NAME>/iterator, /pending, /ended, /fingerprint.
 NAME = 'input_position'
+# `Source.restorable`'s answer for a dataset read to its end: read it again.
+ENDED = 'the dataset was read to its end'
 
 
 class Source:
@@ -77,16 +79,31 @@ class Source:
       self.replayed = tf.compat.v1.Variable(
           tf.constant(0, tf.int64), trainable=False, collections=[], use_resource=True,
           name='replayed')
+      # Whether the dataset was read to its end (then the next train() reads it again).
+      self.ended = tf.compat.v1.Variable(False, trainable=False, collections=[],
+                                         use_resource=True, name='ended')
+      self._end = tf.compat.v1.data.make_one_shot_iterator(tf.data.Dataset.range(0))
       self.initializer = tf.group(
-          self.iterator.initializer, self.replay_from(tf.zeros([0, len(self.specs)], tf.string)),
+          self.iterator.initializer,
+          self.replay_from(tf.zeros([0, len(self.specs)], tf.string), tf.constant(False)),
           name='initialize')
 
   # Reading.
 
-  def replay_from(self, pending: tf.Tensor) -> tf.Operation:
+  def replay_from(self, pending: tf.Tensor, ended: tf.Tensor) -> tf.Operation:
     """An op that queues `pending` ([n, components] serialized) to be read first."""
     return tf.group(self.replay.assign(pending, read_value=False),
-                    self.replayed.assign(0, read_value=False))
+                    self.replayed.assign(0, read_value=False),
+                    self.ended.assign(ended, read_value=False))
+
+  def _at_the_end(self, raise_end: bool) -> list:
+    """The iterator's end: remembered, then OutOfRangeError (or zeros, no value)."""
+    remember = self.ended.assign(True, read_value=False)
+    with tf.control_dependencies([remember]):
+      signal = [self._end.get_next()] if raise_end else []
+    with tf.control_dependencies([remember] + signal):
+      return [tf.zeros([d if d is not None else 0 for d in s.shape.as_list()], s.dtype)
+              for s in self.specs]
 
   def _replaying(self) -> tf.Tensor:
     return self.replayed.read_value() < tf.cast(tf.shape(self.replay)[0], tf.int64)
@@ -106,9 +123,13 @@ class Source:
   def get_next(self) -> Any:
     """The next element (saved batches first); OutOfRangeError at the end."""
     with tf.name_scope(NAME), tf.device(self.device):
-      flat = tf.cond(self._replaying(), self._next_replayed,
-                     lambda: tf.nest.flatten(self.iterator.get_next(), expand_composites=True),
-                     name='next')
+      def from_iterator():
+        optional = self.iterator.get_next_as_optional()
+        return tf.cond(optional.has_value(),
+                       lambda: tf.nest.flatten(optional.get_value(), expand_composites=True),
+                       lambda: self._at_the_end(raise_end=True))
+
+      flat = tf.cond(self._replaying(), self._next_replayed, from_iterator, name='next')
       return self._pack(flat)
 
   def get_next_as_optional(self) -> tuple[tf.Tensor, Any]:
@@ -119,9 +140,7 @@ class Source:
           optional.has_value(),
           lambda: [tf.constant(True)] + tf.nest.flatten(optional.get_value(),
                                                         expand_composites=True),
-          lambda: [tf.constant(False)] + [
-              tf.zeros([d if d is not None else 0 for d in s.shape.as_list()], s.dtype)
-              for s in self.specs])
+          lambda: [tf.constant(False)] + self._at_the_end(raise_end=False))
 
     with tf.name_scope(NAME), tf.device(self.device):
       out = tf.cond(self._replaying(), lambda: [tf.constant(True)] + self._next_replayed(),
@@ -168,14 +187,16 @@ class Source:
     """None if the checkpoint at `save_path` holds this dataset's position, else why not."""
     reader = tf.train.load_checkpoint(save_path)
     if not reader.has_tensor(f'{NAME}/iterator'):
-      return ('it holds no input position (written with resume_input=False, or by '
-              'another version)')
+      return ('it holds no input position (written with resume_input=False, by a model_fn '
+              'without replicate_model_fn, or by an earlier version)')
     saved = reader.get_tensor(f'{NAME}/fingerprint')
     saved = saved.decode() if isinstance(saved, bytes) else str(saved)
     if saved != self.fingerprint:
       return ('the input_fn\'s dataset is not the one the checkpoint was written with '
               '(another batch size, other files, other ops), and tf.data would go on '
               'with the old one')
+    if reader.get_tensor(f'{NAME}/ended') and not reader.get_tensor(f'{NAME}/pending').size:
+      return ENDED
     return None
 
   # Sessions.
@@ -207,7 +228,9 @@ class PositionSaveable(interception.SaveableObject):
           resource_handle=resource, external_state_policy=2))  # 2: FAIL on external state
       pending = source.pending()
       fingerprint = tf.constant(source.fingerprint)
-    specs = [interception.SaveSpec(state, '', f'{NAME}/iterator', device=source.device),
+      ended = source.ended.read_value()
+    specs = [interception.SaveSpec(ended, '', f'{NAME}/ended', device=source.device),
+             interception.SaveSpec(state, '', f'{NAME}/iterator', device=source.device),
              interception.SaveSpec(pending, '', f'{NAME}/pending', device=source.device),
              interception.SaveSpec(fingerprint, '', f'{NAME}/fingerprint',
                                    device=source.device)]
@@ -215,14 +238,14 @@ class PositionSaveable(interception.SaveableObject):
 
   def restore(self, restored_tensors, restored_shapes):
     del restored_shapes
-    state, pending, _ = restored_tensors
+    ended, state, pending, _ = restored_tensors
     source = self._source
     resource = source.resource
     with tf.device(source.device):
       with tf.control_dependencies([source.iterator.initializer]):
         deserialize = tf.raw_ops.DeserializeIterator(
             resource_handle=resource, serialized=tf.io.parse_tensor(state, tf.variant))
-      return tf.group(deserialize, source.replay_from(pending))
+      return tf.group(deserialize, source.replay_from(pending, ended))
 
 
 class PositionSaver(tf.compat.v1.train.Saver):
@@ -257,8 +280,12 @@ class PositionSaver(tf.compat.v1.train.Saver):
       super().restore(sess, save_path)
       self._source.mark_ready(sess)
       return
-    logging.warning('estimator_towers: restoring %s without the input position: %s. The '
-                    'input starts from its first element.', save_path, reason)
+    if reason == ENDED:  # an epoch loop: each train() call reads the dataset once
+      logging.info('estimator_towers: %s: the previous train() read the dataset to its end, '
+                   'so this one reads it again from its first element.', save_path)
+    else:
+      logging.warning('estimator_towers: restoring %s without the input position: %s. The '
+                      'input starts from its first element.', save_path, reason)
     self._without_position.restore(sess, save_path)
     self._source.initialize(sess)
 
@@ -331,10 +358,10 @@ def own(features: Any, labels: Any, replace: bool, global_only: bool = False
   Returns:
     (features, labels, source), source None when the input cannot be positioned.
   """
-  leaves = [t for t in tf.nest.flatten((features, labels)) if t is not None]
-  ops = {t.op for t in leaves if isinstance(t, tf.Tensor)}
-  get_next = next(iter(ops)) if len(ops) == 1 else None
-  if get_next is None or get_next.type != 'IteratorGetNext':
+  get_next = _get_next_op(features, labels)
+  if get_next is None:
+    if not _varies(features, labels):  # the same batch at every step: nothing to position
+      return features, labels, None
     return _unpositioned(features, labels, 'the input_fn returns tensors, not a tf.data.Dataset')
   makers = [op for op in get_next.inputs[0].consumers() if op.type == 'MakeIterator']
   if len(makers) != 1:
@@ -362,6 +389,50 @@ def own(features: Any, labels: Any, replace: bool, global_only: bool = False
   interception.replace_input(makers[0], 0, tf.data.experimental.to_variant(empty))
   element = source.get_next()
   return ((element[0], element[1]) if labels is not None else (element, None)) + (source,)
+
+
+def _get_next_op(features: Any, labels: Any) -> tf.Operation | None:
+  """The one IteratorGetNext whose whole element the inputs are, else None.
+
+  A dense leaf must be one of its outputs itself (not computed from one); a
+  sparse or ragged leaf is decoded from one of them.
+  """
+  found, used = set(), set()
+  for leaf in tf.nest.flatten((features, labels)):
+    if leaf is None:
+      continue
+    if isinstance(leaf, tf.Tensor):
+      found.add(leaf.op)
+      used.add(leaf.name)
+      continue
+    for component in tf.nest.flatten(leaf, expand_composites=True):
+      op, hops = component.op, 0
+      while op.type != 'IteratorGetNext' and op.inputs and hops < 4:
+        op, hops = op.inputs[0].op, hops + 1
+      found.add(op)
+      used.update(t.name for t in op.outputs)  # decoded: not counted output by output
+  if len(found) != 1:
+    return None
+  op = next(iter(found))
+  if op.type != 'IteratorGetNext' or used != {t.name for t in op.outputs}:
+    return None
+  return op
+
+
+def _varies(features: Any, labels: Any) -> bool:
+  """Whether the inputs can change from step to step: a stateful op or a fed placeholder above them."""
+  pending = [t.op for t in tf.nest.flatten((features, labels), expand_composites=True)
+             if isinstance(t, tf.Tensor)]
+  seen = set()
+  while pending:
+    op = pending.pop()
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    if op.type == 'Placeholder' or op.op_def.is_stateful:
+      return True
+    pending.extend(t.op for t in op.inputs)
+  return False
 
 
 def _unpositioned(features: Any, labels: Any, why: str) -> tuple[Any, Any, None]:

@@ -88,7 +88,7 @@ class DatasetGraph:
       elif value.HasField('list') and value.list.func:
         out.append((key, [self._function(f.name) for f in value.list.func]))
       else:
-        out.append((key, value.SerializeToString(deterministic=True).hex()))
+        out.append((key, hashlib.sha256(value.SerializeToString(deterministic=True)).hexdigest()))
     return out
 
   def _function(self, name: str) -> str:
@@ -118,7 +118,8 @@ class DatasetGraph:
     return digest
 
   def _note(self, what: str, function: str | None) -> None:
-    where = f' in the dataset function {function}' if function else ''
+    # Not the function's name: TensorFlow generates it anew in every graph.
+    where = ' in a function of the dataset (a map, filter or interleave)' if function else ''
     reason = f'{what}{where}'
     if reason not in self.reasons:
       self.reasons.append(reason)
