@@ -1,6 +1,7 @@
 """estimator_towers: data-parallel training of TensorFlow Estimators on several devices."""
 
 from estimator_towers.cluster.tf_config import worker_index_and_count
+from estimator_towers.inputs.global_batches import global_batches
 from estimator_towers.inputs.staging import staged_input_fn
 from estimator_towers.loss.loss_algebra import loss_denominator
 from estimator_towers.replicate import replicate_model_fn
@@ -25,6 +26,7 @@ __all__ = [
     'config_from_flags',
     'current_tower',
     'define_flags',
+    'global_batches',
     'global_mean',
     'loss_denominator',
     'make_config',

@@ -278,7 +278,7 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
     spec = _towered_spec(run, features, labels, mode, plan, placement, tower_devices, single,
                          serving, across, source)
     if source is not None:
-      spec = position.attach(spec, source, config, staged=from_staging)
+      spec = position.attach(spec, source, config, staged=from_staging, across=across)
     return spec
 
   # Estimator passes only the arguments a model_fn's signature names: mirror the

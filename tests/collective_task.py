@@ -13,7 +13,10 @@ dump/eval.json), features_only (the input_fn yields features only, the
 labels among them as 'y', as BERT's pre-training input_fn does),
 user_session_config (the RunConfig's session_config is a ConfigProto built by
 hand, not make_run_config's), save_every and keep (the chief's checkpoints: every so many
-steps, so many kept; 0 keeps all), random_draws (make_plan's; 'keyed' unless given).
+steps, so many kept; 0 keeps all), random_draws and resume_input (make_plan's; 'keyed' and
+True unless given), global_batch (every task reads `global_input_fn`'s global batches of that
+size, from the data's xg, yg, wg, shuffled with shuffle_seed), block_at (each training task
+stops after that global step, writes dump/blocked<rank> and waits to be killed).
 """
 
 import json
@@ -250,6 +253,33 @@ def input_fn(data, suffix, batch, features_only=False):
   return fn
 
 
+def global_input_fn(data, batch, seed):
+  """Every worker's input: global batches of `batch` examples, a seeded shuffle, repeated."""
+  def fn():
+    examples = tf.data.Dataset.from_tensor_slices(
+        ({'x': data['xg'], 'w': data['wg']}, data['yg']))
+    return et.global_batches(examples.shuffle(len(data['yg']), seed=seed).repeat(), batch)
+  return fn
+
+
+class BlockAfter(tf.compat.v1.train.SessionRunHook):
+  """After global step `step` has run, writes `flag` and waits (up to 300 s) to be killed."""
+
+  def __init__(self, step, flag):
+    self._step, self._flag = step, flag
+
+  def begin(self):
+    self._global_step = tf.compat.v1.train.get_global_step()
+
+  def after_run(self, run_context, run_values):
+    if run_context.session.run(self._global_step) < self._step:
+      return
+    with open(self._flag, 'w') as f:
+      f.write(str(self._step))
+    time.sleep(300)
+    sys.exit(3)
+
+
 class DumpVariables(tf.compat.v1.train.SessionRunHook):
   """Writes every global variable's value to `path` at the end of training.
 
@@ -316,7 +346,8 @@ def main(spec_path):
                       micro_batches=spec.get('micro_batches', 1),
                       sync_batch_norm=spec.get('sync_batch_norm', False),
                       worker_timeout_secs=spec.get('timeout', 60),
-                      random_draws=spec.get('random_draws', 'keyed'))
+                      random_draws=spec.get('random_draws', 'keyed'),
+                      resume_input=spec.get('resume_input', True))
   model_fn = et.replicate_model_fn(MODELS[spec['model']], plan=plan)
   settings = dict(model_dir=spec['model_dir'], save_checkpoints_steps=spec.get('save_every', 1000),
                   keep_checkpoint_max=spec.get('keep', 5), save_summary_steps=1000,
@@ -333,10 +364,15 @@ def main(spec_path):
   if task['type'] != 'evaluator':
     hooks.append(DumpVariables(os.path.join(spec['dump'], f'rank{rank}.npz'),
                                spec.get('step_sleep', {}).get(str(rank), 0.0)))
+  if task['type'] != 'evaluator' and spec.get('block_at'):
+    hooks.append(BlockAfter(spec['block_at'], os.path.join(spec['dump'], f'blocked{rank}')))
   suffix = str(rank) if task['type'] != 'evaluator' else 'e'
-  train_spec = tf.estimator.TrainSpec(input_fn(data, suffix, spec['batch'],
-                                               spec.get('features_only', False)),
-                                      max_steps=spec.get('max_steps'), hooks=hooks)
+  if spec.get('global_batch'):
+    train_input_fn = global_input_fn(data, spec['global_batch'], spec['shuffle_seed'])
+  else:
+    train_input_fn = input_fn(data, suffix, spec['batch'], spec.get('features_only', False))
+  train_spec = tf.estimator.TrainSpec(train_input_fn, max_steps=spec.get('max_steps'),
+                                      hooks=hooks)
   eval_spec = tf.estimator.EvalSpec(
       input_fn(data, 'e', spec['batch']), steps=None, start_delay_secs=0, throttle_secs=0,
       exporters=[MetricsExporter(os.path.join(spec['dump'], 'eval.json'))])

@@ -3,7 +3,9 @@
 With TF_CONFIG, Estimator builds the graph under
 `tf.compat.v1.train.replica_device_setter`; the towered graph must keep that
 placement for variables and put the towers on the worker's own devices.
-Checked on the graph's device strings, without running.
+Checked on the graph's device strings, without running. Only the chief's
+checkpoints hold the input's position: a non-chief worker's graph warns that
+its input restarts.
 """
 
 import json
@@ -48,6 +50,38 @@ def test_parameter_server_placement_is_kept_and_gradients_summed_on_the_worker()
     assert {t.op.device for t in combined.inputs} <= {
         '/job:worker/task:1/device:CPU:0', '/job:worker/task:1/device:GPU:0',
         '/job:worker/task:1/device:GPU:1'}
+
+
+@pytest.mark.parametrize('task_type', ['worker', 'chief'])
+def test_a_worker_with_parameter_servers_warns_that_its_input_restarts(monkeypatch, task_type):
+  """With parameter servers only the chief's checkpoints hold the input's position: a
+  non-chief worker's TRAIN graph says so, once; the chief's says nothing of it."""
+  cluster = {'chief': ['localhost:1'], 'worker': ['localhost:2'], 'ps': ['localhost:3']}
+  monkeypatch.setenv('TF_CONFIG', json.dumps(
+      {'cluster': cluster, 'task': {'type': task_type, 'index': 0}}))
+  warnings = testlib.logged_warnings(monkeypatch)
+  config = tf.estimator.RunConfig()
+  towered = replicate_model_fn(testlib.v1_model_fn, devices=['/cpu:0', '/cpu:1'])
+  x, y = testlib.data(8)
+  setter = tf.compat.v1.train.replica_device_setter(
+      ps_tasks=1, worker_device=f'/job:{task_type}/task:0')
+  with tf.Graph().as_default() as graph, graph.device(setter):
+    tf.compat.v1.train.create_global_step()
+    with tf.device('/cpu:0'):  # as Estimator reads an input_fn's dataset
+      iterator = tf.compat.v1.data.make_initializable_iterator(
+          tf.data.Dataset.from_tensor_slices((x, y)).batch(4))
+      features, labels = iterator.get_next()
+    towered(features, labels, tf.estimator.ModeKeys.TRAIN, None, config)
+  restarts = [w for w in warnings if 'only the chief\'s checkpoints save the input' in w]
+  if task_type == 'chief':
+    assert not restarts, warnings
+    return
+  assert restarts == [
+      'estimator_towers: this task (worker 0) trains with parameter servers, where only the '
+      'chief\'s checkpoints save the input\'s position: this worker reads its own input, which '
+      'a restarted job reads again from its first element. To resume every worker\'s input, '
+      'train with variable_strategy=\'collective\' on estimator_towers.global_batches(...).'
+  ], warnings
 
 
 def _free_port():

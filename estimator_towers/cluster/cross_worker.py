@@ -34,13 +34,16 @@ Within a step:
 
 At session start (`broadcast_from_chief`, run by `session`'s
 Scaffold) every task sets its variables to the chief's values (an
-all-reduce of the chief's values and the others' zeros).
+all-reduce of the chief's values and the others' zeros); what is not a
+variable (the training input's position) comes as the chief's bytes
+(`strings_from_chief`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
@@ -200,13 +203,64 @@ class CrossWorker:
         with tf.device(self.device):
           value = tf.identity(v.read_value() if hasattr(v, 'read_value') else v)
           values.append(value if self.rank == 0 else tf.zeros_like(value))
-      saved, self._timeout = self._timeout, self.timeout_secs
-      try:
+      with self._at_session_start():
         chiefs = self.sum(values, gated=False)
-      finally:
-        self._timeout = saved
       assigns = [v.assign(c, read_value=False) for v, c in zip(chosen, chiefs)]
       return tf.group(*assigns)
+
+  def strings_from_chief(self, chief_strings: Callable[[], Sequence[tf.Tensor]], count: int
+                         ) -> list[tf.Tensor]:
+    """`count` scalar strings of the chief's, on every task (at session start).
+
+    `chief_strings()` makes them, on the chief only. An all-reduce sums
+    numbers, not strings, so their bytes travel as numbers: first the
+    lengths (the chief's, the other tasks' zeros), then the bytes, packed
+    eight to an int64 (a sum with zeros is exact). Back on each task, the
+    bytes become a string again as the end of `serialize_tensor` of a uint8
+    vector, whose TensorProto ends with the vector's raw bytes (its last
+    field, `tensor_content`). Its all-reduces time out after `timeout_secs`.
+    """
+    word = 8
+    with tf.name_scope('strings_from_chief'):
+      with tf.device(self.device):
+        if self.rank == 0:
+          strings = [tf.convert_to_tensor(s, tf.string) for s in chief_strings()]
+          if len(strings) != count:
+            raise ValueError(f'strings_from_chief: {len(strings)} strings, not {count}.')
+          lengths = tf.cast(tf.stack([tf.strings.length(s) for s in strings]), tf.int64)
+        else:
+          lengths = tf.zeros([count], tf.int64)
+      with self._at_session_start():
+        (lengths,) = self.sum([lengths], gated=False)
+      with tf.device(self.device):
+        total = tf.reduce_sum(lengths)
+        words = total // word + 1  # 1 to 8 bytes of padding: never an empty all-reduce
+        if self.rank == 0:
+          padding = tf.strings.substr(tf.constant(b'\0' * word), tf.constant(0, tf.int64),
+                                     words * word - total)
+          joined = tf.strings.join(strings + [padding])
+          mine = tf.bitcast(tf.reshape(tf.io.decode_raw(joined, tf.uint8), [-1, word]),
+                            tf.int64)
+        else:
+          mine = tf.zeros(tf.reshape(words, [1]), tf.int64)
+      with self._at_session_start():
+        (packed,) = self.sum([mine], gated=False)
+      with tf.device(self.device):
+        raw = tf.reshape(tf.bitcast(packed, tf.uint8), [-1])[:total]
+        proto = tf.io.serialize_tensor(raw)
+        whole = tf.strings.substr(proto, tf.cast(tf.strings.length(proto), tf.int64) - total,
+                                  total)
+        starts = tf.cumsum(lengths, exclusive=True)
+        return [tf.strings.substr(whole, starts[i], lengths[i]) for i in range(count)]
+
+  @contextlib.contextmanager
+  def _at_session_start(self):
+    """The all-reduces made meanwhile time out after `timeout_secs` (a task that never starts)."""
+    saved, self._timeout = self._timeout, self.timeout_secs
+    try:
+      yield
+    finally:
+      self._timeout = saved
 
 
 def gate_updates(across: CrossWorker, train_op: Any) -> None:

@@ -20,7 +20,11 @@ positioned here; `global_batches` is how workers read one sequence.
 When a session starts, exactly one of three sets the position: the Saver's
 restore (a checkpoint with a position), the Scaffold's init_fn (no
 checkpoint: the first element) or, for a task that restores nothing (a
-worker), the input's hook. A checkpoint without a position (written with
+worker), the input's hook. Across the workers of a collective cluster the
+chief's position is every worker's: each worker takes the chief's (restored
+or initialized) in its local init (`broadcast_from_chief`). With parameter
+servers only the chief's input is positioned; a worker's restarts (one
+warning). A checkpoint without a position (written with
 `resume_input=False` or before it existed) or of another dataset restores the
 variables alone, with one warning, and the input starts from its first
 element.
@@ -67,6 +71,7 @@ class Source:
     self.fingerprint = fingerprint
     self.device = device
     self._ready: 'weakref.WeakSet' = weakref.WeakSet()  # sessions whose position is set
+    self.from_chief = False  # a worker's local init sets it to the chief's
     self.pending_in_flight: Callable[[], tf.Tensor] | None = None  # set by staging
     with tf.name_scope(NAME), tf.device(device):
       dataset = tf.data.experimental.from_variant(variant, element_spec)
@@ -171,6 +176,22 @@ class Source:
 
   # The checkpoint.
 
+  def state(self) -> tf.Tensor:
+    """tf.data's state of the iterator, serialized to bytes (a scalar string)."""
+    with tf.device(self.device):
+      # Bytes rather than a variant, so that every key reads with numpy
+      # (`Estimator.get_variable_value`, checkpoint tools).
+      return tf.io.serialize_tensor(tf.raw_ops.SerializeIterator(
+          resource_handle=self.resource, external_state_policy=2))  # 2: FAIL on external state
+
+  def set_state(self, state: tf.Tensor, pending: tf.Tensor, ended: Any = False) -> tf.Operation:
+    """An op setting the position: `state` (from `state()`), `pending` batches, `ended`."""
+    with tf.device(self.device):
+      with tf.control_dependencies([self.iterator.initializer]):
+        deserialize = tf.raw_ops.DeserializeIterator(
+            resource_handle=self.resource, serialized=tf.io.parse_tensor(state, tf.variant))
+      return tf.group(deserialize, self.replay_from(pending, ended))
+
   def pending(self) -> tf.Tensor:
     """The global batches handed out but not consumed: [n, components] strings."""
     with tf.device(self.device):
@@ -210,9 +231,38 @@ class Source:
     self._ready.add(session)
 
   def ensure(self, session: Any) -> None:
-    """Sets the position to the first element unless a restore or init already did."""
-    if session not in self._ready:
+    """Sets the position to the first element unless a restore, an init or the chief did."""
+    if session not in self._ready and not self.from_chief:
       self.initialize(session)
+
+  # Workers.
+
+  def broadcast_from_chief(self, across: Any) -> tf.Operation:
+    """An op setting every training task's position to the chief's (in the local init).
+
+    The chief sends its iterator's state and its pending batches (restored
+    or initialized before the local init runs); every other task initializes
+    its iterator, then takes them, so that its session start sets nothing
+    more (`from_chief`). Every task builds the same all-reduces, in the
+    same order.
+
+    Args:
+      across: the cluster's all-reduces (`cluster.cross_worker.CrossWorker`:
+        its `rank` and `strings_from_chief`).
+    """
+    def chiefs():
+      with tf.device(self.device):
+        return [self.state(), tf.io.serialize_tensor(self.pending())]
+
+    with tf.name_scope(NAME):
+      state, pending = across.strings_from_chief(chiefs, 2)
+      if across.rank == 0:
+        return tf.group(state, pending, name='to_workers')
+      self.from_chief = True
+      with tf.device(self.device):
+        pending = tf.io.parse_tensor(pending, tf.string)
+        pending.set_shape([None, len(self.specs)])
+      return self.set_state(state, pending)
 
 
 class PositionSaveable(interception.SaveableObject):
@@ -221,11 +271,8 @@ class PositionSaveable(interception.SaveableObject):
   def __init__(self, source: Source):
     self._source = source
     resource = source.resource
+    state = source.state()
     with tf.device(source.device):
-      # Bytes rather than a variant, so that every key reads with numpy
-      # (`Estimator.get_variable_value`, checkpoint tools).
-      state = tf.io.serialize_tensor(tf.raw_ops.SerializeIterator(
-          resource_handle=resource, external_state_policy=2))  # 2: FAIL on external state
       pending = source.pending()
       fingerprint = tf.constant(source.fingerprint)
       ended = source.ended.read_value()
@@ -239,13 +286,7 @@ class PositionSaveable(interception.SaveableObject):
   def restore(self, restored_tensors, restored_shapes):
     del restored_shapes
     ended, state, pending, _ = restored_tensors
-    source = self._source
-    resource = source.resource
-    with tf.device(source.device):
-      with tf.control_dependencies([source.iterator.initializer]):
-        deserialize = tf.raw_ops.DeserializeIterator(
-            resource_handle=resource, serialized=tf.io.parse_tensor(state, tf.variant))
-      return tf.group(deserialize, source.replay_from(pending, ended))
+    return self._source.set_state(state, pending, ended)
 
 
 class PositionSaver(tf.compat.v1.train.Saver):
@@ -302,7 +343,7 @@ class PositionHook(tf.compat.v1.train.SessionRunHook):
 
 
 def attach(spec: tf.estimator.EstimatorSpec, source: Source, config: Any,
-           staged: bool) -> tf.estimator.EstimatorSpec:
+           staged: bool, across: Any = None) -> tf.estimator.EstimatorSpec:
   """`spec` whose session start sets the position, and whose Saver saves it.
 
   Args:
@@ -310,7 +351,18 @@ def attach(spec: tf.estimator.EstimatorSpec, source: Source, config: Any,
     source: the positioned input.
     config: the RunConfig.
     staged: whether the staging hook sets the position (else a PositionHook).
+    across: the all-reduces of a collective cluster (`CrossWorker`), whose
+      tasks take the chief's position in their local init; None on one
+      machine or with parameter servers.
   """
+  if across is None and not getattr(config, 'is_chief', True):
+    logs.warning_once(
+        f'estimator_towers: this task ({getattr(config, "task_type", None)} '
+        f'{getattr(config, "task_id", None)}) trains with parameter servers, where only '
+        f'the chief\'s checkpoints save the input\'s position: this worker reads its own '
+        f'input, which a restarted job reads again from its first element. To resume '
+        f'every worker\'s input, train with variable_strategy=\'collective\' on '
+        f'estimator_towers.global_batches(...).')
   base = spec.scaffold or tf.compat.v1.train.Scaffold()
   saver_taken = base.saver is not None or tf.compat.v1.get_collection(
       tf.compat.v1.GraphKeys.SAVERS)
@@ -331,10 +383,17 @@ def attach(spec: tf.estimator.EstimatorSpec, source: Source, config: Any,
       user_init_fn(session)
     source.initialize(session)
 
+  local_init_op = base.local_init_op
+  # After the variables' broadcast (cluster.session's local init). Not with the model_fn's
+  # own Saver: no task restores a position then, and each starts from the first element.
+  if across is not None and not saver_taken:
+    with tf.control_dependencies([] if local_init_op is None else [local_init_op]):
+      from_chief = source.broadcast_from_chief(across)
+    local_init_op = from_chief if local_init_op is None else tf.group(local_init_op, from_chief)
   scaffold = tf.compat.v1.train.Scaffold(
       init_op=base.init_op, init_feed_dict=base.init_feed_dict, init_fn=init_fn,
       ready_op=base.ready_op, ready_for_local_init_op=base.ready_for_local_init_op,
-      local_init_op=base.local_init_op, summary_op=base.summary_op, saver=base.saver,
+      local_init_op=local_init_op, summary_op=base.summary_op, saver=base.saver,
       local_init_feed_dict=base.local_init_feed_dict, copy_from_scaffold=None)
   hooks = tuple(spec.training_hooks or ())
   if not staged:
