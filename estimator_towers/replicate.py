@@ -271,10 +271,10 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
     across = None if mode != ModeKeys.TRAIN else cross_worker.for_train_graph(
         config, plan.variable_strategy, plan.worker_timeout_secs, from_staging)
     source = None
-    if mode == ModeKeys.TRAIN and plan.resume_input:  # the input's position, checkpointed
+    if mode == ModeKeys.TRAIN:  # the input's position, checkpointed (global batches' rows)
       features, labels, source = position.own(
           features, labels, replace=not from_staging and across is None,
-          global_only=across is not None)
+          across=across is not None, resume=plan.resume_input)
     spec = _towered_spec(run, features, labels, mode, plan, placement, tower_devices, single,
                          serving, across, source)
     if source is not None:

@@ -169,7 +169,8 @@ def _checkpoint_values(name, model_dir):
 
 
 def _checkpoint_names(model_dir):
-  return sorted(tf.train.load_checkpoint(model_dir).get_variable_to_shape_map())
+  return sorted(n for n in tf.train.load_checkpoint(model_dir).get_variable_to_shape_map()
+                if not n.startswith(testlib.POSITION_PREFIX))
 
 
 @functools.lru_cache(maxsize=None)

@@ -60,11 +60,13 @@ class Source:
     fingerprint: the dataset's fingerprint (`positionable`).
     device: the input pipeline's device.
     with_labels: whether an element is (features, labels).
+    saved: whether checkpoints save its position (else it only reads).
   """
 
   def __init__(self, variant: tf.Tensor, element_spec: Any, fingerprint: str, device: str,
-               with_labels: bool):
+               with_labels: bool, saved: bool = True):
     self.element_spec = element_spec
+    self.saved = saved
     self.with_labels = with_labels
     self.is_global = global_batches.is_global(variant)
     self.specs = tf.nest.flatten(element_spec, expand_composites=True)
@@ -355,7 +357,7 @@ def attach(spec: tf.estimator.EstimatorSpec, source: Source, config: Any,
       tasks take the chief's position in their local init; None on one
       machine or with parameter servers.
   """
-  if across is None and not getattr(config, 'is_chief', True):
+  if source.saved and across is None and not getattr(config, 'is_chief', True):
     logs.warning_once(
         f'estimator_towers: this task ({getattr(config, "task_type", None)} '
         f'{getattr(config, "task_id", None)}) trains with parameter servers, where only '
@@ -366,7 +368,9 @@ def attach(spec: tf.estimator.EstimatorSpec, source: Source, config: Any,
   base = spec.scaffold or tf.compat.v1.train.Scaffold()
   saver_taken = base.saver is not None or tf.compat.v1.get_collection(
       tf.compat.v1.GraphKeys.SAVERS)
-  if saver_taken:
+  if not source.saved:
+    pass
+  elif saver_taken:
     logging.warning(
         'estimator_towers: the model_fn brings its own Saver (Scaffold.saver or the '
         'SAVERS collection), so the input position is not saved: a resumed train() '
@@ -386,7 +390,7 @@ def attach(spec: tf.estimator.EstimatorSpec, source: Source, config: Any,
   local_init_op = base.local_init_op
   # After the variables' broadcast (cluster.session's local init). Not with the model_fn's
   # own Saver: no task restores a position then, and each starts from the first element.
-  if across is not None and not saver_taken:
+  if across is not None and source.saved and not saver_taken:
     with tf.control_dependencies([] if local_init_op is None else [local_init_op]):
       from_chief = source.broadcast_from_chief(across)
     local_init_op = from_chief if local_init_op is None else tf.group(local_init_op, from_chief)
@@ -401,7 +405,7 @@ def attach(spec: tf.estimator.EstimatorSpec, source: Source, config: Any,
   return spec._replace(scaffold=scaffold, training_hooks=hooks)
 
 
-def own(features: Any, labels: Any, replace: bool, global_only: bool = False
+def own(features: Any, labels: Any, replace: bool, across: bool, resume: bool
         ) -> tuple[Any, Any, Source | None]:
   """The training input read through a `Source`, or unchanged with one warning why not.
 
@@ -410,37 +414,46 @@ def own(features: Any, labels: Any, replace: bool, global_only: bool = False
       iterator, or of `staged_input_fn`'s).
     labels: the labels (None for a features-only dataset).
     replace: whether to return the Source's next element in their place
-      (False: staging reads the Source itself).
-    global_only: only a dataset of global batches (`global_batches`) can be
-      positioned (several workers).
+      (False: staging or the workers' live inputs read the Source itself).
+    across: whether several workers train (only a dataset of `global_batches`
+      is positioned then).
+    resume: `resume_input`. Without it, a Source is still made, unsaved, for
+      global batches across workers, whose rows it gives each worker.
 
   Returns:
-    (features, labels, source), source None when the input cannot be positioned.
+    (features, labels, source): source None when the input is read as
+    Estimator gives it; `source.saved` False when it is not checkpointed.
   """
   get_next = _get_next_op(features, labels)
   if get_next is None:
-    if not _varies(features, labels):  # the same batch at every step: nothing to position
-      return features, labels, None
-    return _unpositioned(features, labels, 'the input_fn returns tensors, not a tf.data.Dataset')
+    if resume and _varies(features, labels):  # else the same batch at every step
+      _unpositioned('the input_fn returns tensors, not a tf.data.Dataset')
+    return features, labels, None
   makers = [op for op in get_next.inputs[0].consumers() if op.type == 'MakeIterator']
   if len(makers) != 1:
-    return _unpositioned(features, labels, f'its iterator ({get_next.inputs[0].op.type}) was '
-                         f'not made by Estimator from a tf.data.Dataset (a hand-made or '
-                         f'one-shot iterator)')
+    if resume:
+      _unpositioned(f'its iterator ({get_next.inputs[0].op.type}) was not made by Estimator '
+                    f'from a tf.data.Dataset (a hand-made or one-shot iterator)')
+    return features, labels, None
   variant = makers[0].inputs[0]
-  if global_only and not global_batches.is_global(variant):
-    return _unpositioned(features, labels, 'the workers of a cluster read it each on their '
-                         'own, so no one position describes it (read global batches with '
-                         'estimator_towers.global_batches(...) to resume it)')
+  is_global = global_batches.is_global(variant)
+  if across and not is_global:
+    if resume:
+      _unpositioned('the workers of a cluster read it each on their own, so no one position '
+                    'describes it (read global batches with estimator_towers.global_batches'
+                    '(...) to resume it)')
+    return features, labels, None
   dataset_graph = positionable.DatasetGraph(variant)
   fingerprint = dataset_graph.fingerprint()
-  if dataset_graph.reasons:
+  saved = resume and not dataset_graph.reasons
+  if resume and dataset_graph.reasons:
     logs.warning_once(positionable.unpositionable_warning(dataset_graph.reasons))
+  if not saved and not (across and is_global):
     return features, labels, None
   structure = (features, labels) if labels is not None else features
   element_spec = tf.nest.map_structure(tf.type_spec_from_value, structure)
   source = Source(variant, element_spec, fingerprint, makers[0].device or '/cpu:0',
-                  with_labels=labels is not None)
+                  with_labels=labels is not None, saved=saved)
   if not replace:
     return features, labels, source
   with tf.device(source.device):  # Estimator's iterator then reads nothing at all.
@@ -494,9 +507,8 @@ def _varies(features: Any, labels: Any) -> bool:
   return False
 
 
-def _unpositioned(features: Any, labels: Any, why: str) -> tuple[Any, Any, None]:
+def _unpositioned(why: str) -> None:
   logs.warning_once(
       f'estimator_towers: the training input cannot be positioned: {why}. A resumed '
       f'train() or a restarted job reads it again from its first element. Return a '
       f'tf.data.Dataset from the input_fn to resume it where it left off.')
-  return features, labels, None

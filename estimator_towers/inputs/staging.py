@@ -390,11 +390,11 @@ class _InFlight:
     source.pending_in_flight = self.serialized
 
   def put(self, batch: Any) -> tf.Operation:
-    with tf.device(self.host):
+    with tf.device(self.host), tf.name_scope('in_flight'):
       return self.area.put(tf.nest.flatten(batch, expand_composites=True))
 
   def get(self) -> tf.Operation:
-    with tf.device(self.host):
+    with tf.device(self.host), tf.name_scope('in_flight'):
       got = self.area.get()
       return (got[0] if isinstance(got, (list, tuple)) else got).op
 
@@ -402,7 +402,7 @@ class _InFlight:
     """[n, components] strings: the staged global batches, oldest first."""
     columns = len(self.source.specs)
     rows = []
-    with tf.device(self.host):
+    with tf.device(self.host), tf.name_scope('in_flight'):
       size = self.area.size()
       for i in range(self.depth):
         def peek(i=i):
