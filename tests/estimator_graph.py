@@ -126,7 +126,7 @@ class EstimatorGraph:
     if not self._initialized:
       self.session.run(self.scaffold.init_op, feed_dict=self.scaffold.init_feed_dict)
       if self.scaffold.init_fn:
-        self.scaffold.init_fn(self.scaffold, self.session)
+        self.scaffold.init_fn(self.session)
       self._initialized = True
     self.session.run(self.scaffold.local_init_op)
     return _KeptSession(self.session)

@@ -169,7 +169,9 @@ def _checkpoint_values(name, model_dir):
 
 
 def _checkpoint_names(model_dir):
-  return sorted(tf.train.load_checkpoint(model_dir).get_variable_to_shape_map())
+  """The checkpoint's variables (not the towered run's input position)."""
+  return sorted(n for n in tf.train.load_checkpoint(model_dir).get_variable_to_shape_map()
+                if not n.startswith(testlib.POSITION_PREFIX))
 
 
 @functools.lru_cache(maxsize=None)
