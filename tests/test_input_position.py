@@ -20,6 +20,8 @@ input, skipped a batch or lost the shuffle's state (seed, buffer, epoch) would s
 - a features-only dataset (no labels, a model_fn without a labels argument), staged and not;
 - a model with dropout (keyed random draws) and Momentum's slots: the draws and the input
   continue together;
+- an unseeded shuffle (no run is a reference): over two calls to the end of one epoch, every
+  example trained exactly once;
 - evaluate() and predict() after a partial train() read from the first element (numpy of the
   checkpoint's variables on the dataset's first batches), and do not move the training input;
 - one WARNING at graph construction for an input the library cannot position (a generator,
@@ -173,6 +175,38 @@ def test_dropout_and_input_resume_together():
   batch, so they continue with the restored step while the input continues with its
   position: 3 towers, then 2 devices x 2 micro-batches, equal one call of one device."""
   _check_chain('dropout', ('3 towers', '2x2'))
+
+
+def _counting_model_fn(features, labels, mode):
+  """One SGD step (learning rate 1) adds 1 to `counts[id]` for every example id it trains."""
+  del labels
+  counts = tf.compat.v1.get_variable('counts', [NUM_EXAMPLES],
+                                     initializer=tf.compat.v1.zeros_initializer())
+  loss = -tf.reduce_sum(counts * tf.one_hot(features['id'], NUM_EXAMPLES))
+  optimizer = tf.compat.v1.train.GradientDescentOptimizer(1.0)
+  return tf.estimator.EstimatorSpec(
+      mode, loss=loss, train_op=optimizer.minimize(loss, tf.compat.v1.train.get_global_step()))
+
+
+def test_an_unseeded_shuffle_resumes_its_own_order():
+  """One epoch of an unseeded shuffle (its order random in each run, so no other run is a
+  reference), staged at depth 2 on 3 towers: train(steps=2), then train() to the end of the
+  input. The checkpoint holds the shuffle's seeds and buffer, so every id is trained exactly
+  once (a restarted input would train the first call's ids again and miss others)."""
+  plan = et.make_plan(devices=testlib.cpu_devices(3), loss_reduction='sum', staging_depth=2)
+  estimator = testlib.make_estimator(et.replicate_model_fn(_counting_model_fn, plan=plan),
+                                     num_cpus=3)
+
+  def input_fn():
+    ids = np.arange(NUM_EXAMPLES, dtype=np.int32)
+    return tf.data.Dataset.from_tensor_slices(({'id': ids}, ids)).shuffle(
+        NUM_EXAMPLES).batch(BATCH)
+
+  staged = et.staged_input_fn(input_fn, plan)
+  estimator.train(staged, steps=2)
+  estimator.train(staged)
+  np.testing.assert_array_equal(estimator.get_variable_value('counts'), np.ones(NUM_EXAMPLES))
+  assert estimator.get_variable_value('global_step') == -(-NUM_EXAMPLES // BATCH)
 
 
 def _first_batches(count):
