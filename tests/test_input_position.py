@@ -31,8 +31,8 @@ input, skipped a batch or lost the shuffle's state (seed, buffer, epoch) would s
   and the input starts from its first element (the plain model_fn's two calls are the
   reference); a model_fn bringing its own Saver: one WARNING, and no position saved.
 Every test here fails with resume_input=False (the old behaviour: every call reads its input
-from the first element, and no warning is given). That a deep position restores as fast as a shallow
-one is bench/'s to measure, not a test's.
+from the first element, and no warning is given). That a deep position restores as fast as a
+shallow one is bench/'s to measure, not a test's.
 """
 
 import functools
@@ -166,7 +166,7 @@ def test_train_calls_equal_one_call(layouts):
 
 def test_features_only_input_resumes():
   """A dataset of feature dicts (labels None) and a model_fn without labels: unstaged on
-  2 devices, then staged (depth 1, 3 towers) twice."""
+  2 devices x 2 micro-batches, then staged (depth 1, 3 towers) twice."""
   _check_chain('features only', ('2x2', 'staged 1', 'staged 1'))
 
 
