@@ -19,6 +19,12 @@ update ops, or the predictions. Each `run()` opens a new MonitoredSession on one
 kept `tf.compat.v1.Session`: the scaffold's local init op (metric variables,
 tables) runs at each creation as it does for a restored session; variables keep
 their values between runs (Estimator would restore them from the checkpoint).
+So does a TRAIN input the library positions (`inputs/position.py`; the
+scaffold's init_fn sets it to the first element in the first run): the next
+run reads on from where its iterator is, but without a checkpoint the global
+batches a staged run left on the devices are dropped, which Estimator would
+restore with the position; an input the library cannot position (a dataset
+reading a variable, as tests/test_faults.py's) starts again at every run.
 Session options carry `operation_timeout_in_ms`, so a blocked op fails with
 DeadlineExceededError instead of hanging the test.
 """
@@ -126,7 +132,7 @@ class EstimatorGraph:
     if not self._initialized:
       self.session.run(self.scaffold.init_op, feed_dict=self.scaffold.init_feed_dict)
       if self.scaffold.init_fn:
-        self.scaffold.init_fn(self.session)  # Scaffold binds itself
+        self.scaffold.init_fn(self.session)
       self._initialized = True
     self.session.run(self.scaffold.local_init_op)
     return _KeptSession(self.session)

@@ -6,7 +6,7 @@ convolutions and their gradients' ops), each run on its own rows. A model
 whose work runs once on the whole batch on the first device shows up as one
 device with the count and the others with a fraction of it.
 
-`train_graph` builds a model_fn's TRAIN graph (not run) on constants;
+`train_graph` builds a model_fn's TRAIN graph (not run) on a dataset of constants;
 `per_device` counts heavy ops by device; `least_share` is the least loaded
 device's count over the plain graph's total.
 """
@@ -28,17 +28,19 @@ HEAVY = frozenset((
 def train_graph(model_fn, features, labels, params=None) -> tf.Graph:
   """`model_fn`'s TRAIN graph on constant `features` / `labels` (numpy nests; labels may be None).
 
-  The batch size is left unknown (placeholder_with_default), as most input_fns give it.
+  They are read as Estimator reads an input_fn's dataset (one batch of them, through an
+  initializable iterator on the host), so the batch size is unknown, as most input_fns give
+  it, and a towered model_fn positions that input as it does in training (no warning).
   """
   graph = tf.Graph()
   with graph.as_default():
     tf.compat.v1.train.create_global_step()
-
-    def unknown_batch(value):
-      return tf.compat.v1.placeholder_with_default(value, [None] + list(value.shape[1:]))
-
-    f = tf.nest.map_structure(unknown_batch, features)
-    l = None if labels is None else tf.nest.map_structure(unknown_batch, labels)
+    with tf.device('/cpu:0'):  # where Estimator calls input_fns
+      dataset = tf.data.Dataset.from_tensor_slices(
+          features if labels is None else (features, labels))
+      element = tf.compat.v1.data.make_initializable_iterator(
+          dataset.batch(len(tf.nest.flatten(features)[0]))).get_next()
+    f, l = (element, None) if labels is None else element
     model_fn(f, l, tf.estimator.ModeKeys.TRAIN, params if params is not None else {}, None)
   return graph
 

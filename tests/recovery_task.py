@@ -9,11 +9,13 @@ as the chief of TF_CONFIG's cluster (variables on the ps) with
 `tf.estimator.train_and_evaluate`. With --block_at=N, the process prints
 `BLOCKED AT STEP N` after global step N has run and waits there until the file
 --flag exists (the test kills it, or a parameter server, meanwhile).
+--staging_depth sets how many global batches are staged ahead on the towers.
 
-The input resumes where the checkpoint it restores left off: the input_fn
-skips as many batches as the global step of the latest checkpoint, so a run
-killed and restarted sees the same batches, step by step, as one that was never
-interrupted.
+The input is a seeded shuffle + repeat + batch of the data, read from its first
+element by the input_fn: the library saves its position (and the batches staged
+on the towers) in every checkpoint, so a run killed and restarted, or a session
+recovered from a checkpoint, sees the same batches, step by step, as one that was
+never interrupted.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from estimator_towers import staged_input_fn  # pylint: disable=g-import-not-at-
 BATCH = 5
 NUM_TOWERS = 3  # Batches of 5 over 3 towers: shards of 2, 2 and 1.
 STAGING_DEPTH = 2
+SHUFFLE_SEED = 11
 BLOCKED = 'BLOCKED AT STEP'
 
 
@@ -45,16 +48,17 @@ def checkpoint_step(model_dir: str) -> int:
   return int(tf.train.load_variable(checkpoint, 'global_step')) if checkpoint else 0
 
 
-def resuming_input_fn(x, y, model_dir: str):
-  """Batches of (x, y), repeated, from the batch the latest checkpoint reached."""
+def input_fn(x, y):
+  """Batches of (x, y), shuffled anew each epoch (seeded), repeated."""
   def fn():
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(BATCH)
-    return dataset.skip(checkpoint_step(model_dir))
+    return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
+        len(x), seed=SHUFFLE_SEED).repeat().batch(BATCH)
   return fn
 
 
-def towered_estimator(model_dir: str, checkpoint_steps: int) -> tuple:
-  plan = make_plan(devices=testlib.cpu_devices(NUM_TOWERS), staging_depth=STAGING_DEPTH)
+def towered_estimator(model_dir: str, checkpoint_steps: int,
+                      staging_depth: int = STAGING_DEPTH) -> tuple:
+  plan = make_plan(devices=testlib.cpu_devices(NUM_TOWERS), staging_depth=staging_depth)
   config = tf.estimator.RunConfig(
       model_dir=model_dir, save_checkpoints_steps=checkpoint_steps, keep_checkpoint_max=100,
       save_summary_steps=10**6, log_step_count_steps=10**6,
@@ -98,10 +102,11 @@ class BlockAt(tf.compat.v1.train.SessionRunHook):
 
 
 def train(model_dir: str, x, y, max_steps: int, checkpoint_steps: int,
-          hooks=(), distributed: bool = False) -> tf.estimator.Estimator:
+          staging_depth: int = STAGING_DEPTH, hooks=(), distributed: bool = False
+          ) -> tf.estimator.Estimator:
   """Trains to max_steps (resuming from model_dir's latest checkpoint)."""
-  estimator, plan = towered_estimator(model_dir, checkpoint_steps)
-  fn = staged_input_fn(resuming_input_fn(x, y, model_dir), plan)
+  estimator, plan = towered_estimator(model_dir, checkpoint_steps, staging_depth)
+  fn = staged_input_fn(input_fn(x, y), plan)
   if distributed:
     tf.estimator.train_and_evaluate(
         estimator, tf.estimator.TrainSpec(fn, max_steps=max_steps, hooks=list(hooks)),
@@ -127,6 +132,7 @@ def main() -> None:
   parser.add_argument('--checkpoint_steps', type=int, default=4)
   parser.add_argument('--block_at', type=int, default=0)
   parser.add_argument('--flag', default='')
+  parser.add_argument('--staging_depth', type=int, default=STAGING_DEPTH)
   args = parser.parse_args()
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.INFO)
   if args.role == 'ps':
@@ -135,7 +141,7 @@ def main() -> None:
   data = np.load(args.data)
   hooks = [BlockAt(args.block_at, args.flag)] if args.block_at else []
   train(args.model_dir, data['x'], data['y'], args.max_steps, args.checkpoint_steps,
-        hooks=hooks, distributed=args.role == 'chief')
+        args.staging_depth, hooks=hooks, distributed=args.role == 'chief')
   print('TRAINING DONE', flush=True)
 
 

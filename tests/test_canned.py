@@ -169,6 +169,7 @@ def _checkpoint_values(name, model_dir):
 
 
 def _checkpoint_names(model_dir):
+  """The checkpoint's variables (not the towered run's input position)."""
   return sorted(n for n in tf.train.load_checkpoint(model_dir).get_variable_to_shape_map()
                 if not n.startswith(testlib.POSITION_PREFIX))
 

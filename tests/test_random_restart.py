@@ -4,8 +4,9 @@ A keyed draw is set by the op, the global step (read from the checkpoint when a
 new `train()` call restores it) and the example's position in the global batch,
 not by the state of a stateful op's stream, which a new session starts again.
 So training 2 steps with `Estimator.train`, then 2 more in a second `train()`
-call (a new graph and session, restored from the checkpoint, fed the batches the
-first call did not reach) must equal 4 steps in one call: the reference is the
+call (a new graph and session, restored from the checkpoint, whose input position
+makes the one input_fn go on with the batches the first call did not reach) must
+equal 4 steps in one call: the reference is the
 model_fn decorated for one device (`devices=['/cpu:0']`), and the resumed run
 is on one device, on 3 towers and in 2 micro-batches. The model
 (`collective_task.random_draws_model_fn`) draws Gaussian noise of tf.shape(x),
@@ -37,27 +38,22 @@ LAYOUTS = {'one device': (1, 1), '3 towers': (3, 1), '2 micro-batches': (1, 2)}
 X, Y = testlib.data(BATCH * STEPS, seed=3)
 
 
-def _input_fn(first, steps):
-  """The batches first, ..., first + steps - 1 of the run."""
-  rows = slice(first * BATCH, (first + steps) * BATCH)
-
-  def fn():
-    return tf.data.Dataset.from_tensor_slices(({'x': X[rows]}, Y[rows])).batch(BATCH)
-  return fn
+def _input_fn():
+  """The run's STEPS batches."""
+  return tf.data.Dataset.from_tensor_slices(({'x': X}, Y)).batch(BATCH)
 
 
 def _train(num_devices, micro_batches, calls, random_draws='keyed'):
-  """Variables after `train()` calls of `calls` steps each, each fed the batches that follow
-  the previous call's (each call a new graph and session, restored from the checkpoint)."""
+  """Variables after `train()` calls of `calls` steps each on one input_fn (each call a new
+  graph and session, restored from the checkpoint with the input's position, so it reads the
+  batches that follow the previous call's)."""
   model_fn = et.replicate_model_fn(
       collective_task.random_draws_model_fn, devices=testlib.cpu_devices(num_devices),
       micro_batches=micro_batches, random_draws=random_draws)
   estimator = testlib.make_estimator(model_fn, num_devices, params=PARAMS,
                                      tf_random_seed=SEED)
-  first = 0
   for steps in calls:
-    estimator.train(_input_fn(first, steps), steps=steps)
-    first += steps
+    estimator.train(_input_fn, steps=steps)
   values = testlib.variables(estimator)
   assert values['global_step'] == STEPS
   return values

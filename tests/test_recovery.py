@@ -4,8 +4,13 @@ and a parameter server killed and restarted under the chief's session recovery.
 Both tests run tests/recovery_task.py in subprocesses, each in its own process
 group, and kill those groups by id in `finally` whatever happens; every wait has
 a time limit, and the tests carry pytest-timeout markers. Ports are free
-loopback ports. References: an uninterrupted run of the same training (bit
-equal), and the plain single-device model_fn on the same batches (within 1e-5).
+loopback ports. The input is a seeded shuffle + repeat + batch of 23 examples in
+batches of 5, read from its first element: what a restart or a recovered session
+resumes from is the checkpoint's input position (the library's: the iterator's
+state and the global batches staged on the towers), not a skip written by hand.
+References: an uninterrupted run of the same training (bit equal), and the
+model_fn decorated for one device trained in one call on the same input_fn
+(within 1e-5).
 """
 
 import json
@@ -20,10 +25,10 @@ import time
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import recovery_task
 import testlib
+from estimator_towers import replicate_model_fn
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'recovery_task.py')
 START_TIMEOUT = 180  # TensorFlow's import and graph building on a busy 2-core machine.
@@ -91,24 +96,27 @@ def restored_checkpoint(output: str) -> str:
   return os.path.basename(lines[-1].split('Restoring parameters from')[-1].strip())
 
 
-def plain_variables(x, y, max_steps: int) -> dict:
-  """The plain single-device model_fn on the same batches."""
-  plain = testlib.make_estimator(testlib.v1_model_fn)
-  plain.train(lambda: tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(
-      recovery_task.BATCH), max_steps=max_steps)
-  return testlib.variables(plain)
+def one_device_variables(x, y, max_steps: int) -> dict:
+  """The model_fn decorated for one device, one train() call on the same input_fn."""
+  one_device = testlib.make_estimator(
+      replicate_model_fn(testlib.v1_model_fn, devices=['/cpu:0']))
+  one_device.train(recovery_task.input_fn(x, y), max_steps=max_steps)
+  return testlib.variables(one_device)
 
 
 @pytest.mark.timeout(420)
-def test_sigkill_and_restart_equals_uninterrupted_training(tmp_path):
-  # 35 examples, batches of 5: 7 different batches, steps 1..10. Checkpoints
-  # at steps 4 and 8; the process is killed at step 6, losing steps 5 and 6.
-  x, y = testlib.data(35)
+@pytest.mark.parametrize('depth', [1, 2])
+def test_sigkill_and_restart_equals_uninterrupted_training(tmp_path, depth):
+  # 23 examples, batches of 5 (an epoch ends inside batches 5 and 10), steps
+  # 1..10. Checkpoints at steps 4 and 8 (20 and 40 examples: mid-epoch, with
+  # `depth` batches staged on the towers); the process is killed at step 6,
+  # losing steps 5 and 6.
+  x, y = testlib.data(23)
   data = tmp_path / 'data.npz'
   np.savez(data, x=x, y=y)
   model_dir = tmp_path / 'killed'
   flag = tmp_path / 'never_created'
-  common = dict(max_steps=10, checkpoint_steps=4)
+  common = dict(max_steps=10, checkpoint_steps=4, staging_depth=depth)
   options = [f'--{k}={v}' for k, v in common.items()]
 
   task = Task('train', model_dir, data, '--block_at=6', f'--flag={flag}', *options)
@@ -132,7 +140,7 @@ def test_sigkill_and_restart_equals_uninterrupted_training(tmp_path):
                                                      model_dir=str(model_dir)))
   assert resumed['global_step'] == 10
   testlib.assert_variables_close(resumed, testlib.variables(uninterrupted), tol=0)
-  testlib.assert_variables_close(resumed, plain_variables(x, y, 10))
+  testlib.assert_variables_close(resumed, one_device_variables(x, y, 10))
 
 
 @pytest.mark.timeout(420)
@@ -140,10 +148,11 @@ def test_parameter_server_killed_and_restarted(tmp_path):
   """A ps + chief cluster on loopback ports (TF_CONFIG); the chief trains 3
   staged towers with its variables on the ps. The ps is killed after step 5
   (checkpoints at 2 and 4) and restarted on its port: the chief's
-  MonitoredSession recovers (a new session restores model.ckpt-4) and
-  training completes. Every step sees the same batch (a session restarts its
-  input), so the result must equal 8 plain steps."""
-  x, y = testlib.data(recovery_task.BATCH)
+  MonitoredSession recovers (a new session restores model.ckpt-4, the input's
+  position with it: the iterator, and the batches staged at step 4) and
+  training completes: steps 5 to 8 read the batches that follow step 4, as in
+  one uninterrupted call of one device."""
+  x, y = testlib.data(23)
   data = tmp_path / 'data.npz'
   np.savez(data, x=x, y=y)
   model_dir = tmp_path / 'model'
@@ -175,4 +184,4 @@ def test_parameter_server_killed_and_restarted(tmp_path):
   trained = testlib.variables(testlib.make_estimator(testlib.v1_model_fn,
                                                      model_dir=str(model_dir)))
   assert trained['global_step'] == 8
-  testlib.assert_variables_close(trained, plain_variables(x, y, 8))
+  testlib.assert_variables_close(trained, one_device_variables(x, y, 8))

@@ -60,15 +60,22 @@ def ids_input_fn(num_ids=NUM_IDS, batch=BATCH, drop_remainder=False):
 GET_OPS = ('Unstage',)  # Per-device reads.
 
 
+def split_in_flight(ops):
+  """(the towers' staging ops, the host's): in TRAIN the host mirrors the staged global
+  batches in an area of its own (`staging._InFlight`), which the checkpoint saves."""
+  def is_in_flight(op):
+    node = op if isinstance(op, tf.compat.v1.NodeDef) else op.node_def
+    return b'in_flight' in node.attr['shared_name'].s
+  return ([op for op in ops if not is_in_flight(op)], [op for op in ops if is_in_flight(op)])
+
+
 class GraphProbe(tf.compat.v1.train.SessionRunHook):
   """Records the devices of the staged per-device reads of its graph."""
 
   def begin(self):
-    self.get_devices = sorted(
-        op.device for op in tf.compat.v1.get_default_graph().get_operations()
-        if op.name.startswith('staged_input/') and op.type in GET_OPS
-        # not the host's copy of the staged batches, kept for the checkpoint
-        and not op.node_def.attr['shared_name'].s.startswith(b'in_flight'))
+    self.get_devices = sorted(op.device for op in split_in_flight(
+        [op for op in tf.compat.v1.get_default_graph().get_operations()
+         if op.name.startswith('staged_input/') and op.type in GET_OPS])[0])
 
 
 def counting_estimator(num_devices, depth):
@@ -122,11 +129,11 @@ def test_empty_and_short_datasets_end(num_ids):
 
 @pytest.mark.timeout(**TIMEOUT)
 def test_resume_and_train_and_evaluate():
-  # train(steps=2) stops with batches still staged; the next train() resumes
-  # from the checkpoint with a fresh pipeline and areas, as the plain
-  # model_fn does (its input_fn restarts too), and runs to the end of input.
+  # train(steps=2) stops with 2 batches still staged; the next train() restores
+  # them and the input's position from the checkpoint (fresh areas, the staged
+  # batches replayed first) and runs to the end of input: every id trained
+  # once, as in one uninterrupted train() of the plain model_fn.
   plain = testlib.make_estimator(counting_model_fn)
-  plain.train(ids_input_fn(), steps=2)
   plain.train(ids_input_fn())
 
   est, plan = counting_estimator(3, 2)
@@ -250,23 +257,24 @@ def test_each_staging_area_sits_on_its_tower_device(mode, hooks_field):
   graph, spec = build_towered_graph(devices, mode)
   tower_devices = [f'/device:GPU:{k}' for k in range(3)]
   ops = graph.get_operations()
-  # Not the host's copy of the staged global batches, kept for the checkpoint in TRAIN.
-  def per_device(node_def):
-    return not node_def.attr['shared_name'].s.startswith(b'in_flight')
-
-  gets = [op for op in ops if op.type == 'Unstage' and per_device(op.node_def)]
+  gets, in_flight_gets = split_in_flight([op for op in ops if op.type == 'Unstage'])
   assert sorted(op.device for op in gets) == tower_devices
   # The puts are built in the branch of tf.cond that runs when a batch is left.
-  stages = [node for function in graph.as_graph_def().library.function
-            for node in function.node_def if node.op == 'Stage' and per_device(node)]
+  stages, in_flight_stages = split_in_flight(
+      [node for function in graph.as_graph_def().library.function
+       for node in function.node_def if node.op == 'Stage'])
   assert sorted(node.device for node in stages) == tower_devices
   # A put and the get of the same area share its device.
   put_areas = {node.attr['shared_name'].s: node.device for node in stages}
   assert {op.node_def.attr['shared_name'].s: op.device for op in gets} == put_areas
+  # In TRAIN the host keeps the staged global batches whole too (the checkpoint's position).
+  in_flight = 1 if mode == tf.estimator.ModeKeys.TRAIN else 0
+  assert [op.device for op in in_flight_gets] == ['/device:CPU:0'] * in_flight
+  assert [node.device for node in in_flight_stages] == ['/device:CPU:0'] * in_flight
   # The iterator and the split stay on the host.
   host_ops = [op for op in ops if op.name.startswith('staged_input/')
               and op.type in ('IteratorGetNextAsOptional', 'If', 'StatelessIf')]
-  assert len(host_ops) >= 2  # the read (the positioned input's in TRAIN) and the put
+  assert len(host_ops) >= 2
   assert {op.device for op in host_ops} == {'/device:CPU:0'}
   hooks = [h for h in getattr(spec, hooks_field) if isinstance(h, staging.StagingHook)]
   assert len(hooks) == 1

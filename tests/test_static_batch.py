@@ -161,7 +161,8 @@ def test_simclr_on_shards_of_2_is_not_taken_for_a_python_int(warnings):
   """`one_hot(range(batch), batch * 2)` on static shards of 2: the factor 2 of a batch-size
   value is no size read in Python; the head builds, without warning."""
   towered = et.replicate_model_fn(functools.partial(_model_fn, patterns.simclr),
-                                  devices=testlib.cpu_devices(3))
+                                  devices=testlib.cpu_devices(3),
+                                  resume_input=False)  # built on tensors: nothing to position
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
     x = np.random.RandomState(0).randn(6, patterns.F).astype(np.float32)
@@ -205,7 +206,8 @@ def test_a_number_of_classes_equal_to_the_shard_size_is_not_refused(warnings):
   """Mixup's `one_hot(y, 3)` on static shards of 3: the depth of the examples' own labels is
   a number of classes, not a size read in Python; the loss trains (no error, no warning)."""
   towered = et.replicate_model_fn(functools.partial(_model_fn, patterns.mixup),
-                                  devices=testlib.cpu_devices(3))
+                                  devices=testlib.cpu_devices(3),
+                                  resume_input=False)  # built on tensors: nothing to position
   with tf.Graph().as_default():
     tf.compat.v1.train.create_global_step()
     x = np.random.RandomState(0).randn(9, patterns.F).astype(np.float32)

@@ -285,10 +285,12 @@ class PlainTraining:
   """The plain model_fn's variables, each way of running it computed once, when asked.
 
   `after`: after steps 1, 3 and 4 run as train(steps=1), train(steps=2),
-  train(steps=1), each call restarting the input, so any run with the same
-  call sequence sees the same batches (the resume checks).
+  train(steps=1), each call restarting the input (the plain model_fn saves no
+  input position), so a towered run resumed from a plain checkpoint, which
+  holds no position either, sees the same batches (the resume checks).
   `continuous()`: after steps 1 and 3 of one train(steps=3) call (the input
-  runs on), as `train_and_read` reads a towered run.
+  runs on), as `train_and_read` reads a towered run, and as a towered run
+  resumed from its own checkpoint (which holds the input's position) sees them.
   """
 
   def __init__(self, model_fn, input_fn, params=None):
@@ -343,11 +345,12 @@ def check_towered_training(model_fn, towered_model_fn, num_devices: int, input_f
   Checks: variables and optimizer slots within `tol` (assert_close's rule)
   after 1 and 3 steps, with exactly the plain checkpoint names; global_step +1
   per step. With `resume`: steps 1 and 3 in two train() calls (the second
-  resumes the towered estimator's own checkpoint and input position, so it
-  equals one plain call of 3 steps), and a checkpoint resumed plain ->
-  towered -> plain (a plain checkpoint has no input position: each of those
-  calls reads the input from its first element). Without: one train(steps=3) call, read at steps 1
-  and 3 (one graph build), against the plain run made the same way.
+  resumes the towered estimator's own checkpoint and its input position: one
+  uninterrupted plain call is the reference), and a checkpoint resumed plain ->
+  towered -> plain (no position in the plain checkpoint: the towered call
+  starts its input from the first element, as the plain calls do). Without:
+  one train(steps=3) call, read at steps 1 and 3 (one graph build), against
+  the plain run made the same way.
   """
   if not resume:
     towered = stepwise_estimator(towered_model_fn, num_cpus=num_devices, params=params)
@@ -358,8 +361,7 @@ def check_towered_training(model_fn, towered_model_fn, num_devices: int, input_f
   towered = make_estimator(towered_model_fn, num_cpus=num_devices, params=params)
   towered.train(input_fn, steps=1)
   assert_variables_close(variables(towered), reference.after[1], tol)
-  # A second train() call resumes its own checkpoint, input position included: as one call.
-  towered.train(input_fn, steps=2)
+  towered.train(input_fn, steps=2)  # resumes its own checkpoint, the input where it was
   assert_variables_close(variables(towered), reference.continuous()[3], tol)
 
   # The plain checkpoint of step 1 (the reference's own; plain training is
