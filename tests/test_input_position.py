@@ -25,8 +25,9 @@ input, skipped a batch or lost the shuffle's state (seed, buffer, epoch) would s
 - evaluate() and predict() after a partial train() read from the first element (numpy of the
   checkpoint's variables on the dataset's first batches), and do not move the training input;
 - one WARNING at graph construction for an input the library cannot position (a generator,
-  a tf.py_function, a stateful random op in a map, tensors from a one-shot iterator or
-  constants), which still trains and saves no position; none for a stateless random map;
+  a tf.py_function, a stateful random op in a map, tensors from a one-shot iterator or a
+  queue), which still trains and saves no position; none for a stateless random map (which
+  is positioned) or constants (the same batch every step);
 - a checkpoint without a position, or of another dataset (another batch size): one WARNING,
   and the input starts from its first element (the plain model_fn's two calls are the
   reference); a model_fn bringing its own Saver: one WARNING, and no position saved.
@@ -284,7 +285,10 @@ UNPOSITIONED = {  # name: (input_fn, what the warning names)
     'stateful random map': (_map(lambda x: x + tf.random.uniform(tf.shape(x), seed=1)),
                             'RandomUniform (a stateful op'),
     'one-shot iterator': (_one_shot_tensors, 'not made by Estimator'),
-    'constants': (_constant_tensors, 'the input_fn returns tensors'),
+    'queue': (tf.compat.v1.estimator.inputs.numpy_input_fn(
+        {'x': X}, Y, batch_size=BATCH, shuffle=False, num_epochs=None),
+              'the input_fn returns tensors'),
+    'constants': (_constant_tensors, ''),  # the same batch at every step: nothing to position
     'stateless random map': (_map(lambda x: x + tf.random.stateless_uniform(
         tf.shape(x), seed=[1, 2])), None),
 }
@@ -297,7 +301,8 @@ def _position_warnings(found, about='cannot be positioned'):
 @pytest.mark.parametrize('name', sorted(UNPOSITIONED))
 def test_an_input_that_cannot_be_positioned_warns_once_and_trains(name, monkeypatch):
   """One WARNING naming what holds state outside the checkpoint; training works and the
-  checkpoint has no position. A stateless random map is positioned, without a warning."""
+  checkpoint has no position. A stateless random map is positioned, without a warning;
+  constants (the same batch at every step) need no position and get no warning."""
   input_fn, named = UNPOSITIONED[name]
   found = testlib.logged_warnings(monkeypatch)
   estimator = testlib.make_estimator(et.replicate_model_fn(testlib.v1_model_fn,
@@ -306,9 +311,9 @@ def test_an_input_that_cannot_be_positioned_warns_once_and_trains(name, monkeypa
   assert estimator.get_variable_value('global_step') == 2
   warnings = _position_warnings(found)
   keys = estimator.get_variable_names()
-  if named is None:
+  if not named:
     assert not warnings, warnings
-    assert POSITION_KEY in keys
+    assert (POSITION_KEY in keys) == (named is None), keys
     return
   assert len(warnings) == 1 and named in warnings[0], found
   assert POSITION_KEY not in keys, keys
