@@ -274,7 +274,8 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
     if mode == ModeKeys.TRAIN:  # the input's position, checkpointed (global batches' rows)
       features, labels, source = position.own(
           features, labels, replace=not from_staging and across is None,
-          across=across is not None, resume=plan.resume_input)
+          across=across is not None, resume=plan.resume_input,
+          model_dir=getattr(config, 'model_dir', None))
     spec = _towered_spec(run, features, labels, mode, plan, placement, tower_devices, single,
                          serving, across, source)
     if source is not None:

@@ -115,7 +115,7 @@ def _check_towered(num_devices, micro_batches, dropout, static_batch, warnings):
   assert not warnings, warnings
 
 
-@pytest.mark.parametrize('layout', sorted(LAYOUTS))
+@pytest.mark.parametrize('layout', ['3 towers', '2x2'])  # 2x2 has micro-batches
 def test_towers_with_dropout_train_equal_to_one_device(layout, warnings):
   """BERT's default dropout: every variable and AdamWeightDecay slot (m, v) within 1e-5 of
   the model_fn decorated for one device after steps 1 and 2."""

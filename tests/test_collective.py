@@ -172,8 +172,8 @@ def _spec(tmp_path, model, towers, micro_batches=1, **extra):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize('model, micro_batches, evaluator', [
     ('mean', 1, True),        # plain gradient descent on a mean; an evaluator
-    ('two_terms', 1, False),  # a token-weighted ratio + a mean + an L2 penalty, Adam, clipping
-    ('bert', 2, False),       # the same loss, BERT's AdamWeightDecay, micro-batches,
+    ('bert', 2, False),       # a token-weighted ratio + a mean + an L2 penalty (one
+                              # machine's two_terms), BERT's AdamWeightDecay, micro-batches,
                               # features only (the labels a feature), as BERT is fed
 ])
 def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
@@ -208,8 +208,8 @@ def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize('model, micro_batches', [
-    ('clip_weighted', 1), ('top_k', 1), ('mixup', 1), ('attention', 1), ('clip', 2),
-    ('batch_reductions', 1)])
+    ('clip_weighted', 1), ('mixup', 1), ('attention', 1), ('clip', 2),
+    ('batch_reductions', 1)])  # a batch top-k's head is CLIP's: on one machine only
 def test_cross_example_losses_across_two_workers_of_two_towers(tmp_path, model, micro_batches):
   """Issue 33: an in-batch softmax with a trained temperature (and a trained weight of its
   two terms), a batch top-k: the head on the cluster's rows (all-gathered in rank order; CLIP's

@@ -38,7 +38,7 @@ BATCH = 7
 NUM_CLUSTERS = 3
 NUM_DEVICES = 3
 STEPS = 3
-RUNS = 12
+RUNS = 8
 
 
 def _x():

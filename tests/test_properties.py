@@ -293,7 +293,7 @@ def check_case(features, num_towers, sizes, fault, depth, mode, seed, labels='te
 # derandomize: the same 15 generated cases every run (a fixed cost and a
 # failure that reproduces; their seed is the test's name), beside the
 # explicit examples below.
-@settings(max_examples=10, deadline=None, database=None, print_blob=True, derandomize=True,
+@settings(max_examples=6, deadline=None, database=None, print_blob=True, derandomize=True,
           phases=[Phase.explicit, Phase.generate],  # No shrinking: a case costs seconds.
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @example(dict(features={'a': 'sparse', 'b': {'c': 'ragged', 'd': 'string'}}, num_towers=8,

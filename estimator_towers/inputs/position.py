@@ -61,11 +61,15 @@ class Source:
     device: the input pipeline's device.
     with_labels: whether an element is (features, labels).
     saved: whether checkpoints save its position (else it only reads).
+    replays: whether saved batches may have to be read before the iterator
+      (staging writes them; a plain read skips that test when the latest
+      checkpoint has none).
   """
 
   def __init__(self, variant: tf.Tensor, element_spec: Any, fingerprint: str, device: str,
-               with_labels: bool, saved: bool = True):
+               with_labels: bool, saved: bool = True, replays: bool = True):
     self.element_spec = element_spec
+    self.replays = replays
     self.saved = saved
     self.with_labels = with_labels
     self.is_global = global_batches.is_global(variant)
@@ -97,7 +101,7 @@ class Source:
 
   # Reading.
 
-  def replay_from(self, pending: tf.Tensor, ended: tf.Tensor) -> tf.Operation:
+  def replay_from(self, pending: tf.Tensor, ended: Any = False) -> tf.Operation:
     """An op that queues `pending` ([n, components] serialized) to be read first."""
     return tf.group(self.replay.assign(pending, read_value=False),
                     self.replayed.assign(0, read_value=False),
@@ -136,7 +140,8 @@ class Source:
                        lambda: tf.nest.flatten(optional.get_value(), expand_composites=True),
                        lambda: self._at_the_end(raise_end=True))
 
-      flat = tf.cond(self._replaying(), self._next_replayed, from_iterator, name='next')
+      flat = (tf.cond(self._replaying(), self._next_replayed, from_iterator, name='next')
+              if self.replays else from_iterator())
       return self._pack(flat)
 
   def get_next_as_optional(self) -> tuple[tf.Tensor, Any]:
@@ -150,8 +155,9 @@ class Source:
           lambda: [tf.constant(False)] + self._at_the_end(raise_end=False))
 
     with tf.name_scope(NAME), tf.device(self.device):
-      out = tf.cond(self._replaying(), lambda: [tf.constant(True)] + self._next_replayed(),
-                    from_iterator, name='next_as_optional')
+      out = (tf.cond(self._replaying(), lambda: [tf.constant(True)] + self._next_replayed(),
+                     from_iterator, name='next_as_optional')
+             if self.replays else from_iterator())
       return out[0], self._pack(out[1:])
 
   def next_for_worker(self, rank: int, count: int) -> tuple[tf.Tensor, Any, Any]:
@@ -218,7 +224,11 @@ class Source:
       return ('the input_fn\'s dataset is not the one the checkpoint was written with '
               '(another batch size, other files, other ops), and tf.data would go on '
               'with the old one')
-    if reader.get_tensor(f'{NAME}/ended') and not reader.get_tensor(f'{NAME}/pending').size:
+    pending_rows = reader.get_variable_to_shape_map()[f'{NAME}/pending'][0]
+    if pending_rows and not self.replays:
+      return ('it holds batches staged on devices, written after this graph was built '
+              'without a replay of them')
+    if reader.get_tensor(f'{NAME}/ended') and not pending_rows:
       return ENDED
     return None
 
@@ -405,8 +415,8 @@ def attach(spec: tf.estimator.EstimatorSpec, source: Source, config: Any,
   return spec._replace(scaffold=scaffold, training_hooks=hooks)
 
 
-def own(features: Any, labels: Any, replace: bool, across: bool, resume: bool
-        ) -> tuple[Any, Any, Source | None]:
+def own(features: Any, labels: Any, replace: bool, across: bool, resume: bool,
+        model_dir: str | None = None) -> tuple[Any, Any, Source | None]:
   """The training input read through a `Source`, or unchanged with one warning why not.
 
   Args:
@@ -419,6 +429,8 @@ def own(features: Any, labels: Any, replace: bool, across: bool, resume: bool
       is positioned then).
     resume: `resume_input`. Without it, a Source is still made, unsaved, for
       global batches across workers, whose rows it gives each worker.
+    model_dir: where the checkpoint to resume is (a plain read replays saved
+      batches only when its latest checkpoint holds some).
 
   Returns:
     (features, labels, source): source None when the input is read as
@@ -453,7 +465,8 @@ def own(features: Any, labels: Any, replace: bool, across: bool, resume: bool
   structure = (features, labels) if labels is not None else features
   element_spec = tf.nest.map_structure(tf.type_spec_from_value, structure)
   source = Source(variant, element_spec, fingerprint, makers[0].device or '/cpu:0',
-                  with_labels=labels is not None, saved=saved)
+                  with_labels=labels is not None, saved=saved,
+                  replays=not replace or _pending_in(model_dir))
   if not replace:
     return features, labels, source
   with tf.device(source.device):  # Estimator's iterator then reads nothing at all.
@@ -461,6 +474,15 @@ def own(features: Any, labels: Any, replace: bool, across: bool, resume: bool
   interception.replace_input(makers[0], 0, tf.data.experimental.to_variant(empty))
   element = source.get_next()
   return ((element[0], element[1]) if labels is not None else (element, None)) + (source,)
+
+
+def _pending_in(model_dir: str | None) -> bool:
+  """Whether the latest checkpoint in `model_dir` holds staged batches to replay."""
+  checkpoint = tf.train.latest_checkpoint(model_dir) if model_dir else None
+  if checkpoint is None:
+    return False
+  shapes = tf.train.load_checkpoint(checkpoint).get_variable_to_shape_map()
+  return bool(shapes.get(f'{NAME}/pending', [0])[0])
 
 
 def _get_next_op(features: Any, labels: Any) -> tf.Operation | None:
