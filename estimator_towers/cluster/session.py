@@ -58,12 +58,18 @@ def scaffold(base: tf.compat.v1.train.Scaffold | None, across: cross_worker.Cros
            else tf.compat.v1.train.Scaffold.default_local_init_op())
   return tf.compat.v1.train.Scaffold(
       init_op=base.init_op, init_feed_dict=base.init_feed_dict,
-      init_fn=base._init_fn,  # pylint: disable=protected-access
+      # Scaffold keeps init_fn bound to itself (a function of the session alone).
+      init_fn=_rebound(base._init_fn),  # pylint: disable=protected-access
       ready_op=base.ready_op,
       ready_for_local_init_op=_first_session(across, progress),
       local_init_op=tf.group(broadcast, local, name='local_init_from_chief'),
       summary_op=base.summary_op, saver=base.saver,
       local_init_feed_dict=base.local_init_feed_dict)
+
+
+def _rebound(init_fn):
+  """A Scaffold's bound init_fn (session -> None) as a new Scaffold's (scaffold, session)."""
+  return None if init_fn is None else lambda scaffold, session: init_fn(session)
 
 
 def _first_session(across: cross_worker.CrossWorker, progress: '_Progress') -> tf.Tensor:

@@ -1,0 +1,209 @@
+"""The input's position across the workers of a collective cluster.
+
+Workers reading `global_batches` of a seeded shuffle, killed after a checkpoint
+off an epoch boundary and resumed on 2 workers or on 1 worker x 2
+micro-batches, equal the one-device model_fn trained without a break; the
+chief's position travels to the workers as bytes through all-reduces (checked
+in one process, two ranks on two devices). The clusters are
+tests/test_collective.py's (`Cluster`: subprocesses on free loopback ports,
+bounded in time, killed by their own pids).
+"""
+
+import glob
+import os
+import shutil
+import time
+import types
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import collective_task
+import testlib
+import estimator_towers as et
+from estimator_towers.cluster import cross_worker
+from estimator_towers.inputs import position
+from test_collective import Cluster
+from test_collective import _spec
+
+# 20 examples, global batches of 6 (3 rows a worker): the checkpoint at step 4 is 4 examples
+# into the second epoch (a shuffle buffer mid-epoch, reshuffled per epoch), the end at 7.
+POSITION_EXAMPLES, POSITION_BATCH, SHUFFLE_SEED = 20, 6, 7
+KILLED_AT, RESUMED_TO = 4, 7
+POSITION_PARAMS = {'learning_rate': 0.1}
+
+
+@pytest.fixture(scope='module')
+def killed_after_a_checkpoint(tmp_path_factory):
+  """2 workers x 2 towers of `random_draws_model_fn` (dropout and other keyed draws,
+  Momentum) on global batches, both SIGKILLed once the chief has written its checkpoint of
+  step 4 (each task waits after step 4 to be killed): (tmp, spec, a copy of checkpoint 4)."""
+  tmp = tmp_path_factory.mktemp('killed')
+  rng = np.random.RandomState(3)
+  np.savez(tmp / 'data.npz',
+           xg=rng.randn(POSITION_EXAMPLES, testlib.NUM_FEATURES).astype(np.float32),
+           yg=rng.randint(0, testlib.NUM_CLASSES, POSITION_EXAMPLES).astype(np.int32),
+           wg=np.ones(POSITION_EXAMPLES, np.float32))
+  spec = _spec(tmp, 'random_draws', 2, global_batch=POSITION_BATCH, shuffle_seed=SHUFFLE_SEED,
+               save_every=KILLED_AT, keep=0, max_steps=RESUMED_TO, block_at=KILLED_AT)
+  cluster = Cluster(tmp, spec)
+  started = time.time()
+  try:
+    cluster.start('chief')
+    cluster.start('worker')
+    while not all((tmp / 'dump' / f'blocked{rank}').exists() for rank in (0, 1)):
+      for task_type in ('chief', 'worker'):
+        assert cluster.procs[task_type].poll() is None, cluster.log(task_type)[-3000:]
+      assert time.time() < started + 150, cluster.log('chief')[-3000:]
+      time.sleep(0.1)
+  finally:
+    cluster.kill()  # SIGKILL
+  print(f'cluster to step {KILLED_AT}: {time.time() - started:.1f} s')
+  last = tf.train.latest_checkpoint(spec['model_dir'])
+  assert last.endswith(f'model.ckpt-{KILLED_AT}'), last
+  copy = tmp / 'at_checkpoint'
+  copy.mkdir()
+  for f in glob.glob(f'{last}.*'):
+    shutil.copy(f, copy)
+  (copy / 'checkpoint').write_text(f'model_checkpoint_path: "model.ckpt-{KILLED_AT}"\n')
+  return tmp, spec, str(copy)
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(killed_after_a_checkpoint):
+  """The one-device decorated model_fn trained to step 7 in one call on the same global
+  batches, reading its input as Estimator does (resume_input=False): its variables."""
+  tmp, spec, _ = killed_after_a_checkpoint
+  one_device = et.replicate_model_fn(collective_task.random_draws_model_fn, devices=['/cpu:0'],
+                                     resume_input=False)
+  reference = testlib.make_estimator(one_device, model_dir=str(tmp / 'uninterrupted'),
+                                     params=POSITION_PARAMS)
+  reference.train(collective_task.global_input_fn(np.load(spec['data']), POSITION_BATCH,
+                                                  SHUFFLE_SEED), max_steps=RESUMED_TO)
+  # The same start as the cluster's (seeded initializers), so one call from scratch.
+  testlib.assert_variables_close(
+      testlib.checkpoint_variables(os.path.join(reference.model_dir, 'model.ckpt-0')),
+      testlib.checkpoint_variables(os.path.join(spec['model_dir'], 'model.ckpt-0')), tol=0)
+  expected = testlib.variables(reference)
+  assert expected['global_step'] == RESUMED_TO
+  return expected
+
+
+@pytest.mark.timeout(240)
+def test_two_workers_killed_mid_epoch_resume_as_one_uninterrupted_device(
+    killed_after_a_checkpoint, uninterrupted):
+  """Restarted on 2 workers from the checkpoint of step 4: the chief restores the input's
+  position, each worker takes it from the chief; every variable and slot at step 7 equals
+  the uninterrupted one-device run, and the worker's the chief's."""
+  tmp, spec, _ = killed_after_a_checkpoint
+  started = time.time()
+  Cluster(tmp, dict(spec, block_at=None)).run()
+  print(f'cluster from step {KILLED_AT} to {RESUMED_TO}: {time.time() - started:.1f} s')
+  for rank in (0, 1):
+    assert (tmp / 'dump' / f'rank{rank}.npz.start').read_text() == str(KILLED_AT)
+  chief = testlib.variables(testlib.make_estimator(collective_task.random_draws_model_fn,
+                                                   model_dir=spec['model_dir']))
+  assert chief['global_step'] == RESUMED_TO
+  testlib.assert_variables_close(chief, uninterrupted)
+  worker = np.load(tmp / 'dump' / 'rank1.npz')
+  for name in chief:
+    np.testing.assert_array_equal(worker[name], chief[name], err_msg=name)
+
+
+@pytest.mark.timeout(240)
+def test_two_workers_checkpoint_resumes_on_one_worker_of_two_micro_batches(
+    killed_after_a_checkpoint, uninterrupted):
+  """The 2-worker checkpoint of step 4 resumed in this process (no TF_CONFIG) on one
+  device of 2 micro-batches, the same input_fn: at step 7 the uninterrupted run's
+  variables and slots."""
+  _, _, copy = killed_after_a_checkpoint
+  towered = et.replicate_model_fn(collective_task.random_draws_model_fn, devices=['/cpu:0'],
+                                  micro_batches=2)
+  resumed = testlib.make_estimator(towered, model_dir=copy, params=POSITION_PARAMS)
+  data = np.load(os.path.join(os.path.dirname(copy), 'data.npz'))
+  resumed.train(collective_task.global_input_fn(data, POSITION_BATCH, SHUFFLE_SEED),
+                max_steps=RESUMED_TO)
+  testlib.assert_variables_close(testlib.variables(resumed), uninterrupted)
+
+
+def _as_two_tasks(build):
+  """build(across) for rank 0 and rank 1 of a 2-task cluster in this graph, on /cpu:0 and
+  /cpu:1, with the same collective instance keys (as two processes would make them)."""
+  graph = tf.compat.v1.get_default_graph()
+  start = cross_worker.instance_key(graph)
+  built = []
+  for rank in (0, 1):
+    cross_worker._next_key[graph] = start  # pylint: disable=protected-access
+    task = types.SimpleNamespace(num_workers=2, rank=rank, device=f'/cpu:{rank}')
+    built.append(build(cross_worker.CrossWorker(task, timeout_secs=30)))
+  return built
+
+
+TWO_CPUS = tf.compat.v1.ConfigProto(device_count={'CPU': 2})
+
+
+def test_strings_travel_from_the_chief_as_bytes():
+  """Every byte value, an empty string, zeros, 1001 random bytes: the worker gets the chief's
+  strings exactly; only the chief makes them."""
+  values = [bytes(range(256)), b'', b'\0' * 9, np.random.RandomState(0).bytes(1001)]
+  made_on = []
+
+  def build(across):
+    def chiefs():
+      made_on.append(across.rank)
+      return [tf.constant(v) for v in values]
+    return across.strings_from_chief(chiefs, len(values))
+
+  with tf.Graph().as_default():
+    both = _as_two_tasks(build)
+    with tf.compat.v1.Session(config=TWO_CPUS) as session:
+      chief, worker = session.run(both)
+  assert made_on == [0]
+  assert list(worker) == values and list(chief) == values
+
+
+def test_a_worker_takes_the_chief_s_iterator_and_pending_batches():
+  """The chief has read 5 global batches, of which 2 were handed out but not consumed
+  (pending); a worker that had read elsewhere reads after the broadcast what the chief
+  does next: the pending 2 then the iterator's, as the dataset itself gives them."""
+  x = np.arange(40, dtype=np.float32).reshape(20, 2)
+  y = np.arange(20, dtype=np.int32)
+
+  def dataset():
+    examples = tf.data.Dataset.from_tensor_slices(({'x': x}, y))
+    return et.global_batches(examples.shuffle(20, seed=3).repeat(), 6)
+
+  with tf.Graph().as_default():
+    sources = []
+    for rank in (0, 1):
+      with tf.device(f'/cpu:{rank}'):
+        ds = dataset()
+        sources.append(position.Source(tf.data.experimental.to_variant(ds), ds.element_spec,
+                                       'fingerprint', f'/cpu:{rank}', with_labels=True))
+    chief, worker = sources
+    expected_next = tf.compat.v1.data.make_one_shot_iterator(dataset()).get_next()
+    pending = tf.compat.v1.placeholder(tf.string, [None, 2])
+    set_pending = chief.replay_from(pending)
+    components = [tf.compat.v1.placeholder(tf.float32), tf.compat.v1.placeholder(tf.int32)]
+    serialized = [tf.io.serialize_tensor(c) for c in components]
+    broadcast = _as_two_tasks(lambda across: sources[across.rank].broadcast_from_chief(across))
+    reads = [s.get_next() for s in sources]
+    with tf.compat.v1.Session(config=TWO_CPUS) as session:
+      expected = [session.run(expected_next) for _ in range(8)]
+      for source in sources:
+        source.initialize(session)
+      for _ in range(5):
+        session.run(reads[0])
+      session.run(reads[1])
+      rows = [session.run(serialized, {components[0]: expected[i][0]['x'],
+                                       components[1]: expected[i][1]}) for i in (3, 4)]
+      session.run(set_pending, {pending: np.array(rows, dtype=object)})
+      session.run(broadcast)
+      assert worker.from_chief and not chief.from_chief
+      worker.ensure(session)  # the session start's hook: the chief's position stays
+      for i in range(3, 8):
+        for read in reads:
+          (features, labels) = session.run(read)
+          np.testing.assert_array_equal(features['x'], expected[i][0]['x'], err_msg=str(i))
+          np.testing.assert_array_equal(labels, expected[i][1], err_msg=str(i))
