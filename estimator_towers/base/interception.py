@@ -1,82 +1,73 @@
 """The few places where towering must reach into TensorFlow's private API.
 
-Everything here exists because TensorFlow 2.15 offers no public hook for it;
-it is kept in this one module so that the rest of the library reads as plain
-graph construction, and so that a TensorFlow upgrade has one file to check.
+Everything here exists because TensorFlow 2.15 offers no public hook for it; it is kept in
+this one module so that the rest of the library reads as plain graph construction, and so
+that a TensorFlow upgrade has one file to check.
 
-- Gradient requests. Every graph-mode gradient a model_fn can ask for goes
-  through `gradients_util._GradientsHelper` (`tf.gradients`,
-  `tf.compat.v1.gradients`, `Optimizer.compute_gradients` / `minimize`, Keras
-  legacy `get_gradients`) or through `GradientTape.gradient` (Keras legacy
-  `minimize`). To hand the model_fn the gradient of the whole batch, both are
-  wrapped while a towered model_fn is built, and only then.
-- A clean building context. The other towers are built while the primary
-  tower is in the middle of its model_fn (at its gradient request), so the
-  primary's name scope, control dependencies, control-flow context, colocation,
-  device stack and tape recording are set aside meanwhile. Only the device
-  stack and tape recording lack a public way to do so.
+- Gradient requests. Every graph-mode gradient a model_fn can ask for goes through
+  `gradients_util._GradientsHelper` (`tf.gradients`, `tf.compat.v1.gradients`,
+  `Optimizer.compute_gradients` / `minimize`, Keras legacy `get_gradients`) or through
+  `GradientTape.gradient` (Keras legacy `minimize`). To hand the model_fn the gradient of
+  the whole batch, both are wrapped while a towered model_fn is built, and only then.
+- A clean building context. The other towers are built while the primary tower is in the
+  middle of its model_fn (at its gradient request), so the primary's name scope, control
+  dependencies, control-flow context, colocation, device stack and tape recording are set
+  aside meanwhile. Only the device stack and tape recording lack a public way to do so.
 - The control dependencies in force where a gradient is requested
-  (`Graph._control_dependencies_stack`): the whole-batch backward pass is
-  built without them (or every op of every tower's backward pass would wait
-  for, e.g., tower 0's batch-norm updates), and they are put back on the
-  gradients handed to the model_fn.
-- Reads of a variable outside control flow (`Operation._control_flow_context`):
-  their gradients can be summed where the placement says, rather than where the
-  backward pass happens to meet (next to a parameter server's variable).
-- The device of a variable seen through a function body's captures
-  (`FuncGraph.captures`), so that an op reading a variable inside a `tf.cond`
-  follows the variable rather than its tower's device.
-- Batch statistics (`sync_batch_norm`). Every batch norm reaches TensorFlow
-  through `gen_nn_ops.fused_batch_norm_v3` (Keras and `tf.compat.v1.layers`
-  fused, `tf.compat.v1.nn.fused_batch_norm`) or `nn_impl.moments` (Keras
-  non-fused, `tf.nn.moments`, `tf.compat.v1.nn.moments`); there is no public
-  hook to replace batch statistics with global ones, so both are wrapped while
-  the towers of a TRAIN graph are built with sync on, and only then.
+  (`Graph._control_dependencies_stack`): the whole-batch backward pass is built without
+  them (or every op of every tower's backward pass would wait for, e.g., tower 0's batch-
+  norm updates), and they are put back on the gradients handed to the model_fn.
+- Reads of a variable outside control flow (`Operation._control_flow_context`): their
+  gradients can be summed where the placement says, rather than where the backward pass
+  happens to meet (next to a parameter server's variable).
+- The device of a variable seen through a function body's captures (`FuncGraph.captures`),
+  so that an op reading a variable inside a `tf.cond` follows the variable rather than its
+  tower's device.
+- Batch statistics (`sync_batch_norm`). Every batch norm reaches TensorFlow through
+  `gen_nn_ops.fused_batch_norm_v3` (Keras and `tf.compat.v1.layers` fused,
+  `tf.compat.v1.nn.fused_batch_norm`) or `nn_impl.moments` (Keras non-fused,
+  `tf.nn.moments`, `tf.compat.v1.nn.moments`); there is no public hook to replace batch
+  statistics with global ones, so both are wrapped while the towers of a TRAIN graph are
+  built with sync on, and only then.
 - Keras batch-norm layers' moving-average updates (`add_update` of
-  `BatchNormalizationBase`, Keras' private module): not built in the towers
-  after the first (their updates are dropped; building them cost about a
-  tenth of building a ResNet tower).
-- Shape reads kept in the graph. `tf.shape`, `tf.size`, `tf.zeros_like` and
-  `tf.ones_like` of a static shape fold to a constant (`array_ops`'
-  `shape_internal`, `size_internal`, `array_like_impl`, `optimize=True`);
-  while a tower is built they give their op instead (`optimize=False`), so
-  that a head on the whole batch reads the whole batch's size (`rows`,
-  `heads`). `tf.rank` (`rank_internal`) stays a constant, recorded as one.
-- The loss reduction. `tf.compat.v1.losses` and Keras' loss utilities record
-  the reduction of the last loss they built on the graph
-  (`Graph._last_loss_reduction`), which is how TensorFlow's own distribution
-  strategies tell a summed loss (v1 canned heads) from an averaged one.
-- An input replaced on an op that already exists (`Operation._update_input`):
-  a batch statistic of a tower built early takes the later towers' shard
-  statistics, which do not exist yet when it is built.
-- A control input added to an op that already exists
-  (`Operation._add_control_inputs`; not into v1 control flow): a
-  micro-batch's input gates wait for a backward pass built later; `ordering`
-  puts a variable's reads before its later updates (k-means); a write of
-  the global step waits for the step's keyed draws.
-- The branches of a functional `tf.cond` (`Graph._get_function`), which
-  `row_dependence` reads like the rest of the graph.
+  `BatchNormalizationBase`, Keras' private module): not built in the towers after the
+  first (their updates are dropped; building them cost about a tenth of building a ResNet
+  tower).
+- Shape reads kept in the graph. `tf.shape`, `tf.size`, `tf.zeros_like` and `tf.ones_like`
+  of a static shape fold to a constant (`array_ops`' `shape_internal`, `size_internal`,
+  `array_like_impl`, `optimize=True`); while a tower is built they give their op instead
+  (`optimize=False`), so that a head on the whole batch reads the whole batch's size
+  (`rows`, `heads`). `tf.rank` (`rank_internal`) stays a constant, recorded as one.
+- The loss reduction. `tf.compat.v1.losses` and Keras' loss utilities record the reduction
+  of the last loss they built on the graph (`Graph._last_loss_reduction`), which is how
+  TensorFlow's own distribution strategies tell a summed loss (v1 canned heads) from an
+  averaged one.
+- An input replaced on an op that already exists (`Operation._update_input`): a batch
+  statistic of a tower built early takes the later towers' shard statistics, which do not
+  exist yet when it is built.
+- A control input added to an op that already exists (`Operation._add_control_inputs`; not
+  into v1 control flow): a micro-batch's input gates wait for a backward pass built later;
+  `ordering` puts a variable's reads before its later updates (k-means); a write of the
+  global step waits for the step's keyed draws.
+- The branches of a functional `tf.cond` (`Graph._get_function`), which `row_dependence`
+  reads like the rest of the graph.
 - The gradient of a `tf.function` call in a graph, kept on the Python op
-  (`Operation._gradient_function`): `whole_batch_head`'s copy of an opaque
-  function of the batch is differentiated as the original.
-- A fresh variable store (`variable_scope`'s store and scope-name counters):
-  a tower after the first asks `get_variable` and `tf.compat.v1.layers` for
-  exactly the names tower 0 asked for (`sharing`).
-- Random ops: every random draw a model_fn makes reaches TensorFlow through
-  the generated `gen_*random_ops` and `gen_candidate_sampling_ops`
-  functions; they are wrapped while a model_fn is built with keyed draws on
-  (`draws.keyed`), and only then.
-- Graph-mode building blocks with no public TF2 counterpart: the argument
-  names Estimator reads off a model_fn or input_fn (`fn_args`), the v1
-  collective all-reduce with explicit group and instance keys (`all_reduce`)
-  and per-device prefetch buffers (`StagingArea`).
-- An input's position in the checkpoint (`inputs.position`): the Saver's
-  base class for what is not a variable (`SaveableObject`), the list a
-  deferred Saver saves (`Saver._var_list`), and which op types are stateful
-  (`op_def_registry`), read for the ops of a dataset's functions.
+  (`Operation._gradient_function`): `whole_batch_head`'s copy of an opaque function of the
+  batch is differentiated as the original.
+- A fresh variable store (`variable_scope`'s store and scope-name counters): a tower after
+  the first asks `get_variable` and `tf.compat.v1.layers` for exactly the names tower 0
+  asked for (`sharing`).
+- Random ops: every random draw a model_fn makes reaches TensorFlow through the generated
+  `gen_*random_ops` and `gen_candidate_sampling_ops` functions; they are wrapped while a
+  model_fn is built with keyed draws on (`draws.keyed`), and only then.
+- Graph-mode building blocks with no public TF2 counterpart: the argument names Estimator
+  reads off a model_fn or input_fn (`fn_args`), the v1 collective all-reduce with explicit
+  group and instance keys (`all_reduce`) and per-device prefetch buffers (`StagingArea`).
+- An input's position in the checkpoint (`inputs.position`): `SaveableObject`, a deferred
+  Saver's list (`Saver._var_list`), which op types are stateful (`op_def_registry`).
 - Estimator's server start under `train_and_evaluate`
-  (`_TrainingExecutor._start_std_server`), replaced so that a collective
-  task's server names the chief as its group leader (`cluster.servers`).
+  (`_TrainingExecutor._start_std_server`), replaced so that a collective task's server
+  names the chief as its group leader (`cluster.servers`).
 """
 
 from __future__ import annotations
@@ -417,7 +408,6 @@ def reset_loss_reduction(graph: tf.Graph) -> None:
   graph._last_loss_reduction = None  # pylint: disable=protected-access
 
 
-
 # The generated modules of random ops, by the short name `random_op_calls` hands its handler.
 RANDOM_MODULES = {
     'random': gen_random_ops, 'stateless': gen_stateless_random_ops,
@@ -581,22 +571,17 @@ SaveSpec = saveable_object.SaveSpec
 
 def is_stateful(op_type: str) -> bool:
   """Whether TensorFlow registers `op_type` as stateful (also for ops in function bodies)."""
-  op_def = op_def_registry.get(op_type)
-  return bool(op_def is not None and op_def.is_stateful)
+  return bool(getattr(op_def_registry.get(op_type), 'is_stateful', False))
 
 
-def set_saver_var_list(saver: Any, var_list: list) -> None:
-  """What a deferred Saver will save, set before its build (`Saver._var_list`)."""
+def set_saver_var_list(saver: Any, var_list: list) -> None:  # before a deferred Saver's build
   saver._var_list = var_list  # pylint: disable=protected-access
 
 
 @contextlib.contextmanager
 def fresh_variable_store(scope: Any = None) -> Iterator[None]:
-  """Inside, `get_variable` sees no variables and fresh scope-name counters.
-
-  Args:
-    scope: the variable scope to start from (default: the current one).
-  """
+  """Inside, `get_variable` sees no variables and fresh scope-name counters, from `scope`
+  (default: the current variable scope)."""
   scope_stores = tf.compat.v1.get_collection_ref(variable_scope._VARSCOPESTORE_KEY)  # pylint: disable=protected-access
   saved_scope_stores = list(scope_stores)
   fresh = variable_scope._VariableScopeStore()  # pylint: disable=protected-access
