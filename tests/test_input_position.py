@@ -368,3 +368,30 @@ def test_a_model_fn_with_its_own_saver_warns_that_the_position_is_not_saved(monk
   assert len(warnings) == 1 and 'brings its own Saver' in warnings[0], found
   assert estimator.get_variable_value('global_step') == 2
   assert POSITION_KEY not in estimator.get_variable_names()
+
+
+class _CopiesACheckpointIn(tf.compat.v1.train.SessionRunHook):
+  """Copies `source`'s latest checkpoint into `model_dir` after the graph is built."""
+
+  def __init__(self, source, model_dir):
+    self._source, self._model_dir = source, model_dir
+
+  def begin(self):
+    latest = tf.train.latest_checkpoint(self._source)
+    for name in tf.io.gfile.glob(latest + '*'):
+      shutil.copy(name, self._model_dir)
+    shutil.copy(os.path.join(self._source, 'checkpoint'), self._model_dir)
+
+
+def test_error_a_checkpoint_without_a_position_appears_after_the_graph_is_built():
+  """The graph looked for a checkpoint to restore when it was built (to build a Saver of the
+  variables alone only when it needs one); a key-less checkpoint that appears later is an
+  error naming the fix, not a crash in RestoreV2."""
+  plain = testlib.make_estimator(testlib.v1_model_fn)
+  plain.train(_input_fn(), max_steps=1)
+  towered = testlib.make_estimator(et.replicate_model_fn(testlib.v1_model_fn, devices=['/cpu:0']))
+  with pytest.raises(RuntimeError, match='appeared after this training graph was built'):
+    towered.train(_input_fn(), max_steps=2,
+                  hooks=[_CopiesACheckpointIn(plain.model_dir, towered.model_dir)])
+  towered.train(_input_fn(), max_steps=2)  # the next graph restores the variables alone
+  assert towered.get_variable_value('global_step') == 2

@@ -93,7 +93,6 @@ class Source:
       # Whether the dataset was read to its end (then the next train() reads it again).
       self.ended = tf.compat.v1.Variable(False, trainable=False, collections=[],
                                          use_resource=True, name='ended')
-      self._end = tf.compat.v1.data.make_one_shot_iterator(tf.data.Dataset.range(0))
       self.initializer = tf.group(
           self.iterator.initializer,
           self.replay_from(tf.zeros([0, len(self.specs)], tf.string), tf.constant(False)),
@@ -110,8 +109,10 @@ class Source:
   def _at_the_end(self, raise_end: bool) -> list:
     """The iterator's end: remembered, then OutOfRangeError (or zeros, no value)."""
     remember = self.ended.assign(True, read_value=False)
-    with tf.control_dependencies([remember]):
-      signal = [self._end.get_next()] if raise_end else []
+    signal = []
+    if raise_end:
+      with tf.control_dependencies([remember]):  # an ended iterator ends again: OutOfRangeError
+        signal = tf.nest.flatten(self.iterator.get_next(), expand_composites=True)[:1]
     with tf.control_dependencies([remember] + signal):
       return [tf.zeros([d if d is not None else 0 for d in s.shape.as_list()], s.dtype)
               for s in self.specs]
@@ -310,6 +311,10 @@ class PositionSaver(tf.compat.v1.train.Saver):
   """
 
   def __init__(self, source: Source, config: Any):
+    model_dir = getattr(config, 'model_dir', None)
+    latest = tf.train.latest_checkpoint(model_dir) if model_dir else None
+    # Only a checkpoint without this dataset's position needs a Saver of the variables alone.
+    self._needs_fallback = latest is not None and source.restorable(latest) not in (None, ENDED)
     kwargs = dict(sharded=True, save_relative_paths=True,
                   max_to_keep=getattr(config, 'keep_checkpoint_max', 5),
                   keep_checkpoint_every_n_hours=getattr(
@@ -324,7 +329,8 @@ class PositionSaver(tf.compat.v1.train.Saver):
       others = tf.compat.v1.global_variables() + tf.compat.v1.get_collection(
           tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS)
       interception.set_saver_var_list(self, others + [self._source.saveable()])
-      self._without_position = tf.compat.v1.train.Saver(var_list=others, **self._kwargs)
+      self._without_position = (tf.compat.v1.train.Saver(var_list=others, **self._kwargs)
+                                if self._needs_fallback else False)
     super().build()
 
   def restore(self, sess, save_path):
@@ -336,10 +342,16 @@ class PositionSaver(tf.compat.v1.train.Saver):
     if reason == ENDED:  # an epoch loop: each train() call reads the dataset once
       logging.info('estimator_towers: %s: the previous train() read the dataset to its end, '
                    'so this one reads it again from its first element.', save_path)
+      super().restore(sess, save_path)
+    elif not self._without_position:
+      raise RuntimeError(
+          f'estimator_towers: {save_path} appeared after this training graph was built, and '
+          f'it cannot restore the input position: {reason}. Run train() again: its graph '
+          f'then restores the variables alone, and the input starts from its first element.')
     else:
       logging.warning('estimator_towers: restoring %s without the input position: %s. The '
                       'input starts from its first element.', save_path, reason)
-    self._without_position.restore(sess, save_path)
+      self._without_position.restore(sess, save_path)
     self._source.initialize(sess)
 
 
@@ -514,7 +526,7 @@ def _get_next_op(features: Any, labels: Any) -> tf.Operation | None:
 
 
 def _varies(features: Any, labels: Any) -> bool:
-  """Whether the inputs can change from step to step: a stateful op or a fed placeholder above them."""
+  """Whether the inputs can change from step to step (a stateful op or a placeholder above)."""
   pending = [t.op for t in tf.nest.flatten((features, labels), expand_composites=True)
              if isinstance(t, tf.Tensor)]
   seen = set()
