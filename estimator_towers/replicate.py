@@ -35,6 +35,7 @@ from estimator_towers.gradients import whole_batch as gradients
 from estimator_towers.inputs import empty_shards
 from estimator_towers.inputs import micro_batches as micro_batches_lib
 from estimator_towers.inputs import position
+from estimator_towers.inputs import resume
 from estimator_towers.inputs import shards as shards_lib
 from estimator_towers.inputs import staging
 from estimator_towers.loss import reported
@@ -279,7 +280,7 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
     spec = _towered_spec(run, features, labels, mode, plan, placement, tower_devices, single,
                          serving, across, source)
     if source is not None:
-      spec = position.attach(spec, source, config, staged=from_staging, across=across)
+      spec = resume.attach(spec, source, config, staged=from_staging, across=across)
     return spec
 
   # Estimator passes only the arguments a model_fn's signature names: mirror the

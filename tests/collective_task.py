@@ -262,6 +262,17 @@ def global_input_fn(data, batch, seed):
   return fn
 
 
+def shard_input_fn(data, batch, seed):
+  """Each worker's own part of the data: a seeded shuffle, repeated, `shard`ed by the
+  worker's index, in batches of `batch` (the cluster's global batch: rank 0's, then 1's)."""
+  def fn():
+    index, count = et.worker_index_and_count()
+    examples = tf.data.Dataset.from_tensor_slices(
+        ({'x': data['xg'], 'w': data['wg']}, data['yg']))
+    return examples.shuffle(len(data['yg']), seed=seed).repeat().shard(count, index).batch(batch)
+  return fn
+
+
 class BlockAfter(tf.compat.v1.train.SessionRunHook):
   """After global step `step` has run, writes `flag` and waits (up to 300 s) to be killed."""
 
@@ -369,6 +380,8 @@ def main(spec_path):
   suffix = str(rank) if task['type'] != 'evaluator' else 'e'
   if spec.get('global_batch'):
     train_input_fn = global_input_fn(data, spec['global_batch'], spec['shuffle_seed'])
+  elif spec.get('shard_batch'):
+    train_input_fn = shard_input_fn(data, spec['shard_batch'], spec['shuffle_seed'])
   else:
     train_input_fn = input_fn(data, suffix, spec['batch'], spec.get('features_only', False))
   train_spec = tf.estimator.TrainSpec(train_input_fn, max_steps=spec.get('max_steps'),

@@ -4,7 +4,11 @@ Workers reading `global_batches` of a seeded shuffle, killed after a checkpoint
 off an epoch boundary and resumed on 2 workers or on 1 worker x 2
 micro-batches, equal the one-device model_fn trained without a break; the
 chief's position travels to the workers as bytes through all-reduces (checked
-in one process, two ranks on two devices). The clusters are
+in one process, two ranks on two devices). Workers reading each their own
+`shard` of the data, killed after a checkpoint and resumed on 2 workers, equal
+it too (every worker's position is in the chief's checkpoint); resumed on
+another number of workers, they restore the variables and start their input
+from its first element, with a warning. The clusters are
 tests/test_collective.py's (`Cluster`: subprocesses on free loopback ports,
 bounded in time, killed by their own pids).
 """
@@ -34,40 +38,24 @@ KILLED_AT, RESUMED_TO = 4, 7
 POSITION_PARAMS = {'learning_rate': 0.1}
 
 
+def _examples(path, seed):
+  """20 random examples of weight 1 (`xg`, `yg`, `wg`) at `path`."""
+  rng = np.random.RandomState(seed)
+  np.savez(path, xg=rng.randn(POSITION_EXAMPLES, testlib.NUM_FEATURES).astype(np.float32),
+           yg=rng.randint(0, testlib.NUM_CLASSES, POSITION_EXAMPLES).astype(np.int32),
+           wg=np.ones(POSITION_EXAMPLES, np.float32))
+
+
 @pytest.fixture(scope='module')
 def killed_after_a_checkpoint(tmp_path_factory):
   """2 workers x 2 towers of `random_draws_model_fn` (dropout and other keyed draws,
   Momentum) on global batches, both SIGKILLed once the chief has written its checkpoint of
   step 4 (each task waits after step 4 to be killed): (tmp, spec, a copy of checkpoint 4)."""
   tmp = tmp_path_factory.mktemp('killed')
-  rng = np.random.RandomState(3)
-  np.savez(tmp / 'data.npz',
-           xg=rng.randn(POSITION_EXAMPLES, testlib.NUM_FEATURES).astype(np.float32),
-           yg=rng.randint(0, testlib.NUM_CLASSES, POSITION_EXAMPLES).astype(np.int32),
-           wg=np.ones(POSITION_EXAMPLES, np.float32))
+  _examples(tmp / 'data.npz', seed=3)
   spec = _spec(tmp, 'random_draws', 2, global_batch=POSITION_BATCH, shuffle_seed=SHUFFLE_SEED,
                save_every=KILLED_AT, keep=0, max_steps=RESUMED_TO, block_at=KILLED_AT)
-  cluster = Cluster(tmp, spec)
-  started = time.time()
-  try:
-    cluster.start('chief')
-    cluster.start('worker')
-    while not all((tmp / 'dump' / f'blocked{rank}').exists() for rank in (0, 1)):
-      for task_type in ('chief', 'worker'):
-        assert cluster.procs[task_type].poll() is None, cluster.log(task_type)[-3000:]
-      assert time.time() < started + 150, cluster.log('chief')[-3000:]
-      time.sleep(0.1)
-  finally:
-    cluster.kill()  # SIGKILL
-  print(f'cluster to step {KILLED_AT}: {time.time() - started:.1f} s')
-  last = tf.train.latest_checkpoint(spec['model_dir'])
-  assert last.endswith(f'model.ckpt-{KILLED_AT}'), last
-  copy = tmp / 'at_checkpoint'
-  copy.mkdir()
-  for f in glob.glob(f'{last}.*'):
-    shutil.copy(f, copy)
-  (copy / 'checkpoint').write_text(f'model_checkpoint_path: "model.ckpt-{KILLED_AT}"\n')
-  return tmp, spec, str(copy)
+  return tmp, spec, _killed(tmp, spec)
 
 
 @pytest.fixture(scope='module')
@@ -125,6 +113,107 @@ def test_two_workers_checkpoint_resumes_on_one_worker_of_two_micro_batches(
   resumed.train(collective_task.global_input_fn(data, POSITION_BATCH, SHUFFLE_SEED),
                 max_steps=RESUMED_TO)
   testlib.assert_variables_close(testlib.variables(resumed), uninterrupted)
+
+
+def _shard_stream(data, steps):
+  """The global batches of `shard_input_fn` over `steps` steps (rank 0's rows, then rank
+  1's): worker r's j-th example is the seeded shuffle's example 2j + r."""
+  half = POSITION_BATCH // 2
+  with tf.Graph().as_default():
+    examples = tf.data.Dataset.from_tensor_slices(
+        ({'x': data['xg'], 'w': data['wg']}, data['yg']))
+    stream = examples.shuffle(len(data['yg']), seed=SHUFFLE_SEED).repeat().batch(
+        2 * half * steps)
+    with tf.compat.v1.Session() as session:
+      (features, labels) = session.run(tf.compat.v1.data.make_one_shot_iterator(
+          stream).get_next())
+  order = np.concatenate([np.concatenate([np.arange(2 * half * s + r, 2 * half * (s + 1), 2)
+                                          for r in (0, 1)]) for s in range(steps)])
+  return ({k: v[order] for k, v in features.items()}, labels[order])
+
+
+@pytest.fixture(scope='module')
+def shards_killed_after_a_checkpoint(tmp_path_factory):
+  """2 workers x 2 towers, each worker reading its own `shard` of a seeded shuffle (3 rows a
+  step), both SIGKILLed during step 5, after the chief's checkpoint of step 4: (tmp, spec,
+  a copy of checkpoint 4)."""
+  tmp = tmp_path_factory.mktemp('shards')
+  _examples(tmp / 'data.npz', seed=4)
+  spec = _spec(tmp, 'random_draws', 2, shard_batch=POSITION_BATCH // 2,
+               shuffle_seed=SHUFFLE_SEED, save_every=KILLED_AT, keep=0, max_steps=RESUMED_TO,
+               block_at=KILLED_AT + 1)
+  return tmp, spec, _killed(tmp, spec)
+
+
+def _killed(tmp, spec):
+  """Runs the cluster of `spec` until both tasks block, SIGKILLs it: a copy of checkpoint 4."""
+  cluster = Cluster(tmp, spec)
+  started = time.time()
+  try:
+    cluster.start('chief')
+    cluster.start('worker')
+    while not all((tmp / 'dump' / f'blocked{rank}').exists() for rank in (0, 1)):
+      for task_type in ('chief', 'worker'):
+        assert cluster.procs[task_type].poll() is None, cluster.log(task_type)[-3000:]
+      assert time.time() < started + 150, cluster.log('chief')[-3000:]
+      time.sleep(0.1)
+  finally:
+    cluster.kill()  # SIGKILL
+  print(f'cluster to step {spec["block_at"]}: {time.time() - started:.1f} s')
+  last = tf.train.latest_checkpoint(spec['model_dir'])
+  assert last.endswith(f'model.ckpt-{KILLED_AT}'), last
+  copy = tmp / 'at_checkpoint'
+  copy.mkdir()
+  for f in glob.glob(f'{last}.*'):
+    shutil.copy(f, copy)
+  (copy / 'checkpoint').write_text(f'model_checkpoint_path: "model.ckpt-{KILLED_AT}"\n')
+  return str(copy)
+
+
+@pytest.mark.timeout(240)
+def test_workers_reading_their_own_shards_resume_as_one_uninterrupted_device(
+    shards_killed_after_a_checkpoint):
+  """Restarted on 2 workers from the checkpoint of step 4, which holds both workers'
+  positions: at step 7 every variable and slot equals the one-device model_fn trained in
+  one call on the global batches the shards make, and the worker's the chief's."""
+  tmp, spec, _ = shards_killed_after_a_checkpoint
+  Cluster(tmp, dict(spec, block_at=None)).run()
+  for rank in (0, 1):
+    assert (tmp / 'dump' / f'rank{rank}.npz.start').read_text() == str(KILLED_AT)
+  features, labels = _shard_stream(np.load(spec['data']), RESUMED_TO)
+  one_device = et.replicate_model_fn(collective_task.random_draws_model_fn, devices=['/cpu:0'],
+                                     resume_input=False)
+  reference = testlib.make_estimator(one_device, model_dir=str(tmp / 'uninterrupted'),
+                                     params=POSITION_PARAMS)
+  reference.train(lambda: tf.data.Dataset.from_tensor_slices((features, labels)).batch(
+      POSITION_BATCH), max_steps=RESUMED_TO)
+  testlib.assert_variables_close(
+      testlib.checkpoint_variables(os.path.join(reference.model_dir, 'model.ckpt-0')),
+      testlib.checkpoint_variables(os.path.join(spec['model_dir'], 'model.ckpt-0')), tol=0)
+  chief = testlib.variables(testlib.make_estimator(collective_task.random_draws_model_fn,
+                                                   model_dir=spec['model_dir']))
+  assert chief['global_step'] == RESUMED_TO
+  testlib.assert_variables_close(chief, testlib.variables(reference))
+  worker = np.load(tmp / 'dump' / 'rank1.npz')
+  for name in chief:
+    np.testing.assert_array_equal(worker[name], chief[name], err_msg=name)
+
+
+def test_shards_of_two_workers_restart_on_one_with_a_warning(shards_killed_after_a_checkpoint,
+                                                              caplog):
+  """The 2 workers' checkpoint resumed on one machine (the shard of 1 worker: the whole
+  shuffle): the variables of step 4, and the input from its first element, with a
+  warning that names the number of workers."""
+  tmp, spec, copy = shards_killed_after_a_checkpoint
+  towered = et.replicate_model_fn(collective_task.random_draws_model_fn, devices=['/cpu:0'])
+  data = np.load(spec['data'])
+  resumed = testlib.make_estimator(towered, model_dir=copy, params=POSITION_PARAMS)
+  with caplog.at_level('WARNING'):
+    resumed.train(collective_task.shard_input_fn(data, POSITION_BATCH, SHUFFLE_SEED),
+                  max_steps=KILLED_AT + 1)
+  assert 'the positions of 2 workers, each reading its own part' in caplog.text
+  assert 'The input starts from its first element' in caplog.text
+  assert testlib.variables(resumed)['global_step'] == KILLED_AT + 1
 
 
 def _as_two_tasks(build):

@@ -80,7 +80,7 @@ def test_a_worker_with_parameter_servers_warns_that_its_input_restarts(monkeypat
       'estimator_towers: this task (worker 0) trains with parameter servers, where only the '
       'chief\'s checkpoints save the input\'s position: this worker reads its own input, which '
       'a restarted job reads again from its first element. To resume every worker\'s input, '
-      'train with variable_strategy=\'collective\' on estimator_towers.global_batches(...).'
+      'train with variable_strategy=\'collective\'.'
   ], warnings
 
 

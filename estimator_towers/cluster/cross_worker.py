@@ -148,13 +148,22 @@ class CrossWorker:
     return [tf.stop_gradient(s) + (t - tf.stop_gradient(t)) for s, t in zip(totals, tensors)]
 
   def set_live(self, has_data: tf.Tensor) -> None:
-    """The step's first all-reduce: which tasks have data; the gate after it."""
+    """The step's first all-reduce: which tasks have data; the gate after it.
+
+    It also carries the chief's word that a checkpoint follows this step
+    (`save_due_input`, fed by the chief's saver hook), as `save_due` on
+    every task.
+    """
     self.has_data = has_data
     with tf.name_scope('across_workers'):
       with tf.device(self.device):
-        mine = tf.one_hot(self.rank, self.size) * tf.cast(has_data, tf.float32)
+        self.save_due_input = tf.compat.v1.placeholder_with_default(0.0, [], name='save_due')
+        mine = tf.concat([tf.one_hot(self.rank, self.size) * tf.cast(has_data, tf.float32),
+                          [self.save_due_input if self.rank == 0 else 0.0]], 0)
       live = self._all_reduce(mine, gated=False)
       with tf.device(self.device):
+        self.save_due = live[self.size] > 0
+        live = live[:self.size]
         self.live_workers = tf.reduce_sum(live)
         self.source = tf.logical_and(
             has_data, tf.equal(tf.argmax(live, output_type=tf.int32), self.rank))
@@ -212,46 +221,55 @@ class CrossWorker:
                          ) -> list[tf.Tensor]:
     """`count` scalar strings of the chief's, on every task (at session start).
 
-    `chief_strings()` makes them, on the chief only. An all-reduce sums
-    numbers, not strings, so their bytes travel as numbers: first the
-    lengths (the chief's, the other tasks' zeros), then the bytes, packed
-    eight to an int64 (a sum with zeros is exact). Back on each task, the
-    bytes become a string again as the end of `serialize_tensor` of a uint8
-    vector, whose TensorProto ends with the vector's raw bytes (its last
-    field, `tensor_content`). Its all-reduces time out after `timeout_secs`.
+    `chief_strings()` makes them, on the chief only; the other tasks send
+    empty strings (`strings_of_every_task`).
     """
-    word = 8
     with tf.name_scope('strings_from_chief'):
-      with tf.device(self.device):
-        if self.rank == 0:
-          strings = [tf.convert_to_tensor(s, tf.string) for s in chief_strings()]
-          if len(strings) != count:
-            raise ValueError(f'strings_from_chief: {len(strings)} strings, not {count}.')
-          lengths = tf.cast(tf.stack([tf.strings.length(s) for s in strings]), tf.int64)
-        else:
-          lengths = tf.zeros([count], tf.int64)
-      with self._at_session_start():
-        (lengths,) = self.sum([lengths], gated=False)
-      with tf.device(self.device):
-        total = tf.reduce_sum(lengths)
-        words = total // word + 1  # 1 to 8 bytes of padding: never an empty all-reduce
-        if self.rank == 0:
-          padding = tf.strings.substr(tf.constant(b'\0' * word), tf.constant(0, tf.int64),
-                                     words * word - total)
-          joined = tf.strings.join(strings + [padding])
-          mine = tf.bitcast(tf.reshape(tf.io.decode_raw(joined, tf.uint8), [-1, word]),
-                            tf.int64)
-        else:
-          mine = tf.zeros(tf.reshape(words, [1]), tf.int64)
-      with self._at_session_start():
-        (packed,) = self.sum([mine], gated=False)
-      with tf.device(self.device):
-        raw = tf.reshape(tf.bitcast(packed, tf.uint8), [-1])[:total]
-        proto = tf.io.serialize_tensor(raw)
-        whole = tf.strings.substr(proto, tf.cast(tf.strings.length(proto), tf.int64) - total,
-                                  total)
-        starts = tf.cumsum(lengths, exclusive=True)
-        return [tf.strings.substr(whole, starts[i], lengths[i]) for i in range(count)]
+      if self.rank == 0:
+        strings = list(chief_strings())
+        if len(strings) != count:
+          raise ValueError(f'strings_from_chief: {len(strings)} strings, not {count}.')
+      else:
+        strings = [tf.constant(b'') for _ in range(count)]
+      return self.strings_of_every_task(strings)[0]
+
+  def strings_of_every_task(self, strings: Sequence[tf.Tensor]) -> list[list[tf.Tensor]]:
+    """Every task's scalar `strings` (as many on each), by rank: `[rank][i]`.
+
+    An all-reduce sums numbers, not strings, so their bytes travel as
+    numbers: first the lengths (each task's in its own row), then the bytes,
+    each task's at its own offset and zeros elsewhere, packed eight to an
+    int64 (a sum with zeros is exact). Back on each task, the bytes become a
+    string again as the end of `serialize_tensor` of a uint8 vector, whose
+    TensorProto ends with the vector's raw bytes (its last field,
+    `tensor_content`). Its all-reduces time out after `timeout_secs` (they
+    run outside the steps: at session start, or when a checkpoint is due).
+    """
+    word, count = 8, len(strings)
+    with tf.name_scope('strings_of_every_task'), tf.device(self.device):
+      strings = [tf.convert_to_tensor(s, tf.string) for s in strings]
+      mine = tf.cast(tf.stack([tf.strings.length(s) for s in strings]), tf.int64)
+      rows = tf.scatter_nd([[self.rank]], mine[None], [self.size, count])
+    with self._at_session_start():
+      (lengths,) = self.sum([rows], gated=False)
+    with tf.device(self.device):
+      total = tf.reduce_sum(lengths)
+      words = total // word + 1  # 1 to 8 bytes of padding: never an empty all-reduce
+      before = tf.reduce_sum(lengths[:self.rank])
+      own = tf.io.decode_raw(tf.strings.join(strings), tf.uint8)
+      placed = tf.pad(own, [[before, words * word - before - tf.reduce_sum(mine)]])
+      packed = tf.bitcast(tf.reshape(placed, [-1, word]), tf.int64)
+    with self._at_session_start():
+      (packed,) = self.sum([packed], gated=False)
+    with tf.device(self.device):
+      raw = tf.reshape(tf.bitcast(packed, tf.uint8), [-1])[:total]
+      proto = tf.io.serialize_tensor(raw)
+      whole = tf.strings.substr(proto, tf.cast(tf.strings.length(proto), tf.int64) - total,
+                                total)
+      flat = tf.reshape(lengths, [-1])
+      starts = tf.cumsum(flat, exclusive=True)
+      return [[tf.strings.substr(whole, starts[r * count + i], flat[r * count + i])
+               for i in range(count)] for r in range(self.size)]
 
   @contextlib.contextmanager
   def _at_session_start(self):

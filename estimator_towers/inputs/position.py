@@ -13,16 +13,17 @@ first, then the iterator. A resumed run sees the global batches an
 uninterrupted one sees, in the same order.
 
 The position counts global batches: devices, micro-batches and staging depth
-split a global batch after it is read, so a run resumes on any of them. What
-is not a global batch of the dataset (one worker's shard of the data) is not
-positioned here; `global_batches` is how workers read one sequence.
+split a global batch after it is read, so a run resumes on any of them. When
+each worker of a cluster reads its own part of the data, there is one position
+per worker (`worker_positions`), tied to their number; `global_batches` is how
+workers read one sequence, which resumes on any number of them.
 
 When a session starts, exactly one of three sets the position: the Saver's
 restore (a checkpoint with a position), the Scaffold's init_fn (no
 checkpoint: the first element) or, for a task that restores nothing (a
 worker), the input's hook. Across the workers of a collective cluster the
-chief's position is every worker's: each worker takes the chief's (restored
-or initialized) in its local init (`broadcast_from_chief`). With parameter
+chief's position of global batches is every worker's: each worker takes the
+chief's (restored or initialized) in its local init (`broadcast_from_chief`). With parameter
 servers only the chief's input is positioned; a worker's restarts (one
 warning). A checkpoint without a position (written with
 `resume_input=False` or before it existed) or of another dataset restores the
@@ -47,6 +48,15 @@ from estimator_towers.inputs import positionable
 NAME = 'input_position'
 # `Source.restorable`'s answer for a dataset read to its end: read it again.
 ENDED = 'the dataset was read to its end'
+NO_POSITION = ('it holds no input position (written with resume_input=False, by a model_fn '
+               'without replicate_model_fn, or by an earlier version)')
+
+
+def other_workers(saved: int) -> str:
+  """Why a checkpoint of `saved` workers' own positions does not resume this training."""
+  return (f'it holds the positions of {saved} workers, each reading its own part of the '
+          f'data, which resume on {saved} such workers only (the position of '
+          f'estimator_towers.global_batches resumes on any number)')
 
 
 class Source:
@@ -216,9 +226,10 @@ class Source:
   def restorable(self, save_path: str) -> str | None:
     """None if the checkpoint at `save_path` holds this dataset's position, else why not."""
     reader = tf.train.load_checkpoint(save_path)
+    if reader.has_tensor(f'{NAME}/ranks'):
+      return other_workers(len(reader.get_tensor(f'{NAME}/ranks')))
     if not reader.has_tensor(f'{NAME}/iterator'):
-      return ('it holds no input position (written with resume_input=False, by a model_fn '
-              'without replicate_model_fn, or by an earlier version)')
+      return NO_POSITION
     saved = reader.get_tensor(f'{NAME}/fingerprint')
     saved = saved.decode() if isinstance(saved, bytes) else str(saved)
     if saved != self.fingerprint:
@@ -306,21 +317,23 @@ class PositionSaver(tf.compat.v1.train.Saver):
   """Estimator's Saver with the input's position, and a fallback without it.
 
   Args:
-    source: the positioned input.
+    position: what is saved: a `Source`, or every worker's position
+      (`worker_positions.WorkerPositions`); its `saveable()`,
+      `restorable(path)`, `initialize(session)` and `mark_ready(session)`.
     config: the RunConfig (how many checkpoints to keep).
   """
 
-  def __init__(self, source: Source, config: Any):
+  def __init__(self, position: Any, config: Any):
     model_dir = getattr(config, 'model_dir', None)
     latest = tf.train.latest_checkpoint(model_dir) if model_dir else None
     # Only a checkpoint without this dataset's position needs a Saver of the variables alone.
-    self._needs_fallback = latest is not None and source.restorable(latest) not in (None, ENDED)
+    self._needs_fallback = latest is not None and position.restorable(latest) not in (None, ENDED)
     kwargs = dict(sharded=True, save_relative_paths=True,
                   max_to_keep=getattr(config, 'keep_checkpoint_max', 5),
                   keep_checkpoint_every_n_hours=getattr(
                       config, 'keep_checkpoint_every_n_hours', 10000.0))
     super().__init__(defer_build=True, **kwargs)
-    self._source = source
+    self._position = position
     self._kwargs = kwargs
     self._without_position = None
 
@@ -328,16 +341,16 @@ class PositionSaver(tf.compat.v1.train.Saver):
     if self._without_position is None:
       others = tf.compat.v1.global_variables() + tf.compat.v1.get_collection(
           tf.compat.v1.GraphKeys.SAVEABLE_OBJECTS)
-      interception.set_saver_var_list(self, others + [self._source.saveable()])
+      interception.set_saver_var_list(self, others + [self._position.saveable()])
       self._without_position = (tf.compat.v1.train.Saver(var_list=others, **self._kwargs)
                                 if self._needs_fallback else False)
     super().build()
 
   def restore(self, sess, save_path):
-    reason = self._source.restorable(save_path) if save_path else 'no checkpoint'
+    reason = self._position.restorable(save_path) if save_path else 'no checkpoint'
     if reason is None:
       super().restore(sess, save_path)
-      self._source.mark_ready(sess)
+      self._position.mark_ready(sess)
       return
     if reason == ENDED:  # an epoch loop: each train() call reads the dataset once
       logging.info('estimator_towers: %s: the previous train() read the dataset to its end, '
@@ -352,79 +365,7 @@ class PositionSaver(tf.compat.v1.train.Saver):
       logging.warning('estimator_towers: restoring %s without the input position: %s. The '
                       'input starts from its first element.', save_path, reason)
       self._without_position.restore(sess, save_path)
-    self._source.initialize(sess)
-
-
-class PositionHook(tf.compat.v1.train.SessionRunHook):
-  """Sets the position in a session that neither restored nor initialized it (a worker)."""
-
-  def __init__(self, source: Source):
-    self._source = source
-
-  def after_create_session(self, session, coord):
-    del coord
-    self._source.ensure(session)
-
-
-def attach(spec: tf.estimator.EstimatorSpec, source: Source, config: Any,
-           staged: bool, across: Any = None) -> tf.estimator.EstimatorSpec:
-  """`spec` whose session start sets the position, and whose Saver saves it.
-
-  Args:
-    spec: the TRAIN spec.
-    source: the positioned input.
-    config: the RunConfig.
-    staged: whether the staging hook sets the position (else a PositionHook).
-    across: the all-reduces of a collective cluster (`CrossWorker`), whose
-      tasks take the chief's position in their local init; None on one
-      machine or with parameter servers.
-  """
-  if source.saved and across is None and not getattr(config, 'is_chief', True):
-    logs.warning_once(
-        f'estimator_towers: this task ({getattr(config, "task_type", None)} '
-        f'{getattr(config, "task_id", None)}) trains with parameter servers, where only '
-        f'the chief\'s checkpoints save the input\'s position: this worker reads its own '
-        f'input, which a restarted job reads again from its first element. To resume '
-        f'every worker\'s input, train with variable_strategy=\'collective\' on '
-        f'estimator_towers.global_batches(...).')
-  base = spec.scaffold or tf.compat.v1.train.Scaffold()
-  saver_taken = base.saver is not None or tf.compat.v1.get_collection(
-      tf.compat.v1.GraphKeys.SAVERS)
-  if not source.saved:
-    pass
-  elif saver_taken:
-    logging.warning(
-        'estimator_towers: the model_fn brings its own Saver (Scaffold.saver or the '
-        'SAVERS collection), so the input position is not saved: a resumed train() '
-        'reads its input from the first element. Leave the Saver to Estimator to '
-        'resume the input, or pass resume_input=False to say this is intended.')
-  else:
-    tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.SAVERS,
-                                   PositionSaver(source, config))
-  user_init_fn = base._init_fn  # pylint: disable=protected-access
-
-  def init_fn(scaffold, session):
-    del scaffold
-    if user_init_fn is not None:
-      user_init_fn(session)
-    source.initialize(session)
-
-  local_init_op = base.local_init_op
-  # After the variables' broadcast (cluster.session's local init). Not with the model_fn's
-  # own Saver: no task restores a position then, and each starts from the first element.
-  if across is not None and source.saved and not saver_taken:
-    with tf.control_dependencies([] if local_init_op is None else [local_init_op]):
-      from_chief = source.broadcast_from_chief(across)
-    local_init_op = from_chief if local_init_op is None else tf.group(local_init_op, from_chief)
-  scaffold = tf.compat.v1.train.Scaffold(
-      init_op=base.init_op, init_feed_dict=base.init_feed_dict, init_fn=init_fn,
-      ready_op=base.ready_op, ready_for_local_init_op=base.ready_for_local_init_op,
-      local_init_op=local_init_op, summary_op=base.summary_op, saver=base.saver,
-      local_init_feed_dict=base.local_init_feed_dict, copy_from_scaffold=None)
-  hooks = tuple(spec.training_hooks or ())
-  if not staged:
-    hooks += (PositionHook(source),)
-  return spec._replace(scaffold=scaffold, training_hooks=hooks)
+    self._position.initialize(sess)
 
 
 def own(features: Any, labels: Any, replace: bool, across: bool, resume: bool,
@@ -437,8 +378,9 @@ def own(features: Any, labels: Any, replace: bool, across: bool, resume: bool,
     labels: the labels (None for a features-only dataset).
     replace: whether to return the Source's next element in their place
       (False: staging or the workers' live inputs read the Source itself).
-    across: whether several workers train (only a dataset of `global_batches`
-      is positioned then).
+    across: whether several workers train: each takes its rows of a dataset
+      of `global_batches`, and any other dataset is each worker's own part
+      of the data (one position per worker, `worker_positions`).
     resume: `resume_input`. Without it, a Source is still made, unsaved, for
       global batches across workers, whose rows it gives each worker.
     model_dir: where the checkpoint to resume is (a plain read replays saved
@@ -461,11 +403,7 @@ def own(features: Any, labels: Any, replace: bool, across: bool, resume: bool,
     return features, labels, None
   variant = makers[0].inputs[0]
   is_global = global_batches.is_global(variant)
-  if across and not is_global:
-    if resume:
-      _unpositioned('the workers of a cluster read it each on their own, so no one position '
-                    'describes it (read global batches with estimator_towers.global_batches'
-                    '(...) to resume it)')
+  if across and not is_global and not resume:
     return features, labels, None
   dataset_graph = positionable.DatasetGraph(variant)
   fingerprint = dataset_graph.fingerprint()
