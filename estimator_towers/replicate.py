@@ -69,91 +69,16 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
                        random_draws: str = 'keyed',
                        resume_input: bool = True,
                        plan: plan_lib.DevicePlan | None = None) -> Callable:
-  """Turns a single-device Estimator model_fn into a towered one.
+  """Turns a single-device Estimator model_fn into a data-parallel (towered) one.
 
-  Usable as `@replicate_model_fn`, `@replicate_model_fn(4)`,
+  Each global batch (what the input_fn returns) is split into shards, one per
+  device and micro-batch; each shard runs your model_fn's computation (a
+  tower) with one shared set of variables, and each step applies the update
+  one device would make on the whole global batch, with the plain model_fn's
+  checkpoint. Use it as `@replicate_model_fn`, `@replicate_model_fn(4)`,
   `@replicate_model_fn(num_gpus=4)`, `replicate_model_fn(model_fn, devices=[...])`
-  or `replicate_model_fn(model_fn, plan=plan)`.
-
-  On sharding: features and labels (Tensors, SparseTensors, RaggedTensors,
-  nested dicts/lists of them; labels may be None) are split along axis 0, tower
-  k taking B // N examples plus one if k < B % N. The batch size may be unknown
-  when the graph is built, need not divide by N and may be smaller than N; an
-  empty shard contributes nothing. Tower 0 always holds the largest shard.
-
-  On variables: tower 0 is built first, with the plain names, and creates every
-  variable; the other towers get tower 0's variables back whatever API asks for
-  them (get_variable, tf.compat.v1.layers, Keras layers, tf.Variable, metrics).
-  The checkpoint equals the plain model_fn's.
-
-  On gradients: in TRAIN, tower 0 runs the model_fn on its shard, in the
-  model_fn's own flow. When it asks for gradients with respect to variables
-  (tf.gradients, an optimizer's compute_gradients / minimize, Keras legacy
-  optimizers), it receives the gradient of the whole batch's loss: the loss
-  as a function of the batch's statistics (sums, means, token counts, sums of
-  weights, combined by arithmetic with regularisers and constants) rebuilt on
-  the whole batch's totals, so token-weighted losses, BERT's
-  two-term loss and a loss plus a regulariser equal the plain loss, and a
-  shard with no tokens adds nothing (no NaN); a plain mean weighs tower k by
-  w_k = n_k / B, a plain sum by 1. A loss it cannot rebuild gets one warning
-  naming the op (an error with loss_reduction='exact'); declare a statistic
-  it does not recognise with `loss_denominator(d)`. The other towers are
-  made at that moment and stopped at their own request, so they have their
-  forward pass only: copied from tower 0's ops (with their own shard and
-  device) where that is what building them would give, else built
-  by running the model_fn again. What the model_fn
-  then does (clipping, loss scaling, its optimizer's apply_gradients, a
-  manual global_step update) runs once. Gradients with respect to anything
-  other than variables (a gradient penalty on the inputs) stay per tower.
-  EVAL reports the whole batch's loss, weighted the same way; metric state
-  is shared, so metrics of per-example values equal the plain ones. PREDICT
-  concatenates predictions in input order. In EVAL and PREDICT a tower whose
-  shard is empty at run time runs nothing computed from it.
-
-  On side effects: the train_op Estimator runs is tower 0's, so whatever the
-  model_fn hangs on it (batch-norm moving averages in UPDATE_OPS or
-  `layer.updates`, EMA, counters) runs once per step, fed by tower 0's shard,
-  which is the largest and never empty. Summaries come from tower 0, under
-  their plain names. A TRAIN model_fn that asks for no gradient (k-means)
-  trains on the whole batch on tower 0's device.
-
-  On placement: tower k's ops run on device k; `variable_strategy` decides
-  where variables live: 'cpu' (default) on the host CPU of the towers' worker
-  (on the device itself when there is one), 'gpu' spread over the tower devices
-  balanced by bytes, 'replicated' a copy per tower refreshed after each update,
-  'collective' a copy per tower kept equal by all-reduce (also across a chief
-  and workers).
-  Gradients are combined on each variable's device, or on the worker's CPU when
-  the variable sits on a parameter server. Features from
-  `staged_input_fn(input_fn, plan)` are read from per-device staging areas.
-  The devices the towers get are logged once per graph. With one device
-  (and micro_batches=1) the model_fn runs as it is, under that device, its
-  random draws keyed as on any other topology.
-
-  On random draws (`random_draws='keyed'`): every random op (dropout, noise,
-  tf.image's, categorical) draws each example's values by the example's
-  position in the global batch and the global step, so the model_fn
-  decorated for one device is the reference on any topology, and a resumed
-  run draws what an uninterrupted one does.
-
-  On resuming (`resume_input=True`): in TRAIN the towers read the input_fn's
-  dataset through the library's own iterator, whose position (tf.data's state
-  and the global batches staged on devices) every checkpoint saves with the
-  variables, so the next train() call or a restarted job continues the same
-  sequence of global batches, on any number of devices, micro-batches or
-  (through `global_batches`) workers.
-
-  On micro-batches (`micro_batches=k`): each device's shard is split again,
-  by the same rule, into k micro-batches, and the model_fn is built once per
-  (device, micro-batch) pair, a "tower" above; the micro-batches of a device
-  run one after another within the step (the next one's inputs wait for the
-  previous one's gradients), so a device holds about one micro-batch's
-  activations. The model_fn still gets the whole batch's gradient, summed
-  per device first, and everything after it runs once per global batch.
-  Placement is per device: shards on one device share its variables (one
-  copy per device under 'replicated'). Serving graphs
-  (export_saved_model) are built as the plain model_fn, without device pins,
-  so a SavedModel serves on any machine.
+  or `replicate_model_fn(model_fn, plan=plan)`. The rules follow the
+  arguments.
 
   Args:
     model_fn: the model_fn to wrap, or a device count when used as
@@ -161,38 +86,33 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     num_gpus: number of GPU towers ('/gpu:0' .. '/gpu:N-1'); 0 trains on the
       CPU alone.
     devices: explicit tower devices, e.g. ['/cpu:0', '/cpu:1'].
-    variable_strategy: 'cpu' (default), 'gpu', 'replicated' or 'collective'.
+    variable_strategy: where variables live and gradients are added up:
+      'cpu' (default; for 2 GPUs), 'gpu' (for 4), 'replicated' or
+      'collective' (NCCL all-reduce; for 8 GPUs and several machines).
     loss_reduction: 'auto' (the whole batch's loss rebuilt from the shards'
-      statistics; one warning naming the op for a
-      loss it cannot rebuild, which then follows the reduction the model_fn's
-      TensorFlow loss function records, a mean when none does), 'exact'
-      ('auto' with that warning an error), 'mean' or 'sum' (the loss is not
-      analysed; statistics declared with `loss_denominator` still are).
+      statistics; one warning naming the op for a loss it cannot rebuild,
+      which then follows the reduction the model_fn's TensorFlow loss
+      function records, a mean when none does), 'exact' ('auto' with that
+      warning an error), 'mean' or 'sum' (the loss is not analysed;
+      statistics declared with `loss_denominator` still are).
     sync_batch_norm: in TRAIN, every batch norm (Keras, tf.compat.v1.layers,
       tf.compat.v1.nn.fused_batch_norm, tf.nn.moments over the batch axis)
       normalises with the mean and variance of the global batch, so towered
       training equals single-device training for batch-norm models. Off by
       default: each tower uses its shard's statistics.
     micro_batches: k >= 1: each device's shard is split into k micro-batches
-      (by the same rule) that run one after another on that device within
-      the step; the model_fn still receives the whole batch's gradient and
-      updates once per global batch.
+      that run one after another on that device within the step.
     cross_example: 'auto' (a computation across examples that cannot be
       split per tower runs once on the whole batch, on the first device:
       exact, with a warning giving that device's share of the step's heavy
       ops) or 'refuse' (an error at graph construction instead).
-    random_draws: 'keyed' (default: every random op, dropout's included,
-      draws each example's values by its position in the global batch and
-      the global step, so that 1 or N devices, micro-batches and workers, and
-      a resumed run, draw the same values; they differ from the undecorated
-      model_fn's own stream, with the same distribution; see the random draws
-      page) or 'per_shard' (each tower draws its shard on its own, as the
-      undecorated model_fn would: what is lost is that the training then
-      depends on the device count and a restart redraws).
-    resume_input: True (default: in TRAIN a tf.data input's position, batches
-      prefetched or staged included, is saved in every checkpoint, so a resumed
-      run continues the same global batches on any topology) or False (every
-      train() call and restart reads from the first element again).
+    random_draws: 'keyed' (default: each example's random values are set by
+      its position in the global batch and the step) or 'per_shard' (each
+      tower draws its shard on its own, as the undecorated model_fn would;
+      training then depends on the device count and a restart redraws).
+    resume_input: True (default: every checkpoint saves the training input's
+      position) or False (every train() call and restart reads the input
+      from its first element).
     plan: a `DevicePlan` from `make_plan`, instead of the arguments above.
 
   Returns:
@@ -204,9 +124,73 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
       fallback is allowed), duplicate devices, or conflicting arguments.
     TypeError: if model_fn is not callable or plan is not a DevicePlan.
 
+  Sharding:
+    Features and labels (Tensors, SparseTensors, RaggedTensors, nested
+    dicts and lists of them; labels may be None) are split along axis 0:
+    tower k takes B // N examples, plus one if k < B % N. The batch size may
+    be unknown when the graph is built, need not divide by N and may be
+    smaller than N; an empty shard adds nothing. Tower 0 holds the largest
+    shard. More: [guarantees](../guarantees.md#sharding).
+
+  Variables:
+    Tower 0 is built first, with the plain names, and creates every
+    variable; the other towers get tower 0's variables whatever API asks
+    for them. The checkpoint equals the plain model_fn's.
+    More: [guarantees](../guarantees.md#plain-variables).
+
+  Gradients:
+    In TRAIN your model_fn runs on tower 0, in its own flow. When it asks
+    for gradients with respect to variables (an optimizer's `minimize`,
+    `tf.gradients`), it receives the gradient of the whole batch's loss,
+    rebuilt from the shards' statistics (means, sums, token counts), so
+    ratio losses are exact; a loss it cannot rebuild warns once. What the
+    model_fn does next (clipping, loss scaling, `apply_gradients`) runs
+    once. The other towers are copied from tower 0's ops, or built by
+    running the model_fn again where a copy would differ
+    ([copied and built towers](../glossary.md#copied-and-built-towers)).
+    More: [losses](../losses.md),
+    [guarantees](../guarantees.md#the-whole-batch-gradient-in-your-model_fns-own-flow).
+
+  Side effects:
+    The train_op is tower 0's: what hangs on it (batch-norm moving averages,
+    EMA, counters) runs once per step, on tower 0's shard; summaries come
+    from tower 0 under their plain names. EVAL reports the whole batch's
+    loss and metrics of per-example values equal the plain ones; PREDICT
+    returns predictions in input order.
+    More: [what differs from one device](../guarantees.md#what-differs-from-single-device-training-and-why).
+
+  Placement:
+    Tower k runs on device k; `variable_strategy` decides where variables
+    live and where gradients are added up. With one device (and
+    micro_batches=1) the model_fn runs as it is. Serving graphs
+    (export_saved_model) are the plain model_fn's, without device pins.
+    More: [placement](../placement.md), [choosing a strategy](../choosing-a-strategy.md).
+
+  Micro-batches:
+    With micro_batches=k, each device's shard is split again, by the same
+    rule, into k micro-batches, one tower each, run one after another on
+    the device: it holds about one micro-batch's activations. The update is
+    still one per global batch. More: [micro-batches](../micro_batches.md).
+
+  Random draws:
+    With random_draws='keyed', every random op (dropout, noise, tf.image's)
+    draws each example's values by its position in the global batch and the
+    global step, so one device, N devices, micro-batches, workers and a
+    resumed run draw the same values (other values than the undecorated
+    model_fn's, from the same distribution).
+    More: [random draws](../random_draws.md).
+
+  Input position:
+    With resume_input=True, in TRAIN the towers read the input through the
+    library's own iterator, whose position (tf.data's state and the batches
+    staged on devices) every checkpoint saves, so the next train() call or
+    a restarted job continues the same global batches, on any number of
+    devices, micro-batches or (through `global_batches`) workers.
+    More: [resuming](../resuming.md).
+
   Example:
       ```python
-      @estimator_towers.replicate_model_fn(num_gpus=8)
+      @estimator_towers.replicate_model_fn(num_gpus=8, variable_strategy='collective')
       def model_fn(features, labels, mode):   # the unchanged single-device model_fn
         logits = tf.compat.v1.layers.dense(features['x'], 10)
         loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)

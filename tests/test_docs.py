@@ -6,10 +6,13 @@ check, and what must also hold on GitHub:
 - docs/flags.md lists exactly the flags `define_flags()` defines (on a fresh
   FlagValues), each once, with its current default and, for an enum, its
   choices.
-- Every relative link (and image) in README.md, CHANGELOG.md and docs/ (its
-  subfolders too) resolves to a file and, where it names one, to a heading of
-  that file (GitHub's anchors, which mkdocs.yml makes the site's too). The
-  site's build checks docs/ again, but not README.md or CHANGELOG.md.
+- Every relative link (and image) in README.md, CHANGELOG.md, docs/ (its
+  subfolders too) and the measurement notes next to the benches (bench/*.md,
+  not on the site) resolves to a file and, where it names one, to a heading
+  of that file (GitHub's anchors, which mkdocs.yml makes the site's too). The
+  site's build checks docs/ again, but not the others.
+- No page of the site, nor README.md, dates a measurement or names an issue
+  number; the user pages name no private names.
 - Every test the docs name (`test_x.py::test_y`) exists.
 - The README's quick-start code runs as written, in a fresh process, trains
   its 20 steps and towers (its training graph has a tower on /cpu:1).
@@ -42,6 +45,12 @@ def markdown_files() -> list[str]:
   return [os.path.join(ROOT, 'README.md'), os.path.join(ROOT, 'CHANGELOG.md')] + sorted(
       os.path.join(folder, name) for folder, _, names in os.walk(DOCS)
       for name in names if name.endswith('.md'))
+
+
+def notebook_files() -> list[str]:
+  """The measurement notes next to the benches (bench/*.md): dated, not on the site."""
+  folder = os.path.join(ROOT, 'bench')
+  return sorted(os.path.join(folder, name) for name in os.listdir(folder) if name.endswith('.md'))
 
 
 def generated(path: str) -> bool:
@@ -95,8 +104,8 @@ def broken_links(path: str) -> list[str]:
 
 
 def test_every_relative_link_resolves_to_a_file_and_heading():
-  files = markdown_files()
-  assert len(files) > 10, files
+  files = markdown_files() + notebook_files()
+  assert len(files) > 10 and notebook_files(), files
   assert sum(len(LINK.findall(read(f))) for f in files) > 50  # the check has links to check
   broken = [b for f in files for b in broken_links(f)]
   assert not broken, '\n'.join(broken)
@@ -203,13 +212,37 @@ def test_every_test_the_docs_name_exists():
   assert not missing, '\n'.join(missing)
 
 
-def test_user_pages_hold_no_lab_notes():
-  """README.md and the user pages (docs/ but docs/contributing/) name no issue
-  numbers, dates or private names (`module._name`): measurement history and
-  design notes belong in docs/contributing/, figures on docs/performance.md."""
-  lab_note = re.compile(r'\bissue \d+|\b20\d\d-\d\d-\d\d\b|\b[a-z_]+\._[a-z]\w*')
-  found = [f'{os.path.relpath(path, ROOT)}: {match.group(0)}'
-           for path in markdown_files()
-           if os.sep + 'contributing' + os.sep not in path
-           for match in lab_note.finditer(read(path))]
+MONTHS = ('January|February|March|April|May|June|July|August|September|October|'
+          'November|December')
+LAB_NOTE = re.compile(
+    r'\bissue \d+|\b20\d\d-\d\d-\d\d\b'
+    rf'|\b\d{{1,2}} (?:{MONTHS}) 20\d\d\b|\b(?:{MONTHS}) (?:\d{{1,2}}, )?20\d\d\b'
+    r'|\btoday\b|\bthis session\b|\bwe measured\b', re.I)
+
+
+def lab_notes(text: str) -> list[str]:
+  """Issue numbers, dates and session talk in a page's text."""
+  return [match.group(0) for match in LAB_NOTE.finditer(text)]
+
+
+def test_lab_notes_are_found():
+  text = ('Measured 26 November 2026, (November 26, 2026; 2026-11-26) as of today, '
+          'in this session, for issue 22. May import: base.')
+  assert lab_notes(text) == ['26 November 2026', 'November 26, 2026', '2026-11-26',
+                             'today', 'this session', 'issue 22']
+
+
+def test_site_pages_hold_no_lab_notes():
+  """README.md and every page of the site (docs/, contributing included, and
+  CHANGELOG.md) name no issue numbers and no dates: measurement history
+  belongs in bench/*.md, figures in docs/performance.md's tables with their
+  machine and command. The user pages (not docs/contributing/) name no
+  private names (`module._name`) either."""
+  private = re.compile(r'\b[a-z_]+\._[a-z]\w*')
+  found = [f'{os.path.relpath(path, ROOT)}: {note}'
+           for path in markdown_files() for note in lab_notes(read(path))]
+  found += [f'{os.path.relpath(path, ROOT)}: {match.group(0)}'
+            for path in markdown_files()
+            if os.sep + 'contributing' + os.sep not in path
+            for match in private.finditer(read(path))]
   assert not found, '\n'.join(found)
