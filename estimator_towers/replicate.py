@@ -185,7 +185,8 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     library's own iterator, whose position (tf.data's state and the batches
     staged on devices) every checkpoint saves, so the next train() call or
     a restarted job continues the same global batches, on any number of
-    devices, micro-batches or (through `global_batches`) workers.
+    devices, micro-batches or (through `global_batches`) workers; workers
+    reading each their own shard resume on the same number of workers.
     More: [resuming](../resuming.md).
 
   Example:
