@@ -28,6 +28,7 @@ import testlib
 import estimator_towers as et
 from estimator_towers.cluster import cross_worker
 from estimator_towers.inputs import position
+from estimator_towers.inputs import worker_positions
 from test_collective import Cluster
 from test_collective import _spec
 
@@ -296,3 +297,60 @@ def test_a_worker_takes_the_chief_s_iterator_and_pending_batches():
           (features, labels) = session.run(read)
           np.testing.assert_array_equal(features['x'], expected[i][0]['x'], err_msg=str(i))
           np.testing.assert_array_equal(labels, expected[i][1], err_msg=str(i))
+
+
+def test_every_worker_s_own_position_goes_to_the_chief_and_back():
+  """Two workers each read their own shard; a gather brings both positions to the chief
+  (what its checkpoint saves); after a restart each takes its own back from the chief and
+  reads on where it left off. A slot of another dataset (fingerprint) is not taken: that
+  worker reads from its first element, and says so (`taken`)."""
+  x = np.arange(40, dtype=np.float32).reshape(20, 2)
+
+  def dataset(rank):
+    return tf.data.Dataset.from_tensor_slices({'x': x}).shuffle(20, seed=3).repeat().shard(
+        2, rank).batch(3)
+
+  def expected(rank, n):
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+      get_next = tf.compat.v1.data.make_one_shot_iterator(dataset(rank)).get_next()
+      return [session.run(get_next)['x'] for _ in range(n)]
+
+  def positions(fingerprints):
+    sources = []
+    for rank in (0, 1):
+      with tf.device(f'/cpu:{rank}'):
+        ds = dataset(rank)
+        sources.append(position.Source(tf.data.experimental.to_variant(ds), ds.element_spec,
+                                       fingerprints[rank], f'/cpu:{rank}', with_labels=False))
+    built = _as_two_tasks(lambda across: worker_positions.WorkerPositions(
+        sources[across.rank], across))
+    take = _as_two_tasks(lambda across: built[across.rank].take_from_chief())
+    return built, take, [s.get_next()['x'] for s in sources]
+
+  with tf.Graph().as_default():
+    built, _, reads = positions(['a', 'b'])
+    gather = tf.group(*[p.gather_op for p in built])
+    with tf.compat.v1.Session(config=TWO_CPUS) as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      for p in built:
+        p.initialize(session)
+      for _ in range(2):
+        session.run(reads[0])
+      session.run(reads[1])
+      session.run(gather)
+      saved = session.run(built[0].ranks)
+  for restart_fingerprints, taken in ((['a', 'b'], [1, 1]), (['a', 'c'], [1, 2])):
+    with tf.Graph().as_default():
+      built, take, reads = positions(restart_fingerprints)
+      with tf.compat.v1.Session(config=TWO_CPUS) as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        for p in built:
+          p.initialize(session)
+        session.run(built[0].ranks.assign(saved))  # the chief's restore
+        session.run(take)
+        assert [session.run(p.taken) for p in built] == taken
+        assert all(p.source.from_chief for p in built)
+        for rank, read in enumerate(reads):
+          start = (2, 1)[rank] if taken[rank] == worker_positions.TAKEN else 0
+          for want in expected(rank, start + 3)[start:]:
+            np.testing.assert_array_equal(session.run(read), want, err_msg=str(rank))
