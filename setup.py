@@ -10,6 +10,7 @@ setuptools.setup(
     long_description=open('README.md', encoding='utf-8').read(),
     long_description_content_type='text/markdown',
     license='Apache-2.0',
+    # Every subpackage (the stages and the self-test); not tests/, examples/, bench/.
     packages=setuptools.find_packages(include=['estimator_towers', 'estimator_towers.*']),
     python_requires='>=3.9,<3.12',
     install_requires=[
@@ -23,8 +24,9 @@ setuptools.setup(
         'gpu': ['tensorflow[and-cuda]==2.15.1'],
         # bert-tensorflow: google-research BERT's pre-training model_fn (tests/test_bert.py);
         # tf-slim serves the tensorflow.contrib.layers it imports (tests/bert_model.py).
+        # build: .ci/run's wheel and sdist (python -m build).
         'test': ['pytest>=7', 'pytest-timeout>=2', 'pytest-xdist>=3', 'hypothesis>=6',
-                 'bert-tensorflow==1.0.4', 'tf-slim==1.1.0'],
+                 'bert-tensorflow==1.0.4', 'tf-slim==1.1.0', 'build>=1'],
         # bench/towers_bench.py's plot: pip install -e '.[bench]'
         'bench': ['matplotlib>=3.5'],
         # The docs site (mkdocs.yml): pip install -e '.[docs]' && mkdocs serve.

@@ -303,7 +303,7 @@ def stage_library_problems(root: str) -> list[str]:
            if r.kind == 'py_library' and 'name' in r.attrs}
   modules = test_layering.read_modules(root)
   problems = []
-  for stage in test_layering.LAYERS:
+  for stage in test_layering.LAYERS + test_layering.TOOLS:
     name = f'estimator_towers_{stage}'
     rule = rules.get(name)
     files = sorted(os.path.relpath(m.path, root).replace(os.sep, '/') for n, m in modules.items()
@@ -316,9 +316,11 @@ def stage_library_problems(root: str) -> list[str]:
     imported = set()
     for n, m in modules.items():
       if test_layering.stage_of(n) == stage:
-        imported |= {test_layering.stage_of(t) for t, _, _ in
-                     test_layering.imports_of(m, modules)} - {stage, None}
-    deps = {_label_to_path(d)[len('estimator_towers_'):] for d in rule.attrs.get('deps', [])}
+        imported |= {test_layering.stage_of(t) or 'top' for t, _, _ in
+                     test_layering.imports_of(m, modules)} - {stage}
+    # ':estimator_towers' (the public API and the orchestrator): 'top'.
+    deps = {_label_to_path(d)[len('estimator_towers_'):] or 'top'
+            for d in rule.attrs.get('deps', [])}
     if deps != imported:
       problems.append(f'BUILD: {name} deps {sorted(deps)}, but its modules import the '
                       f'stages {sorted(imported)}.')

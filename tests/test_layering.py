@@ -15,7 +15,10 @@ source with `ast` (no TensorFlow import):
   TensorFlow upgrade has one file to check;
 - every stage's `__init__.py` states its rule in its docstring, with a line
   `May import: ...` naming exactly the stages below it, and imports nothing
-  (the public surface is re-exported once, by the package's `__init__`).
+  (the public surface is re-exported once, by the package's `__init__`);
+- a tool (`TOOLS`: the self-test) sits above the public API: it may import
+  any module of the package, and no stage nor the top level imports it; its
+  `__init__.py` says `May import: everything ...` and imports nothing.
 
 The checker is tried on small trees written here with one rule broken each.
 """
@@ -36,6 +39,8 @@ PACKAGE = 'estimator_towers'
 LAYERS = ('base', 'cluster', 'placement', 'settings', 'inputs', 'towers', 'sync_points',
           'rows', 'draws', 'heads', 'loss', 'gradients', 'reporting')
 TOP = len(LAYERS)  # replicate.py and __init__.py
+# Folders above the public API (a tool the user runs), which import anything.
+TOOLS = ('selftest',)
 # The one module that may import TensorFlow's private API, and what that API is.
 FENCE = f'{PACKAGE}.base.interception'
 PRIVATE_TF = ('tensorflow.python', 'tensorflow_estimator.python', 'keras.src')
@@ -77,7 +82,7 @@ def stage_of(name: str, package: str = PACKAGE) -> str | None:
 
 
 def _is_stage(part: str) -> bool:
-  return part in LAYERS
+  return part in LAYERS or part in TOOLS
 
 
 def imports_of(module: Module, modules: dict, package: str = PACKAGE) -> list[tuple]:
@@ -112,7 +117,7 @@ def _module_aliases(module: Module, modules: dict, package: str) -> dict[str, st
 
 def _rank(name: str, package: str) -> int:
   stage = stage_of(name, package)
-  return LAYERS.index(stage) if stage in LAYERS else TOP
+  return LAYERS.index(stage) if stage in LAYERS else TOP + 1 if stage in TOOLS else TOP
 
 
 def problems(root: str, package: str = PACKAGE) -> list[str]:
@@ -122,7 +127,8 @@ def problems(root: str, package: str = PACKAGE) -> list[str]:
   graph = {name: set() for name in modules}
   for name, module in modules.items():
     parts = name.split('.')
-    if len(parts) >= 2 and os.path.isdir(os.path.join(root, *parts[:2])) and parts[1] not in LAYERS:
+    if (len(parts) >= 2 and os.path.isdir(os.path.join(root, *parts[:2]))
+        and not _is_stage(parts[1])):
       found.append(f'{name}: its folder {parts[1]}/ is not a stage of LAYERS '
                    f'(tests/test_layering.py); add it where it belongs in the order.')
       continue
@@ -176,16 +182,16 @@ def _private_tensorflow(modules: dict) -> list[str]:
 
 def _stage_docstrings(modules: dict, package: str) -> list[str]:
   found = []
-  for stage in LAYERS:
+  for stage in LAYERS + TOOLS:
     init = modules.get(f'{package}.{stage}')
     if init is None:
       continue
     docstring = ast.get_docstring(init.tree) or ''
-    below = ', '.join(LAYERS[:LAYERS.index(stage)]) or 'nothing'
+    below = ', '.join(LAYERS[:LAYERS.index(stage)]) or 'nothing' if stage in LAYERS else 'everything'
     match = re.search(r'^May import: (.*?)\.?$', docstring, re.M)
     if not docstring.strip():
       found.append(f'{init.path}: no docstring stating the stage\'s rule.')
-    elif match is None or match.group(1).strip() != below:
+    elif match is None or match.group(1).split(' (')[0].strip() != below:
       found.append(f'{init.path}: its docstring needs the line "May import: {below}."')
     if any(isinstance(node, (ast.Import, ast.ImportFrom)) for node in init.tree.body):
       found.append(f'{init.path}: a stage\'s __init__ imports nothing (the package\'s '
@@ -230,7 +236,7 @@ def test_the_package_imports_one_way():
 
 def test_every_stage_is_a_folder_of_the_package():
   modules = read_modules(ROOT)
-  assert {stage_of(name) for name in modules} - {None} == set(LAYERS)
+  assert {stage_of(name) for name in modules} - {None} == set(LAYERS + TOOLS)
   top = sorted(name for name in modules if stage_of(name) is None)
   assert top == [PACKAGE, f'{PACKAGE}.replicate']
 
@@ -304,6 +310,17 @@ def test_another_stages_private_names_are_caught(tmp_path):
   assert 'imports private _HIDDEN' in found[1]
 
 
+def test_a_tool_imports_anything_and_nothing_imports_it(tmp_path):
+  root = _write(tmp_path, _tree({
+      'selftest/__init__.py': '"""The tool.\n\nMay import: everything.\n"""\n',
+      'selftest/cli.py': 'import estimator_towers\nfrom estimator_towers.base import a\n',
+      'base/a.py': 'X = 1\n',
+      'heads/h.py': 'from estimator_towers.selftest import cli\n'}))
+  (found,) = problems(root)
+  assert 'estimator_towers.heads.h (stage heads) imports estimator_towers.selftest.cli ' \
+         '(stage selftest), a later stage' in found
+
+
 def test_a_folder_outside_the_layers_is_caught(tmp_path):
   root = _write(tmp_path, _tree({'extras/__init__.py': '"""x."""\n', 'extras/e.py': ''}))
   found = problems(root)
@@ -335,7 +352,7 @@ def test_the_design_page_maps_every_module_in_its_folders_table():
   with open(os.path.join(ROOT, 'docs', 'contributing', 'design.md'), encoding='utf-8') as f:
     page = f.read()
   sections = dict(re.findall(r'^### `(\w+)/`.*?\n(.*?)(?=^### |^## |\Z)', page, re.M | re.S))
-  assert sorted(sections) == sorted(LAYERS)
+  assert sorted(sections) == sorted(LAYERS + TOOLS)
   unmapped = {}
   for name, module in read_modules(ROOT).items():
     stage = stage_of(name)
