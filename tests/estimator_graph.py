@@ -25,8 +25,9 @@ run reads on from where its iterator is, but without a checkpoint the global
 batches a staged run left on the devices are dropped, which Estimator would
 restore with the position; an input the library cannot position (a dataset
 reading a variable, as tests/test_faults.py's) starts again at every run.
-Session options carry `operation_timeout_in_ms`, so a blocked op fails with
-DeadlineExceededError instead of hanging the test.
+Session options are the tests' (`testlib.session_config`) with
+`operation_timeout_in_ms`, so a blocked op fails with DeadlineExceededError
+instead of hanging the test.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from __future__ import annotations
 import inspect
 
 import tensorflow as tf
+
+import testlib
 
 ModeKeys = tf.estimator.ModeKeys
 
@@ -86,9 +89,7 @@ class EstimatorGraph:
   def __init__(self, model_fn, input_fn, mode: str, num_cpus: int = 1,
                timeout_ms: int = 60000, params=None):
     self.mode = mode
-    session_config = tf.compat.v1.ConfigProto(
-        device_count={'CPU': max(num_cpus, 1)}, inter_op_parallelism_threads=2,
-        intra_op_parallelism_threads=1, operation_timeout_in_ms=timeout_ms)
+    session_config = testlib.session_config(num_cpus, operation_timeout_in_ms=timeout_ms)
     config = tf.estimator.RunConfig(session_config=session_config)
     self.graph = tf.Graph()
     with self.graph.as_default():

@@ -14,6 +14,7 @@ import tempfile
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.protobuf import rewriter_config_pb2
 
 
 def _write_graph_pbtxt_in_c() -> None:
@@ -58,16 +59,29 @@ def cpu_devices(n: int) -> list[str]:
   return [f'/cpu:{i}' for i in range(n)]
 
 
+def session_config(num_cpus: int = 1, **kwargs) -> tf.compat.v1.ConfigProto:
+  """The tests' ConfigProto: `num_cpus` virtual CPU devices, two inter-op threads.
+
+  Grappler runs each of its passes once on a graph (`meta_optimizer_iterations`
+  ONE; TensorFlow's default is two rounds of all of them): every rewrite a user's
+  session makes is made, and a session's first run of a towered graph, which
+  Grappler took about a third of, costs less (a tenth of tests/test_cross_example.py's
+  time). `kwargs`: ConfigProto's.
+  """
+  config = tf.compat.v1.ConfigProto(
+      device_count={'CPU': max(num_cpus, 1)}, inter_op_parallelism_threads=2,
+      intra_op_parallelism_threads=1, **kwargs)
+  config.graph_options.rewrite_options.meta_optimizer_iterations = (
+      rewriter_config_pb2.RewriterConfig.ONE)
+  return config
+
+
 def run_config(num_cpus: int = 1, **kwargs) -> tf.estimator.RunConfig:
-  """A RunConfig with `num_cpus` virtual CPU devices."""
+  """A RunConfig with `num_cpus` virtual CPU devices (`session_config`)."""
   kwargs.setdefault('save_checkpoints_steps', 1000)
   kwargs.setdefault('save_summary_steps', 1000)
   kwargs.setdefault('log_step_count_steps', 1000)
-  return tf.estimator.RunConfig(
-      session_config=tf.compat.v1.ConfigProto(
-          device_count={'CPU': max(num_cpus, 1)},
-          inter_op_parallelism_threads=2, intra_op_parallelism_threads=1),
-      **kwargs)
+  return tf.estimator.RunConfig(session_config=session_config(num_cpus), **kwargs)
 
 
 def make_estimator(model_fn, num_cpus: int = 1, model_dir: str | None = None,
@@ -105,7 +119,14 @@ def variables(estimator: tf.estimator.Estimator) -> dict[str, np.ndarray]:
 
 def stepwise_estimator(model_fn, num_cpus: int = 1, model_dir: str | None = None,
                        params=None, **config_kwargs) -> tf.estimator.Estimator:
-  """`make_estimator` that keeps a checkpoint of every step (for `train_and_read`)."""
+  """`make_estimator` that keeps a checkpoint of every step (for `train_and_read`).
+
+  Its checkpoints hold the variables only: no MetaGraphDef (.meta) beside each and
+  no graph.pbtxt (`checkpoint_save_graph_def=False`), which a towered graph took
+  a tenth of a 3-step train() call to write; nothing reads them here, and every
+  other Estimator of the tests still writes them.
+  """
+  config_kwargs.setdefault('checkpoint_save_graph_def', False)
   return make_estimator(model_fn, num_cpus, model_dir, params, save_checkpoints_steps=1,
                         keep_checkpoint_max=0, **config_kwargs)
 
