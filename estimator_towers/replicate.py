@@ -266,6 +266,8 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
                          serving, across, source)
     if source is not None:
       spec = resume.attach(spec, source, config, staged=from_staging, across=across)
+    if mode == ModeKeys.TRAIN:  # the last hook: hooks' writes of the global step keyed too
+      spec = keyed.with_step_order(spec)
     return spec
 
   # Estimator passes only the arguments a model_fn's signature names: mirror the

@@ -124,12 +124,13 @@ class EstimatorGraph:
         self._values = None
       self.hooks = hooks
       self.scaffold = spec.scaffold or tf.compat.v1.train.Scaffold()
-      self.scaffold.finalize()
       self.trainable = {v.op.name: v for v in tf.compat.v1.trainable_variables()}
     self.session = tf.compat.v1.Session(graph=self.graph, config=session_config)
     self._initialized = False
 
   def _prepare(self) -> _KeptSession:
+    with self.graph.as_default():   # after the hooks' begin(), as MonitoredSession does
+      self.scaffold.finalize()
     if not self._initialized:
       self.session.run(self.scaffold.init_op, feed_dict=self.scaffold.init_feed_dict)
       if self.scaffold.init_fn:

@@ -1,8 +1,7 @@
 """The few places where towering must reach into TensorFlow's private API.
 
-Everything here exists because TensorFlow 2.15 offers no public hook for it; it is kept in
-this one module so that the rest of the library reads as plain graph construction, and so
-that a TensorFlow upgrade has one file to check.
+Each exists because TensorFlow 2.15 offers no public hook for it; one module, so that a
+TensorFlow upgrade has one file to check.
 
 - Gradient requests. Every graph-mode gradient a model_fn can ask for goes through
   `gradients_util._GradientsHelper` (`tf.gradients`, `tf.compat.v1.gradients`,
@@ -45,10 +44,10 @@ that a TensorFlow upgrade has one file to check.
 - An input replaced on an op that already exists (`Operation._update_input`): a batch
   statistic of a tower built early takes the later towers' shard statistics, which do not
   exist yet when it is built.
-- A control input added to an op that already exists (`Operation._add_control_inputs`; not
-  into v1 control flow): a micro-batch's input gates wait for a backward pass built later;
-  `ordering` puts a variable's reads before its later updates (k-means); a write of the
-  global step waits for the step's keyed draws.
+- A control input added to an op that already exists (`Operation._add_control_inputs`):
+  a micro-batch's input gates wait for a backward pass built later; `ordering` puts a
+  variable's reads before its later updates (k-means); every writer of the global step
+  waits for its read (`draws.step_order`, which reads `Graph._functions` too).
 - The branches of a functional `tf.cond` (`Graph._get_function`), which `row_dependence`
   reads like the rest of the graph.
 - The gradient of a `tf.function` call in a graph, kept on the Python op
@@ -60,9 +59,8 @@ that a TensorFlow upgrade has one file to check.
 - Random ops: every random draw a model_fn makes reaches TensorFlow through the generated
   `gen_*random_ops` and `gen_candidate_sampling_ops` functions; they are wrapped while a
   model_fn is built with keyed draws on (`draws.keyed`), and only then.
-- Graph-mode building blocks with no public TF2 counterpart: the argument names Estimator
-  reads off a model_fn or input_fn (`fn_args`), the v1 collective all-reduce with explicit
-  group and instance keys (`all_reduce`) and per-device prefetch buffers (`StagingArea`).
+- Graph-mode blocks with no public TF2 counterpart: a model_fn's argument names as Estimator
+  reads them (`fn_args`), the v1 all-reduce (`all_reduce`), prefetch buffers (`StagingArea`).
 - An input's position in the checkpoint (`inputs.position`): `SaveableObject`, a deferred
   Saver's list (`Saver._var_list`), which op types are stateful (`op_def_registry`).
 - Estimator's server start under `train_and_evaluate`
@@ -100,7 +98,7 @@ from tensorflow.python.ops import variable_scope  # pylint: disable=g-direct-ten
 from tensorflow.python.training.saving import saveable_object  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.util import function_utils  # pylint: disable=g-direct-tensorflow-import
 
-# The original functions; the combined gradient is built with these.
+# The original functions (the combined gradient is built with these).
 graph_gradients = gradients_util._GradientsHelper  # pylint: disable=protected-access
 tape_gradient = backprop.GradientTape.gradient
 
@@ -512,6 +510,12 @@ def in_control_flow(op: tf.Operation) -> bool:
   return op._control_flow_context is not None  # pylint: disable=protected-access
 
 
+def function_nodes(graph: tf.Graph) -> Iterator[tuple[str, Any]]:
+  """(function name, NodeDef) of every function body the graph holds (`Graph._functions`)."""
+  for name, function in list(graph._functions.items()):  # pylint: disable=protected-access
+    yield from ((name, node) for node in getattr(function.definition, 'node_def', ()))
+
+
 def add_control_inputs(op: tf.Operation, controls: list[tf.Operation]) -> None:
   """Makes the existing `op` wait for `controls` (see the module docstring)."""
   op._add_control_inputs(controls)  # pylint: disable=protected-access
@@ -540,12 +544,8 @@ def copy_gradient_function(source: tf.Operation, target: tf.Operation) -> None:
 
 
 def branch_graphs(op: tf.Operation) -> list | None:
-  """The FuncGraphs of a functional `If`'s two branches (then, else), or None.
-
-  `row_dependence` reads a `tf.cond`'s branches like the rest of the graph;
-  the branch functions are found by name in the graph's function library
-  (`Graph._get_function`).
-  """
+  """The FuncGraphs of a functional `If`'s two branches (then, else), or None: found by
+  name in the graph's function library (`Graph._get_function`), for `row_dependence`."""
   graphs = []
   for attr in ('then_branch', 'else_branch'):
     try:

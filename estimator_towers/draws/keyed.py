@@ -4,7 +4,8 @@ The rule. With `random_draws='keyed'` (the default) every random op a
 model_fn builds, on any tower, micro-batch or worker and on one device alike,
 is drawn by a counter-based (Philox) stateless op instead:
 - its **key** is the step's: made from the global step, read once per step
-  before the step's update of it, and shared by every draw of the step;
+  before any write of it (a graph edge on every writer: `step_order`), and
+  shared by every draw of the step;
 - its **counter**'s high word is the op's own: the graph-level seed, the op
   seed the model_fn gave (if any) and the op's place among the random ops of
   its model_fn call (the same in every tower and on one device). A stateless
@@ -54,12 +55,13 @@ import tensorflow as tf
 
 from estimator_towers.base import interception
 from estimator_towers.base import logs
+from estimator_towers.draws import step_order
 from estimator_towers.draws import streams
 from estimator_towers.inputs import sharding
 from estimator_towers.rows import row_dependence as rd
 from estimator_towers.towers import tower_context
 
-__all__ = ['KeyedDraws', 'built_by_draws', 'positions_for', 'refusal']
+__all__ = ['KeyedDraws', 'built_by_draws', 'positions_for', 'refusal', 'with_step_order']
 
 SCOPE = 'keyed_draw'   # the name scope of the ops a keyed draw is made of
 
@@ -87,14 +89,6 @@ _UNKEYABLE = {'random_poisson': 'Poisson', 'random_poisson_v2': 'Poisson',
 _DRAWS = frozenset(_STATEFUL) | frozenset(_SEEDED) | frozenset(_KEYED) | frozenset(_UNKEYABLE) | {
     'multinomial', 'stateless_multinomial', 'random_gamma', 'stateless_random_gamma_v2',
     'stateless_random_gamma_v3', 'random_shuffle'}
-_GLOBAL_STEP_WRITES = ('AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp',
-                       'Assign', 'AssignAdd', 'AssignSub')
-# Calls of a function body (a v2 tf.cond / while loop, a tf.function), which may write the
-# variables they are given.
-_FUNCTION_CALLS = ('If', 'StatelessIf', 'Case', 'StatelessCase', 'While', 'StatelessWhile',
-                   'PartitionedCall', 'StatefulPartitionedCall')
-
-
 def built_by_draws(op: tf.Operation) -> bool:
   """Whether `op` is part of a keyed draw (the library's, not the model_fn's own op)."""
   return any(part.startswith(SCOPE) for part in op.name.split('/')[:-1])
@@ -120,6 +114,16 @@ def positions_for(graph: tf.Graph, k: int) -> dict:
   return {} if draws is None else {draws.position(0).name: draws.position(k)}
 
 
+def with_step_order(spec: tf.estimator.EstimatorSpec) -> tf.estimator.EstimatorSpec:
+  """A TRAIN `spec` whose last hook orders the global step's writes that hooks build
+  (`step_order.StepOrderHook`), where the default graph has keyed draws."""
+  draws = _of_graph.get(tf.compat.v1.get_default_graph())
+  if draws is None:
+    return spec
+  return spec._replace(
+      training_hooks=tuple(spec.training_hooks or ()) + (draws.step_order_hook(),))
+
+
 class KeyedDraws:
   """The keyed draws of one graph: wraps the model_fn calls that build its towers.
 
@@ -135,16 +139,16 @@ class KeyedDraws:
   def __init__(self, graph: tf.Graph, sizes: Sequence[Any], batch: Any, first_row: Any = 0):
     self.graph = graph
     with tf.name_scope('random_draws'), tf.control_dependencies(None):
-      self.step = _step_read(graph)
+      # [0, the step]: a copy of the step's read (a ref variable's read aliases its buffer),
+      # which every write of the global step waits for (`step_order`).
+      self.seed = tf.stack([tf.constant(0, tf.int64), _step_read(graph)], name='step_seed')
       # The step's Philox key, shared by every draw of the step; an op's counter is its own.
-      self.key = tf.raw_ops.StatelessRandomGetKeyCounter(
-          seed=tf.stack([tf.constant(0, tf.int64), self.step]))[0]
+      self.key = tf.raw_ops.StatelessRandomGetKeyCounter(seed=self.seed)[0]
       self.batch = tf.cast(batch, tf.int64)
       self.positions, total = [], tf.cast(first_row, tf.int64)
       for size in sizes:
         self.positions.append(total)
         total = total + tf.cast(size, tf.int64)
-    self._first_op = len(graph.get_operations())   # the model_fn's ops (not yet read) from here
     _of_graph[graph] = self
 
   @classmethod
@@ -180,26 +184,13 @@ class KeyedDraws:
     return keyed_run
 
   def order_step_writes(self) -> None:
-    """Every write of the global step the model_fn makes waits for the step's read.
+    """Every write of the global step the graph holds waits for the step's read
+    (`step_order`; `step_order_hook` orders the ones hooks build later)."""
+    step_order.order_writes(self.graph, self.seed.op)
 
-    (BERT's `global_step.assign(global_step + 1)` is grouped with its update,
-    in no order with the forward pass.) A write inside a function body (a v2
-    `tf.cond`): the call given the step waits.
-    """
-    step = tf.compat.v1.train.get_global_step(self.graph)
-    if step is None or self.step.op.type == 'Const':
-      return
-    variable = (getattr(getattr(step, 'handle', None), 'op', None), step.op)
-    ops = self.graph.get_operations()
-    first, self._first_op = self._first_op, len(ops)   # the next call reads only newer ops
-    for op in ops[first:]:
-      if op.type in _GLOBAL_STEP_WRITES:
-        writes = bool(op.inputs) and op.inputs[0].op in variable
-      else:
-        writes = op.type in _FUNCTION_CALLS and any(t.op in variable for t in op.inputs)
-      if (writes and self.step.op not in op.control_inputs
-          and not interception.in_control_flow(op)):
-        interception.add_control_inputs(op, [self.step.op])
+  def step_order_hook(self) -> tf.compat.v1.train.SessionRunHook:
+    """The hook that orders the writes of the global step that hooks build (the last one)."""
+    return step_order.StepOrderHook(self.seed.op)
 
 
 def _step_read(graph: tf.Graph) -> tf.Tensor:
@@ -478,7 +469,7 @@ class _Build:
                           f'the batch')
     if call.module != 'random':
       return call.original(**call.args)   # seeded by the model_fn: the same everywhere
-    seed = tf.stack([tf.constant(self._op_key(call), tf.int64), self.draws.step])
+    seed = self.draws.seed + tf.constant([self._op_key(call), 0], tf.int64)
     stateless, args = interception.RANDOM_MODULES['stateless'], call.args
     if 'poisson' in call.name:
       return stateless.stateless_random_poisson(args['shape'], seed, args['rate'],
