@@ -39,6 +39,7 @@ from estimator_towers.inputs import resume
 from estimator_towers.inputs import shards as shards_lib
 from estimator_towers.inputs import staging
 from estimator_towers.loss import reported
+from estimator_towers.placement import session_devices
 from estimator_towers.placement import strategies as placement_lib
 from estimator_towers.reporting import throughput
 from estimator_towers.reporting import tower_summaries
@@ -245,6 +246,8 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
     placement = placement_lib.make_placement(plan.variable_strategy, tower_devices)
     single = len(tower_devices) == 1 and plan.micro_batches == 1
     serving = (mode == ModeKeys.PREDICT and not single and shards_lib.is_serving_input(features))
+    if not serving:  # towers on devices the session lacks would share one (soft placement)
+      session_devices.check_towers_exist(tower_devices, config)
     logs.info_once_per_graph(
         f'estimator_towers: {mode} graph: the plain model_fn, without towers or '
         f'device pins (a serving graph).' if serving else

@@ -531,7 +531,7 @@ def _train_graph(model_fn, monkeypatch, cluster, strategy='collective', **plan_k
     tf.compat.v1.train.create_global_step()
     features, labels = tf.compat.v1.data.make_one_shot_iterator(
         tf.data.Dataset.from_tensor_slices(({'x': x}, y)).batch(4)).get_next()
-    towered(features, labels, tf.estimator.ModeKeys.TRAIN, None, tf.estimator.RunConfig())
+    towered(features, labels, tf.estimator.ModeKeys.TRAIN, None, testlib.run_config(2))
   return graph
 
 
@@ -600,7 +600,7 @@ def test_inputs_not_from_a_dataset_across_workers_are_an_error(monkeypatch):
                                               r"return a tf.data.Dataset"):
     tf.compat.v1.train.create_global_step()
     towered({'x': tf.constant(x)}, tf.constant(y), tf.estimator.ModeKeys.TRAIN, None,
-            tf.estimator.RunConfig())
+            testlib.run_config(2))
 
 
 def test_staged_input_across_workers_is_an_error(monkeypatch):
@@ -614,7 +614,7 @@ def test_staged_input_across_workers_is_an_error(monkeypatch):
                                               r"support staged_input_fn"):
     tf.compat.v1.train.create_global_step()
     features, labels = staged()
-    towered(features, labels, tf.estimator.ModeKeys.TRAIN, None, tf.estimator.RunConfig())
+    towered(features, labels, tf.estimator.ModeKeys.TRAIN, None, testlib.run_config(2))
 
 
 def test_a_model_fn_without_gradients_across_workers_is_an_error(monkeypatch):

@@ -5,7 +5,9 @@ graph is built (before any session runs), except a batch-size mismatch that is
 only known at run time, which fails the step with the same rule in its message.
 """
 
+import inspect
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -243,3 +245,72 @@ def test_model_fn_that_returns_no_estimator_spec():
   features = lambda: {'x': tf.zeros([4, testlib.NUM_FEATURES])}
   with pytest.raises(TypeError, match=r'model_fn must return a tf.estimator.EstimatorSpec \(or a TPUEstimatorSpec\), got dict'):
     _build(lambda features, labels, mode: {'loss': 0.0}, features, None)
+
+
+def _build_train_graph(towered, config):
+  with tf.Graph().as_default():
+    tf.compat.v1.train.create_global_step()
+    x, y = testlib.data(6)
+    towered(tf.constant(x), tf.constant(y), ModeKeys.TRAIN, None, config)
+
+
+@pytest.mark.parametrize('strategy', ['cpu', 'gpu', 'replicated', 'collective'])
+@pytest.mark.parametrize('session_config', [None, tf.compat.v1.ConfigProto(
+    allow_soft_placement=True)], ids=['no_session_config', 'no_device_count'])
+def test_towers_on_cpu_devices_the_session_lacks(strategy, session_config):
+  """Without device_count only CPU:0 exists: an error at graph construction (soft
+  placement would put every tower on CPU:0, and a collective group never forms)."""
+  towered = replicate_model_fn(testlib.v1_model_fn, devices=testlib.cpu_devices(3),
+                               variable_strategy=strategy)
+  with pytest.raises(ValueError, match=re.escape(
+      'Towers on /device:CPU:0, /device:CPU:1, /device:CPU:2: /device:CPU:1, /device:CPU:2 '
+      'do not exist in the session this RunConfig makes, which has CPU:0 and no GPU.') +
+      r".*device_count=\{'CPU': 3\}.*make_config\(num_cpu_devices=3, \.\.\.\)"):
+    _build_train_graph(towered, tf.estimator.RunConfig(session_config=session_config))
+  _build_train_graph(towered, testlib.run_config(3))  # with the devices: built
+
+
+def test_towers_on_gpus_the_session_lacks(monkeypatch):
+  from estimator_towers.placement import devices as devices_lib
+  monkeypatch.setattr(devices_lib, 'visible_gpus', lambda: ['/device:GPU:0'])
+  towered = replicate_model_fn(testlib.v1_model_fn, devices=['/gpu:0', '/gpu:1'])
+  with pytest.raises(ValueError, match=r'/device:GPU:1 do not exist .* which has CPU:0 and '
+                     r'GPU:0\..*name only GPUs the session sees in replicate_model_fn\('
+                     r'devices=\[\.\.\.\]\).*plan=make_plan\(num_gpus=N, allow_cpu_fallback'):
+    _build_train_graph(towered, testlib.run_config(1))
+  _build_train_graph(replicate_model_fn(testlib.v1_model_fn, devices=['/gpu:0', '/cpu:1']),
+                     testlib.run_config(2))  # GPU:0 is seen
+
+
+def _arguments_named(message: str) -> set:
+  """The names a message's fixes give values to ('num_gpus=0', 'devices=[...]')."""
+  return set(re.findall(r'(\w+)=', message.split('Fix one of:', 1)[1]))
+
+
+def test_every_fix_of_missing_gpus_is_an_argument_of_the_function_called(monkeypatch):
+  """replicate_model_fn(num_gpus=8) without GPUs: its fixes name arguments of
+  replicate_model_fn, make_plan and RunConfig / ConfigProto, and they work."""
+  from estimator_towers.placement import devices as devices_lib
+  from estimator_towers.settings import config as config_lib
+  monkeypatch.setattr(devices_lib, 'visible_gpus', lambda: [])
+  with pytest.raises(ValueError, match='num_gpus=8 asks for 8 GPUs') as raised:
+    _build_train_graph(replicate_model_fn(testlib.v1_model_fn, num_gpus=8), None)
+  accepted = (set(inspect.signature(replicate_model_fn).parameters)
+              | set(inspect.signature(make_plan).parameters)
+              | set(inspect.signature(tf.estimator.RunConfig).parameters)
+              | set(tf.compat.v1.ConfigProto.DESCRIPTOR.fields_by_name))
+  named = _arguments_named(str(raised.value))
+  assert {'num_gpus', 'devices', 'session_config', 'device_count', 'plan'} <= named
+  assert named <= accepted, named - accepted
+  # The fixes, as the message writes them, build the graph.
+  _build_train_graph(replicate_model_fn(testlib.v1_model_fn, num_gpus=0), None)
+  _build_train_graph(replicate_model_fn(testlib.v1_model_fn, devices=testlib.cpu_devices(8)),
+                     tf.estimator.RunConfig(session_config=tf.compat.v1.ConfigProto(
+                         device_count={'CPU': 8})))
+  _build_train_graph(replicate_model_fn(testlib.v1_model_fn, plan=make_plan(
+      num_gpus=8, allow_cpu_fallback=True)), testlib.run_config(1))
+  # make_config's own fixes are its arguments (num_cpu_devices is one).
+  with pytest.raises(ValueError, match='num_gpus=8 asks for 8 GPUs') as raised:
+    config_lib.make_config(num_gpus=8)
+  named = _arguments_named(str(raised.value))
+  assert 'num_cpu_devices' in named and named <= set(config_lib.FIELDS), named

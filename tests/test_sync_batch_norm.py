@@ -338,7 +338,9 @@ def test_error_towers_sharing_a_device():
   """CPU fallback puts the missing GPU towers on one CPU: no collective can run there."""
   x, y = _vectors(10)
   plan = et.make_plan(num_gpus=2, allow_cpu_fallback=True, sync_batch_norm=True)
-  with pytest.raises(batch_norm_sync.BatchNormSyncError, match='its own device'):
+  with pytest.raises(batch_norm_sync.BatchNormSyncError,  # fixes: arguments, not flags
+                     match=r"its own device.* replicate_model_fn\(devices=\['/cpu:0', '/cpu:1'\]\)"
+                           r".*make_config\(num_cpu_devices=2\).*sync_batch_norm=False"):
     testlib.make_estimator(et.replicate_model_fn(testlib.keras_model_fn, plan=plan)).train(
         testlib.input_fn(x, y, 10), steps=1)
 

@@ -113,13 +113,15 @@ def gpu_devices(num_gpus: int) -> tuple[str, ...]:
   return tuple(f'/device:GPU:{i}' for i in range(num_gpus))
 
 
-def resolve_gpu_count(num_gpus: int, allow_cpu_fallback: bool = False
-                      ) -> tuple[str, ...]:
+def resolve_gpu_count(num_gpus: int, allow_cpu_fallback: bool = False,
+                      config_hints: bool = False) -> tuple[str, ...]:
   """The devices the towers of `num_gpus` GPU towers really get on this machine.
 
   0 means one tower on the host CPU. Asking for more GPUs than are visible is
   an error, unless `allow_cpu_fallback`: then the towers beyond the visible
   GPUs run on the host CPU, and one warning (once per process) says so.
+  The error's fixes are arguments of `make_config` (and its flags) with
+  `config_hints`, else of `replicate_model_fn` and `make_plan`.
 
   Raises:
     ValueError: when fewer GPUs are visible than asked for, without fallback.
@@ -144,14 +146,26 @@ def resolve_gpu_count(num_gpus: int, allow_cpu_fallback: bool = False
     return devices
   fewer = (f'{spelling.setting("num_gpus", len(visible))} to use the visible '
            f'GPUs only; ' if visible else '')
+  if config_hints:  # make_config's arguments, or its flags
+    on_cpus = (f'{spelling.setting("num_cpu_devices", num_gpus)} for {num_gpus} towers on '
+               f'virtual CPU devices; {spelling.setting("allow_cpu_fallback", True)}')
+  else:  # replicate_model_fn's and make_plan's
+    on_cpus = (f'devices={_cpu_list(num_gpus)} for {num_gpus} towers '
+               f'on virtual CPU devices, with tf.estimator.RunConfig(session_config='
+               f'tf.compat.v1.ConfigProto(device_count={{\'CPU\': {num_gpus}}})); '
+               f'plan=make_plan(num_gpus={num_gpus}, allow_cpu_fallback=True)')
   raise ValueError(
       f'{found}. Fix one of: {fewer}{spelling.setting("num_gpus", 0)} to train '
-      f'on the CPU; {spelling.setting("num_cpu_devices", num_gpus)} for '
-      f'{num_gpus} towers on virtual CPU devices; '
-      f'{spelling.setting("allow_cpu_fallback", True)} to run the missing '
+      f'on the CPU; {on_cpus} to run the missing '
       f'towers on the CPU {HOST_CPU}. If this machine has GPUs, check the CUDA '
       f'installation (pip install "estimator_towers[gpu]" installs '
       f'tensorflow[and-cuda]) and CUDA_VISIBLE_DEVICES.')
+
+
+def _cpu_list(n: int) -> str:
+  """"['/cpu:0', '/cpu:1']", or "['/cpu:0', ..., '/cpu:7']" for more than three."""
+  names = [repr(f'/cpu:{i}') for i in range(n)]
+  return f'[{", ".join(names if n <= 3 else [names[0], "...", names[-1]])}]'
 
 
 def warn_invisible_gpus(devices: Sequence[str]) -> None:

@@ -201,7 +201,7 @@ def _make_config(kwargs: dict[str, Any], resolve: bool) -> TowersConfig:
   plan = config.plan  # make_plan's checks: count, devices, strategy, reduction, depth.
   _check_gpus_visible(plan, config.visible_gpus)
   if resolve and plan.num_gpus is not None:
-    plan.resolve()  # Missing GPUs: an error now, before the script creates anything.
+    plan.resolve(config_hints=True)  # Missing GPUs: an error now, before the script creates anything.
   return config
 
 

@@ -99,13 +99,17 @@ class DevicePlan:
   random_draws: str = 'keyed'
   resume_input: bool = True
 
-  def resolve(self) -> tuple[str, ...]:
+  def resolve(self, config_hints: bool = False) -> tuple[str, ...]:
     """The devices the towers really get on this machine.
 
     Explicit devices are taken as given (a warning says when they name GPUs
     that are not visible here); num_gpus=0 is the host CPU; num_gpus=N needs N
     visible GPUs, or allow_cpu_fallback; no choice means every visible GPU, or
     the host CPU when there is none.
+
+    Args:
+      config_hints: the error's fixes name `make_config`'s arguments (its
+        caller) instead of `replicate_model_fn`'s and `make_plan`'s.
 
     Raises:
       ValueError: when num_gpus asks for more GPUs than are visible and
@@ -116,7 +120,7 @@ class DevicePlan:
       return self.devices
     if self.num_gpus is None:
       return devices_lib.default_devices()
-    return devices_lib.resolve_gpu_count(self.num_gpus, self.allow_cpu_fallback)
+    return devices_lib.resolve_gpu_count(self.num_gpus, self.allow_cpu_fallback, config_hints)
 
 
 def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,

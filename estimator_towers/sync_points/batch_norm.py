@@ -86,9 +86,11 @@ class BatchNormSync:
       raise BatchNormSyncError(
           f'sync_batch_norm=True needs every tower on its own device, but the '
           f'towers run on {sorted(devices.values())}: statistics are exchanged '
-          f'between the towers\' devices. Give distinct devices (e.g. '
-          f'--num_cpu_devices=N on a machine without GPUs instead of '
-          f'--allow_cpu_fallback), or turn sync_batch_norm off.')
+          f'between the towers\' devices. Give distinct devices (on a machine '
+          f'without GPUs, replicate_model_fn(devices=[\'/cpu:0\', \'/cpu:1\']) with '
+          f'device_count={{\'CPU\': 2}} in the session config, or make_config('
+          f'num_cpu_devices=2), instead of allow_cpu_fallback=True), or pass '
+          f'sync_batch_norm=False.')
     self._graph = graph
     self._devices = devices
     self._present = present
