@@ -17,7 +17,9 @@ size read (a factor of a batch-size value, a folded rank, an axis, a one-hot
 depth of the examples' labels) are not taken for one, nor is the constant
 TensorFlow's gradient code makes of a static shape (an input-gradient penalty,
 `tf.gradients(reduce_sum(logits), x)`: per example, trained as plain, as with
-an unknown batch size).
+an unknown batch size). Such a constant that reaches a head on the whole batch
+(a gradient through the mixing ops) is an error naming TensorFlow's gradient
+code and the fix, not a size read in Python.
 """
 
 import functools
@@ -251,3 +253,25 @@ def test_input_gradient_penalty_on_towers_equals_plain(static, warnings):
   for towered, expected in zip(testlib.train_and_read(est, input_fn, at=(1, STEPS)), plain):
     testlib.assert_variables_close(towered, expected)
   assert not [w for w in warnings if 'estimator_towers' in w], warnings
+
+
+def gradient_through_in_batch_softmax(x, y):
+  """The in-batch softmax plus a penalty on tf.gradients(reduce_sum(logits), q): the gradient
+  of the sum of the B x B logits goes through the mixing MatMul, into the head."""
+  q, d = patterns.encoders(x)
+  logits = tf.matmul(q, d, transpose_b=True) / 0.1
+  g = tf.gradients(tf.reduce_sum(logits), q)[0]
+  labels = tf.range(tf.shape(q)[0])
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+  return loss + 0.1 * tf.reduce_mean(tf.reduce_sum(g ** 2, 1)), [q, d]
+
+
+def test_a_static_shape_of_tensorflows_gradient_code_in_the_head_is_an_error_naming_it():
+  """Its constant (`gradients/Sum_grad/Const`, the shard's [4, 4]) is no batch size read in
+  Python: the error names TensorFlow's gradient code and the fix (an unknown batch size)."""
+  with pytest.raises(ValueError, match=(
+      r"reads the constant gradients/Sum_grad/Const:0 .*which holds the shard's static size "
+      r"\(4\) in its value: TensorFlow's gradient code built it from a static shape of the "
+      r"shard.*Leave the batch dimension unknown")) as raised:
+    _build(gradient_through_in_batch_softmax, 3)
+  assert 'read as a Python int' not in str(raised.value)

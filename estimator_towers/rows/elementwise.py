@@ -9,7 +9,8 @@ mix); statistics and batch-size values combined stay such. Rows combined
 with a statistic of the batch (but a batch norm's: `sync_batch_norm`'s
 choice), with a batch-size value, with rows of another layout, or with a
 value as long as a static batch (its row i meets example i; but one whose
-rows are all the same, `tf.ones([n, T, 1])`) mix the batch's rows. A layer
+rows are all the same, `tf.ones([n, T, 1])`, or TensorFlow's gradient of a sum
+over a static shape and its matrix products) mix the batch's rows. A layer
 mixes where its weights depend on the batch. A cast or identity of
 `tf.where`'s positions keeps them positions; any other op on them mixes (a
 position is the shard's layout, not a value of its example). Entries lifted

@@ -117,7 +117,8 @@ def size_symbol(t):
 def batch_multiple(reader, t, depth: int = 0):
   """k where `t` is k times the shard's examples (an int or a run-time product), else None.
 
-  `tf.shape(x)[0]` of rows is 1 (of flat rows of `per` T: T), times sizes that
+  `tf.shape(x)[0]` of rows is 1 (of flat rows of `per` T: T; a SparseTensor's
+  `dense_shape[0]`, as `tf.shape(sparse)` casts it: 1), times sizes that
   do not depend on the shard, a product of a shape's first sizes; with a static
   batch, a static multiple of it.
   """
