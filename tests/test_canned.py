@@ -8,7 +8,8 @@ defaults and run by a plain Estimator. The reference is the same canned
 estimator, plain, on the same data (for KMeans' training step: its update
 computed in numpy, since plain k-means' own update races; see test_kmeans.py).
 Both sides start from one shared checkpoint (the canned DNN initialises
-without seeds). Checks: one training
+without seeds). The linear and combined classifiers run also on a hashed
+categorical column of a SparseTensor feature (`*_sparse`). Checks: one training
 step equal to plain (every variable and slot within 1e-5, identical
 checkpoint names); on one checkpoint, identical eval metrics and predictions
 in input order.
@@ -45,6 +46,23 @@ def _classifier_input_fn():
   return tf.data.Dataset.from_tensor_slices(({'x': x, 'ids': ids}, y)).batch(BATCH)
 
 
+def _tags():
+  """Each example's hashed tags as a SparseTensor: 0 to 3 per example, some none."""
+  rng = np.random.RandomState(11)
+  indices, values = [], []
+  for i in range(2 * BATCH):
+    for j in range(rng.randint(0, 4)):
+      indices.append([i, j])
+      values.append(b'tag%d' % rng.randint(37))
+  return tf.SparseTensor(np.array(indices, np.int64), np.array(values), [2 * BATCH, 3])
+
+
+def _sparse_input_fn():
+  """The classifiers' input with a SparseTensor feature (a hashed categorical column's)."""
+  x, _, y = _data()
+  return tf.data.Dataset.from_tensor_slices(({'x': x, 'tag': _tags()}, y)).batch(BATCH)
+
+
 def _kmeans_input_fn():
   x, _, _ = _data()
   return tf.data.Dataset.from_tensor_slices(x).batch(BATCH)
@@ -54,6 +72,27 @@ def _columns():
   numeric = tf.feature_column.numeric_column('x', shape=[testlib.NUM_FEATURES])
   ids = tf.feature_column.categorical_column_with_identity('ids', NUM_IDS)
   return numeric, ids, tf.feature_column.embedding_column(ids, 3)
+
+
+def _hashed():
+  """A hashed categorical column of the SparseTensor feature, and its embedding."""
+  tag = tf.feature_column.categorical_column_with_hash_bucket('tag', NUM_IDS)
+  return tag, tf.feature_column.embedding_column(tag, 3)
+
+
+def _linear_sparse(config, model_dir):
+  numeric, _, _ = _columns()
+  tag, _ = _hashed()
+  return tf.compat.v1.estimator.LinearClassifier(
+      [numeric, tag], n_classes=testlib.NUM_CLASSES, config=config, model_dir=model_dir)
+
+
+def _combined_sparse(config, model_dir):
+  numeric, _, _ = _columns()
+  tag, embedding = _hashed()
+  return tf.compat.v1.estimator.DNNLinearCombinedClassifier(
+      linear_feature_columns=[tag], dnn_feature_columns=[numeric, embedding],
+      dnn_hidden_units=[4], n_classes=testlib.NUM_CLASSES, config=config, model_dir=model_dir)
 
 
 def _linear(config, model_dir):
@@ -89,6 +128,10 @@ CANNED = {  # name: (constructor, input_fn, prediction key compared in order)
     'dnn': (_dnn, _classifier_input_fn, 'logits'),
     'dnn_linear_combined': (_combined, _classifier_input_fn, 'logits'),
     'kmeans': (_kmeans, _kmeans_input_fn, 'all_distances'),
+    # A hashed column of a SparseTensor feature (its SparseReshape to [n, -1] reads the
+    # batch size from the dense shape): per example, no head on the whole batch.
+    'linear_sparse': (_linear_sparse, _sparse_input_fn, 'logits'),
+    'dnn_linear_combined_sparse': (_combined_sparse, _sparse_input_fn, 'logits'),
 }
 
 

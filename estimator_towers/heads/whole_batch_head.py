@@ -51,6 +51,9 @@ graph: a head that reads a constant holding the shard's static size in its
 value (`static_size`), or in its shape where the head does not build on the
 whole batch, is an error at graph construction naming the constant and the
 fix (`tf.shape(x)[0]`); the graph cannot tell it from a hyper-parameter.
+One built by TensorFlow's gradient code (under an `<op>_grad` scope: a
+`tf.gradients` of the shard's static shape through the mixing ops) is the
+same error, naming that code and the fix (leave the batch dimension unknown).
 
 What it does not do (the warning of `row_dependence` stays): a frontier
 tensor some tower has no counterpart of, and a head that holds a
@@ -278,6 +281,8 @@ def _shaped_by_size(head: list, found: rd.RowDependence, frontier: list) -> str 
 
 
 def _python_size(t: tf.Tensor, const: tf.Tensor, rows: set, where: str) -> str:
+  if _gradient_code(const):
+    return _static_gradient(t, const, rows, where)
   return (f'its head on the whole batch reads the constant {const.name}'
           f'{"" if t.name == const.name else f" (through {t.name})"}, which holds the '
           f'shard\'s static size ({sorted(rows)[0]}) in its {where}: a batch size read as a '
@@ -287,6 +292,23 @@ def _python_size(t: tf.Tensor, const: tf.Tensor, rows: set, where: str) -> str:
           f'which the head reads as the whole batch\'s size); if {const.name} is a '
           f'hyper-parameter that only equals the shard\'s size, pick a batch size whose '
           f'shards differ from it, or train on one device')
+
+
+def _gradient_code(const: tf.Tensor) -> bool:
+  """Whether TensorFlow's gradient code built `const` (under an `<op>_grad` name scope of a
+  `tf.gradients` call inside the model_fn), from a static shape, not the model_fn itself."""
+  return any(part.endswith('_grad') for part in const.op.name.split('/')[:-1])
+
+
+def _static_gradient(t: tf.Tensor, const: tf.Tensor, rows: set, where: str) -> str:
+  return (f'its head on the whole batch reads the constant {const.name}'
+          f'{"" if t.name == const.name else f" (through {t.name})"}, which holds the '
+          f'shard\'s static size ({sorted(rows)[0]}) in its {where}: TensorFlow\'s gradient '
+          f'code built it from a static shape of the shard, for a tf.gradients (or '
+          f'GradientTape) call inside the model_fn through ops that mix the batch\'s rows, and '
+          f'the head on the whole batch would use it as the whole batch\'s. Leave the batch '
+          f'dimension unknown (batch(..., drop_remainder=False), no set_shape or '
+          f'tf.ensure_shape of a static batch size), or train on one device')
 
 
 def _holds(value: Any, rows: set) -> bool:

@@ -9,7 +9,8 @@ mix); statistics and batch-size values combined stay such. Rows combined
 with a statistic of the batch (but a batch norm's: `sync_batch_norm`'s
 choice), with a batch-size value, with rows of another layout, or with a
 value as long as a static batch (its row i meets example i; but one whose
-rows are all the same, `tf.ones([n, T, 1])`) mix the batch's rows. A layer
+rows are all the same, `tf.ones([n, T, 1])`, or TensorFlow's gradient of a sum
+over a static shape and its matrix products) mix the batch's rows. A layer
 mixes where its weights depend on the batch. A cast or identity of
 `tf.where`'s positions keeps them positions; any other op on them mixes (a
 position is the shard's layout, not a value of its example). Entries lifted
@@ -116,16 +117,35 @@ def _lifted(op, kinds, present):
 
 def _same_rows(t, depth: int = 0) -> bool:
   """Whether every row of `t` is the same by construction: a [1, ...] value tiled or
-  broadcast along axis 0 (`tf.tile(offset, [n, 1])`), a fill, or a copy or cast of one."""
+  broadcast along axis 0 (`tf.tile(offset, [n, 1])`, the gradient TensorFlow builds of a
+  sum over a static shape), a fill, ones or zeros like a value, a copy, cast or arithmetic
+  of such values (with values that broadcast along axis 0), or a matrix product of one
+  with a matrix (`_grad/MatMul` of such a gradient)."""
   op = t.op
-  if depth < 8 and op.type in ('Identity', 'Cast', 'StopGradient', 'Neg'):
+  if depth >= 8:
+    return False
+  if op.type in ('Identity', 'Cast', 'StopGradient', 'Neg'):
     return _same_rows(op.inputs[0], depth + 1)
-  if op.type == 'Fill':
+  if op.type in ('Fill', 'ZerosLike', 'OnesLike'):
     return True
   if op.type in ('Tile', 'BroadcastTo'):
     source = op.inputs[0].shape
     return source.rank is not None and (source.rank < t.shape.rank or source[0] == 1)
+  if op.type == 'MatMul' and not op.get_attr('transpose_a'):
+    return _same_rows(op.inputs[0], depth + 1)
+  if op.type in ARITHMETIC and t.shape.rank:
+    return all(_broadcast_rows(x, t.shape.rank, depth + 1) for x in op.inputs)
   return False
+
+
+def _broadcast_rows(x, rank: int, depth: int) -> bool:
+  """Whether `x`, an operand of an elementwise op of `rank`, is the same for every row."""
+  if x.shape.rank is None:
+    return False
+  if x.shape.rank < rank or x.shape[0] == 1:
+    return True   # broadcast along axis 0
+  value = static_value(x)
+  return (value is not None and bool(np.all(value == value[:1]))) or _same_rows(x, depth)
 
 
 def _rows_with_constants(reader, op, kinds, kind):

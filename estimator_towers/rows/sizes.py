@@ -117,7 +117,8 @@ def size_symbol(t):
 def batch_multiple(reader, t, depth: int = 0):
   """k where `t` is k times the shard's examples (an int or a run-time product), else None.
 
-  `tf.shape(x)[0]` of rows is 1 (of flat rows of `per` T: T), times sizes that
+  `tf.shape(x)[0]` of rows is 1 (of flat rows of `per` T: T; a SparseTensor's
+  `dense_shape[0]`, as `tf.shape(sparse)` casts it: 1), times sizes that
   do not depend on the shard, a product of a shape's first sizes; with a static
   batch, a static multiple of it.
   """
@@ -137,12 +138,14 @@ def batch_multiple(reader, t, depth: int = 0):
       a, b = b, a
     return times(batch_multiple(reader, a, depth + 1), size_symbol(b)) if (
         reader.kind(b) is None) else None
-  if op.type == 'StridedSlice' and op.inputs[0].op.type == 'Shape' and (
-      op.get_attr('shrink_axis_mask') == 1 and not op.get_attr('ellipsis_mask')):
+  if op.type == 'StridedSlice' and op.get_attr('shrink_axis_mask') == 1 and (
+      not op.get_attr('ellipsis_mask')):
     begin = static_value(op.inputs[1])
-    if begin is not None and begin.size and int(np.reshape(begin, [-1])[0]) == 0:
+    if begin is None or not begin.size or int(np.reshape(begin, [-1])[0]) != 0:
+      return None
+    if op.inputs[0].op.type == 'Shape':
       return rows_per_example(reader.kind(op.inputs[0].op.inputs[0]), blocks=True)
-    return None
+    return _first_of_shape(reader, op.inputs[0])
   if op.type == 'Prod' and static_value(op.inputs[1]) is not None and (
       op.inputs[0].op.type in ('Slice', 'StridedSlice', 'GatherV2')) and (
           op.inputs[0].op.inputs[0].op.type == 'Shape'):
@@ -150,6 +153,19 @@ def batch_multiple(reader, t, depth: int = 0):
   if op.type == 'Prod' and op.inputs[0].op.type == 'Slice' and _first_size(reader, op.inputs[0]):
     return 1   # the product of a rows' shape's first size alone (a SparseTensor's dense shape)
   return None
+
+
+def _first_of_shape(reader, t):
+  """k of the first element of `t`, a shape vector not made by a Shape op (a
+  SparseTensor's dense shape, as `tf.shape(sparse)` casts it), else None."""
+  while t.op.type in ('Identity', 'Cast') and reader.kind(t.op.inputs[0]) is not None:
+    t = t.op.inputs[0]
+  kind = reader.kind(t)
+  if kind is None or kind.tag != SHAPE or t.op.type in SHAPES or t.shape.rank != 1:
+    return None
+  if kind.layout == FLAT:
+    return rows_per_example(flat_kind(kind.per, kind.blocks), blocks=True)
+  return kind.blocks
 
 
 def _first_size(reader, t) -> bool:
