@@ -76,8 +76,8 @@ def check_towers_exist(devices: Sequence[str], config: Any) -> None:
       f'Towers on {", ".join(devices)}: {", ".join(missing)} do not exist in the '
       f'session this RunConfig makes, which has {_existing(counts)}. TensorFlow would '
       f'move those towers onto a device another tower already uses (soft '
-      f'placement), and a collective all-reduce between them would never '
-      f'complete. Fix one of: {_fixes(missing, devices)}.')
+      f'placement): they would share it (and with variable_strategy=\'collective\' '
+      f'their all-reduce would never complete). Fix one of: {_fixes(missing, devices)}.')
 
 
 def _existing(counts: dict[str, int]) -> str:

@@ -54,11 +54,23 @@ class FusedKernel:
     return y, reserve
 
   def gradient(self, dy, x, scale, mean, variance, reserve):
-    """scale / s * dy, sum(dy * (x - mean) / s) and sum(dy), s = sqrt(variance + epsilon)."""
+    """scale / s * dy, sum(dy * (x - mean) / s) and sum(dy), s = sqrt(variance + epsilon).
+
+    Channels first off a GPU: TensorFlow's CPU kernel of this gradient (without
+    oneDNN) takes channels last only, so dy and x are transposed to it and dx back.
+    """
+    data_format = self._format
+    if data_format.startswith('NC') and 'GPU' not in (x.device or '').upper():
+      rank = x.shape.rank
+      last = [0] + list(range(2, rank)) + [1]
+      dy, x, data_format = tf.transpose(dy, last), tf.transpose(x, last), 'NHWC' if (
+          rank == 4) else 'NDHWC'
     dx, dscale, doffset, _, _ = tf.raw_ops.FusedBatchNormGradV3(
         y_backprop=dy, x=x, scale=scale, reserve_space_1=mean, reserve_space_2=variance,
-        reserve_space_3=reserve, epsilon=self.epsilon, data_format=self._format,
+        reserve_space_3=reserve, epsilon=self.epsilon, data_format=data_format,
         is_training=False)
+    if data_format != self._format:
+      dx = tf.transpose(dx, [0, x.shape.rank - 1] + list(range(1, x.shape.rank - 1)))
     return dx, dscale, doffset
 
 
