@@ -8,54 +8,40 @@ TensorFlow upgrade has one file to check.
   `Optimizer.compute_gradients` / `minimize`, Keras legacy `get_gradients`) or through
   `GradientTape.gradient` (Keras legacy `minimize`). To hand the model_fn the gradient of
   the whole batch, both are wrapped while a towered model_fn is built, and only then.
-- A clean building context. The other towers are built while the primary tower is in the
-  middle of its model_fn (at its gradient request), so the primary's name scope, control
-  dependencies, control-flow context, colocation, device stack and tape recording are set
-  aside meanwhile. Only the device stack and tape recording lack a public way to do so.
-- The control dependencies in force where a gradient is requested
-  (`Graph._control_dependencies_stack`): the whole-batch backward pass is built without
-  them (or every op of every tower's backward pass would wait for, e.g., tower 0's batch-
-  norm updates), and they are put back on the gradients handed to the model_fn.
-- Reads of a variable outside control flow (`Operation._control_flow_context`): their
-  gradients can be summed where the placement says, rather than where the backward pass
-  happens to meet (next to a parameter server's variable).
-- The device of a variable seen through a function body's captures (`FuncGraph.captures`),
-  so that an op reading a variable inside a `tf.cond` follows the variable rather than its
-  tower's device.
+- A clean building context: the other towers are built in the middle of the primary's
+  model_fn (at its gradient request), with its device stack and tape recording set aside.
+- The control dependencies in force at a gradient request (`_control_dependencies_stack`):
+  the whole-batch backward pass is built without them; they are put back on its gradients.
+- Reads of a variable outside control flow (`Operation._control_flow_context`), summed
+  where the placement says; a variable's device through a function body's captures.
 - Batch statistics (`sync_batch_norm`). Every batch norm reaches TensorFlow through
   `gen_nn_ops.fused_batch_norm_v3` (Keras and `tf.compat.v1.layers` fused,
   `tf.compat.v1.nn.fused_batch_norm`) or `nn_impl.moments` (Keras non-fused,
   `tf.nn.moments`, `tf.compat.v1.nn.moments`); there is no public hook to replace batch
   statistics with global ones, so both are wrapped while the towers of a TRAIN graph are
   built with sync on, and only then.
-- Keras batch-norm layers' moving-average updates (`add_update` of
-  `BatchNormalizationBase`, Keras' private module): not built in the towers after the
-  first (their updates are dropped; building them cost about a tenth of building a ResNet
-  tower).
+- Keras batch-norm layers' moving-average updates (`BatchNormalizationBase.add_update`):
+  not built in the towers after the first (they are dropped).
 - Shape reads kept in the graph. `tf.shape`, `tf.size`, `tf.zeros_like` and `tf.ones_like`
   of a static shape fold to a constant (`array_ops`' `shape_internal`, `size_internal`,
   `array_like_impl`, `optimize=True`); while a tower is built they give their op instead
   (`optimize=False`), so that a head on the whole batch reads the whole batch's size
   (`rows`, `heads`). `tf.rank` (`rank_internal`) stays a constant, recorded as one.
-- The loss reduction. `tf.compat.v1.losses` and Keras' loss utilities record the reduction
-  of the last loss they built on the graph (`Graph._last_loss_reduction`), which is how
-  TensorFlow's own distribution strategies tell a summed loss (v1 canned heads) from an
-  averaged one.
+- The loss reduction `tf.compat.v1.losses` and Keras record (`Graph._last_loss_reduction`):
+  a summed loss (v1 canned heads) told from an averaged one.
 - An input replaced on an op that already exists (`Operation._update_input`): a batch
-  statistic of a tower built early takes the later towers' shard statistics, which do not
-  exist yet when it is built.
+  statistic of an early tower takes later towers' statistics.
 - A control input added to an op that already exists (`Operation._add_control_inputs`):
   a micro-batch's input gates wait for a backward pass built later; `ordering` puts a
   variable's reads before its later updates (k-means); every writer of the global step
   waits for its read (`draws.step_order`, which reads `Graph._functions` too).
-- The branches of a functional `tf.cond` (`Graph._get_function`), which `row_dependence`
-  reads like the rest of the graph.
+- The branches of a functional `tf.cond` (`Graph._get_function`), read by `row_dependence`.
 - The gradient of a `tf.function` call in a graph, kept on the Python op
   (`Operation._gradient_function`): `whole_batch_head`'s copy of an opaque function of the
   batch is differentiated as the original.
 - A fresh variable store (`variable_scope`'s store and scope-name counters): a tower after
-  the first asks `get_variable` and `tf.compat.v1.layers` for exactly the names tower 0
-  asked for (`sharing`).
+  the first asks for exactly the names tower 0 asked for (`sharing`). Variables' initializers
+  (`_initializer_op`, `_initial_value`) kept as tower 0 set them (`init_from_checkpoint`).
 - Random ops: every random draw a model_fn makes reaches TensorFlow through the generated
   `gen_*random_ops` and `gen_candidate_sampling_ops` functions; they are wrapped while a
   model_fn is built with keyed draws on (`draws.keyed`), and only then.
@@ -508,6 +494,20 @@ def calls_function(op: tf.Operation) -> bool:
 def in_control_flow(op: tf.Operation) -> bool:
   """True if `op` is inside a v1 `tf.cond` or `tf.while_loop`."""
   return op._control_flow_context is not None  # pylint: disable=protected-access
+
+
+def initializers(graph: tf.Graph) -> dict:
+  """{variable: (its initializer op, its initial value)} (`_initializer_op`, `_initial_value`:
+  what `init_from_checkpoint` sets), for `set_initializers` to put back."""
+  variables = graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES) + \
+      graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES)
+  return {v: (v._initializer_op, v._initial_value) for v in variables  # pylint: disable=protected-access
+          if hasattr(v, '_initializer_op')}
+
+
+def set_initializers(saved: dict) -> None:
+  for variable, (op, value) in saved.items():
+    variable._initializer_op, variable._initial_value = op, value  # pylint: disable=protected-access
 
 
 def function_nodes(graph: tf.Graph) -> Iterator[tuple[str, Any]]:

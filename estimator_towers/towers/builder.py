@@ -136,6 +136,9 @@ class TowerBuilder:
     device = self.tower_devices[d]
     reuse_args.setdefault('copies', d != self.shards.layout.device_of(self.primary))
     pinned, first_op = self.pinned if k == self.primary else None, len(self.graph.get_operations())
+    # A variable's initializer is tower 0's: an init_from_checkpoint again in a later tower
+    # (whose ops may wait for its micro-batch's input) must not replace it.
+    initializers = interception.initializers(self.graph) if k != self.primary else None
     with tf.compat.v1.device(placement_lib.tower_device(device, pinned)), (
         self.variable_sharing.reusing(d, self.root_scope, **reuse_args) if reuse
         else self.variable_sharing.creating()), tower_context.entering(
@@ -145,6 +148,9 @@ class TowerBuilder:
         spec = self.run(self.shards.features[k], self.shards.labels[k], self.mode)
       except TowerStop:  # at the gradient request it was built for
         spec = None
+      finally:
+        if initializers:
+          interception.set_initializers(initializers)
     if self.shards.layout.previous(k) is not None:  # a device's first: not ordered after one
       micro_batches_lib.gate_sources(self.graph.get_operations()[first_op:], self.shards.gates[k])
     return spec
