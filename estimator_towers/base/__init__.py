@@ -4,7 +4,8 @@
 gradient functions it answers, control-flow and device contexts, op
 imports): a TensorFlow upgrade has this one module to check. `logs` says a
 thing once per graph or process, `spelling` names a setting as the user
-wrote it (`num_gpus=4` or `--num_gpus=4`), `updates` tells which ops change a
+wrote it (`num_gpus=4` or `--num_gpus=4`), `shapes` reads a static size as an
+int or None under TF2 and TF1 shapes, `updates` tells which ops change a
 variable. Nothing here knows about towers, shards or losses.
 
 May import: nothing.

@@ -355,8 +355,8 @@ def control_dependencies_set_aside(graph: tf.Graph) -> Iterator[bool]:
 
 def plain_reads(variable: tf.Variable) -> list[tf.Tensor]:
   """The values of `variable` read outside any control-flow construct."""
-  return [op.outputs[0] for op in variable.handle.consumers()
-          if op.type == 'ReadVariableOp' and op._control_flow_context is None]  # pylint: disable=protected-access
+  return [op.outputs[0] for op in variable.op.outputs[0].consumers()   # a ref variable's: Identity
+          if op.type in ('ReadVariableOp', 'Identity') and op._control_flow_context is None]  # pylint: disable=protected-access
 
 
 def resource_device(tensor: tf.Tensor) -> str | None:

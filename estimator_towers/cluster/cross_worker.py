@@ -48,6 +48,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from estimator_towers.base import interception
+from estimator_towers.base import shapes
 from estimator_towers.base import updates
 from estimator_towers.cluster import tf_config as cluster_lib
 
@@ -195,7 +196,7 @@ class CrossWorker:
     with tf.name_scope('gather'):
       out = gathered(table)
     if table.shape.rank is not None:
-      rows = table.shape[0] * self.size if table.shape[0] is not None else None
+      rows = shapes.dim(table) * self.size if shapes.dim(table) is not None else None
       out.set_shape(tf.TensorShape([rows]).concatenate(table.shape[1:]))
     return out
 

@@ -67,6 +67,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from estimator_towers.base import shapes
+
 __all__ = ['DTYPES', 'KINDS', 'advance', 'draw', 'draw_rows', 'group_size', 'group_skip']
 
 KINDS = ('uniform', 'normal', 'truncated_normal', 'uniform_int', 'uniform_full_int', 'gamma')
@@ -231,7 +233,7 @@ def _gamma_rows(rows: tf.Tensor, shape: tf.Tensor, dtype: tf.DType, key: tf.Tens
   if alpha is None:
     raise ValueError('gamma draws need alpha.')
   alpha = tf.convert_to_tensor(alpha, dtype)
-  row_rank = shape.shape[0]
+  row_rank = shapes.dim(shape)
   if alpha.shape.rank is None or row_rank is None:
     raise ValueError(f'gamma draws need alpha of a known rank and row_shape of a static '
                      f'length; got alpha {alpha.shape}, row_shape of length {row_rank}.')
@@ -269,6 +271,6 @@ def _static_shape(rows: tf.Tensor, row_shape: Any) -> tf.TensorShape:
   known_row = tf.get_static_value(row_shape)
   if known_row is not None:
     return tf.TensorShape([known_rows] + [int(d) for d in known_row])
-  if row_shape.shape[0] is None:
+  if shapes.dim(row_shape) is None:
     return tf.TensorShape(None)
-  return tf.TensorShape([known_rows] + [None] * row_shape.shape[0])
+  return tf.TensorShape([known_rows] + [None] * shapes.dim(row_shape))

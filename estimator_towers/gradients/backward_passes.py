@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from estimator_towers.base import interception
 from estimator_towers.gradients import gradient_sync
+from estimator_towers.gradients.request import is_ref_variable
 from estimator_towers.gradients.request import Request
 from estimator_towers.towers import tower_copies
 
@@ -52,12 +53,16 @@ def _options(primary: Request, stops: list, gates: bool = False) -> dict:
   order is plain's: without it the executor may compute an elementwise layer's
   input gradient before reducing its parameter's, which keeps one more
   activation-sized buffer alive (bench/micro_batches_bench.py: the allocator's
-  peak 1.20 x plain at B / k without the gates, 1.04 x with them).
+  peak 1.20 x plain at B / k without the gates, 1.04 x with them). With ref
+  variables (`disable_resource_variables()`) the gates are always kept: a read
+  of a ref variable shares its buffer, which the update changes in place, and
+  the gates are what makes a variable's update wait for every gradient op that
+  reads it (a layer's input gradient reads its kernel), as on one device.
   """
   options = dict(primary.options)
   options['stop_gradients'] = stops or None
   options['colocate_gradients_with_ops'] = True
-  if not gates:
+  if not gates and not any(is_ref_variable(x) for x in primary.xs):
     options['gate_gradients'] = False
   return options
 

@@ -5,7 +5,10 @@ Whatever the model_fn calls to get gradients (`tf.gradients`,
 tape) reaches TensorFlow's graph gradients function or the tape's; both are
 read into one `Request` (ys, xs, their initial gradients and the remaining
 options), answered by a flat list of gradients and packed back into the shape
-the caller expects.
+the caller expects. A ref variable's ref tensor among the xs (what
+`compute_gradients` asks about under `disable_resource_variables()`) is read as
+its variable: TensorFlow differentiates a ref variable with respect to that
+same tensor, so the request is with respect to variables under either kind.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def parse(kind: str, args: tuple, kwargs: dict) -> Request:
     ys, xs = as_list(options.pop('ys')), as_list(options.pop('xs'))
     grad_ys = options.pop('grad_ys')
     grad_ys = [None] * len(ys) if grad_ys is None else as_list(grad_ys)
-    return Request(kind, ys, xs, grad_ys, options)
+    return Request(kind, ys, _ref_variables_read(xs), grad_ys, options)
   bound = _TAPE_SIGNATURE.bind(*args, **kwargs)
   bound.apply_defaults()
   arguments = bound.arguments
@@ -75,6 +78,35 @@ def parse(kind: str, args: tuple, kwargs: dict) -> Request:
   options = {'unconnected_gradients': arguments['unconnected_gradients']}
   return Request(kind, ys, tf.nest.flatten(arguments['sources']), grad_ys, options,
                  structure=arguments['sources'])
+
+
+_VARIABLE_COLLECTIONS = (tf.compat.v1.GraphKeys.GLOBAL_VARIABLES,
+                         tf.compat.v1.GraphKeys.LOCAL_VARIABLES,
+                         tf.compat.v1.GraphKeys.MODEL_VARIABLES,
+                         tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
+
+
+def is_ref_variable(x: Any) -> bool:
+  """Whether `x` is a ref variable (`disable_resource_variables()`), updated in place."""
+  return isinstance(x, tf.Variable) and _is_ref(x.op.outputs[0])
+
+
+def _is_ref(t: tf.Tensor) -> bool:
+  return t.dtype != t.dtype.base_dtype
+
+
+def _ref_variables_read(xs: list) -> list:
+  """`xs`, each ref tensor of a ref variable (its `VariableV2`'s output) replaced by the variable."""
+  refs = [x for x in xs if isinstance(x, tf.Tensor) and _is_ref(x)]
+  if not refs:
+    return xs
+  graph = refs[0].graph
+  by_ref = {}
+  for name in _VARIABLE_COLLECTIONS:
+    for v in graph.get_collection(name):
+      if is_ref_variable(v):
+        by_ref.setdefault(v.op.outputs[0].ref(), v)
+  return [by_ref.get(x.ref(), x) if isinstance(x, tf.Tensor) else x for x in xs]
 
 
 def pack(request: Request, grads: list) -> Any:

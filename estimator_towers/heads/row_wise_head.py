@@ -54,6 +54,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers.base import shapes
 from estimator_towers.heads import whole_batch_head as wbh
 from estimator_towers.rows import row_dependence as rd
 
@@ -158,7 +159,7 @@ def _linear_coefficients(split: Split, whole: tf.Tensor, grad_y: Any) -> list | 
     coefficients = tf.compat.v1.gradients(copy, list(stand_ins.values()),
                                           grad_ys=None if grad_y is None else [grad_y])
   if _reads_values(coefficients, {t.name for t in stand_ins.values()}) or any(
-      part.shape[0] not in (None, n) for parts in split.tail
+      shapes.dim(part) not in (None, n) for parts in split.tail
       for part, n in zip(parts, split.sizes) if isinstance(n, int)):
     return None   # not linear, or a tower's per-row values are not one per row
   per_part = []
@@ -447,7 +448,7 @@ class Split:
       mine = i.shape.rank
       if mine is None or rank is None:
         raise NotRowWise(f'{i.name} has no known rank')
-      if mine < rank or mine == 0 or i.shape[0] == 1:   # broadcast along the rows
+      if mine < rank or mine == 0 or shapes.dim(i) == 1:   # broadcast along the rows
         inputs.append(self.whole(i))
       elif self.found.kind(i) is None:
         raise NotRowWise(f'{i.name}, a value of no shard, has a row per example')

@@ -72,6 +72,7 @@ import numpy as np
 import tensorflow as tf
 
 from estimator_towers.base import interception
+from estimator_towers.base import shapes
 from estimator_towers.draws import keyed
 from estimator_towers.rows import row_dependence as rd
 from estimator_towers.sync_points import join as sync_points
@@ -254,9 +255,9 @@ def _sizes_read(op: tf.Operation, found: rd.RowDependence | None = None) -> list
 
 def _static_rows(head: list, found: rd.RowDependence, frontier: list) -> set:
   """The static sizes of the shard's rows the head reads (1 left out: a broadcast's)."""
-  rows = {t.shape[0] for t in frontier if t.shape.rank and t.shape[0] is not None}
-  rows |= {t.shape[0] for op in head for t in op.inputs
-           if t.shape.rank and t.shape[0] is not None and found.kind(t) is not None
+  rows = {shapes.dim(t) for t in frontier if shapes.dim(t) is not None}
+  rows |= {shapes.dim(t) for op in head for t in op.inputs
+           if shapes.dim(t) is not None and found.kind(t) is not None
            and found.kind(t).tag in (rd.ROWS, rd.FLAT)}
   rows.discard(1)
   return rows

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
+from estimator_towers.base import shapes
+
 Structure = Any  # A Tensor, SparseTensor, RaggedTensor or nested dict/list/tuple of them.
 
 
@@ -34,7 +36,7 @@ def flatten_with_paths(structure: Structure, prefix: str = '') -> list[tuple[str
 
 def static_rows(t: Any) -> int | None:
   """The batch (first) dimension of a leaf, when known statically."""
-  return t.shape[0] if t.shape.rank else None
+  return shapes.dim(t)
 
 
 def rows(t: Any) -> tf.Tensor:

@@ -23,6 +23,8 @@ from typing import Any
 from absl import logging
 import tensorflow as tf
 
+from estimator_towers.base import shapes
+
 # Graph collection holding the global batch size (int32 scalar) of each step.
 GLOBAL_BATCH_KEY = 'estimator_towers_global_batch'
 
@@ -39,8 +41,8 @@ def first_leaf_rows(features: Any) -> tf.Tensor | int | None:
       return tf.cast(leaf.nrows(), tf.int32)
     if not isinstance(leaf, tf.Tensor) or leaf.shape.rank == 0:
       continue
-    if leaf.shape.rank is not None and leaf.shape[0] is not None:
-      return int(leaf.shape[0])
+    if shapes.dim(leaf) is not None:
+      return shapes.dim(leaf)
     return tf.shape(leaf, out_type=tf.int32)[0]
   return None
 

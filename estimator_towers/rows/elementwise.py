@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from estimator_towers.base import shapes
 from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, LIFTED, LIFTED_SHAPE,
                                          MIXED_KIND, NORM_KIND, POSITIONS, ROWS, SHAPE,
                                          SHAPE_KIND, SIZE, SIZE_KIND, STAT, STAT_KIND, UNIQUE,
@@ -110,7 +111,7 @@ def _lifted(op, kinds, present):
     return 'an op within each row of entries lifted onto axis 1, along their batch axis'
   for t, k in zip(op.inputs, kinds):
     at = None if t.shape.rank is None else 1 - (rank - t.shape.rank)
-    if k is None and (at is None or (at >= 0 and t.shape[at] != 1)):
+    if k is None and (at is None or (at >= 0 and shapes.dim(t, at) != 1)):
       return 'entries lifted onto axis 1 combined with values along their batch axis'
   return present[0]
 
@@ -130,7 +131,7 @@ def _same_rows(t, depth: int = 0) -> bool:
     return True
   if op.type in ('Tile', 'BroadcastTo'):
     source = op.inputs[0].shape
-    return source.rank is not None and (source.rank < t.shape.rank or source[0] == 1)
+    return source.rank is not None and (source.rank < t.shape.rank or shapes.dim(source) == 1)
   if op.type == 'MatMul' and not op.get_attr('transpose_a'):
     return _same_rows(op.inputs[0], depth + 1)
   if op.type in ARITHMETIC and t.shape.rank:
@@ -142,7 +143,7 @@ def _broadcast_rows(x, rank: int, depth: int) -> bool:
   """Whether `x`, an operand of an elementwise op of `rank`, is the same for every row."""
   if x.shape.rank is None:
     return False
-  if x.shape.rank < rank or x.shape[0] == 1:
+  if x.shape.rank < rank or shapes.dim(x) == 1:
     return True   # broadcast along axis 0
   value = static_value(x)
   return (value is not None and bool(np.all(value == value[:1]))) or _same_rows(x, depth)
@@ -154,7 +155,7 @@ def _rows_with_constants(reader, op, kinds, kind):
   if reader.examples is not None and reader.examples > 1 and op.type != 'IdentityN':
     for t, k in zip(op.inputs, kinds):
       rank = t.shape.rank
-      if (k is None and rank and t.shape[0] == reader.examples * kind.blocks
+      if (k is None and rank and shapes.dim(t) == reader.examples * kind.blocks
           and any(i.shape.rank == rank for i, j in zip(op.inputs, kinds) if j is not None)):
         value = static_value(t)
         if (value is not None and np.all(value == value[:1])) or _same_rows(t):

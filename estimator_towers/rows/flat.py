@@ -47,6 +47,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers.base import shapes
 from estimator_towers.rows.elementwise import KEEPS as _KEEPS, not_rows
 from estimator_towers.rows.kinds import (FLAT, FLAT_KIND, INDICES, LIFTED_SHAPE, MIXED, OFFSETS,
                                          POSITIONS, ROWS, ROWS_KIND, SHAPE, SHAPE_KIND, SIZE,
@@ -85,12 +86,12 @@ def _ragged(values: tf.Tensor, splits: tf.Tensor) -> bool:
 
 
 def _sparse(indices: tf.Tensor, values: tf.Tensor, shape: tf.Tensor) -> bool:
-  rank = indices.shape[1] if indices.shape.rank == 2 else None
+  rank = shapes.dim(indices, 1) if indices.shape.rank == 2 else None
   return (indices.dtype == tf.int64 and indices.shape.rank == 2 and values.shape.rank == 1
           and (indices.op is values.op or (indices.op.name.endswith('indices')
                                             and values.op.name.endswith('values')))
           and shape.dtype == tf.int64 and shape.shape.rank == 1
-          and (rank is None or shape.shape[0] is None or shape.shape[0] == rank))
+          and (rank is None or shapes.dim(shape) is None or shapes.dim(shape) == rank))
 
 
 def splits(op, kinds):
@@ -141,7 +142,7 @@ def _fill_empty_rows(reader, op, kinds):
 def _sparse_reduction(reader, op, kinds):
   if [k and k.tag for k in kinds] != [FLAT, FLAT, SHAPE, None]:
     return 'a sparse reduction of values that are not the batch\'s entries'
-  axes = axes_of(op.inputs[3], op.inputs[2].shape[0] if op.inputs[2].shape.rank else None)
+  axes = axes_of(op.inputs[3], shapes.dim(op.inputs[2]))
   if axes is None:
     return 'a sparse reduction over axes unknown when the graph is built'
   return STAT_KIND if 0 in axes or not axes else ROWS_KIND
@@ -196,7 +197,7 @@ def _gather(reader, op, kinds):
     params = None if params is None or params.tag != MIXED else params
   if indices is not None and indices.tag == POSITIONS:
     shape = op.inputs[1].shape   # [k] or [k, 1]: one position each (not [k, 2]'s columns)
-    one = shape.rank == 1 or shape.rank is not None and shape.rank > 1 and shape[-1] == 1
+    one = shape.rank == 1 or shape.rank is not None and shape.rank > 1 and shapes.dim(shape, -1) == 1
     if params is not None and axis == 0 and one and _positions_of(params, indices):
       return Kind(FLAT, per=indices.per)   # tf.boolean_mask: entries at their own positions
     if params is not None and axis == 0 and params.tag == FLAT and params.per is None and (
@@ -289,7 +290,7 @@ def scatter_nd(reader, op, kinds):
     return why
   elements = op.inputs[2].op.inputs
   if any(reader.kind(e) is not None for e in elements[1:]) or (
-      op.inputs[0].shape.rank != 2 or op.inputs[0].shape[-1] != 1):
+      op.inputs[0].shape.rank != 2 or shapes.dim(op.inputs[0], -1) != 1):
     return why
   per = 1 if indices.index == 'rows' else indices.index
   if not isinstance(per, int) or not _batch_size_times(reader, elements[0], per):

@@ -97,6 +97,7 @@ import weakref
 
 import tensorflow as tf
 
+from estimator_towers.base import shapes
 from estimator_towers.rows import messages
 from estimator_towers.rows.einsum import subscripts as einsum_subscripts
 from estimator_towers.rows.flat import input_kinds
@@ -195,8 +196,8 @@ def classify(targets: Sequence[tf.Tensor], inputs: Sequence[tf.Tensor],
 
 def _static_examples(inputs: Sequence[tf.Tensor]) -> int | None:
   for t in inputs:
-    if t.shape.rank and t.shape[0] is not None:
-      return int(t.shape[0])
+    if shapes.dim(t) is not None:
+      return shapes.dim(t)
   return None
 
 

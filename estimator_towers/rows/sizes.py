@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from estimator_towers.base import shapes
 from estimator_towers.rows.kinds import (FLAT, LIFTED, LIFTED_SHAPE, LIFTED_SHAPE_KIND, POSITIONS,
                                          ROWS, ROWS_KIND, SHAPE, SHAPE_KIND, SIZE, SIZE_KIND, STAT,
                                          UNIQUE, UNIQUE_KIND, Kind, flat_kind, rows_per_example,
@@ -208,7 +209,7 @@ def _shape_product(reader, op):
   k = rows_per_example(reader.kind(x), blocks=True)
   for a in axes:   # a size known only at run time: named by the shape and axis it is of
     if a:
-      k = times(k, x.shape[a] if x.shape[a] is not None else (1, (f'{op.inputs[0].name}[{a}]',)))
+      k = times(k, shapes.dim(x, a) if shapes.dim(x, a) is not None else (1, (f'{op.inputs[0].name}[{a}]',)))
   return k
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from estimator_towers.base import shapes
 from estimator_towers.rows.elementwise import elementwise
 from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, FLAT_KIND, LIFTED, LIFTED_SHAPE,
                                          LIFTED_SHAPE_KIND, POSITIONS, ROWS, ROWS_KIND, SHAPE,
@@ -81,7 +82,7 @@ def _reshape(reader, op, kinds):
     if sized == [0] and x.tag in (ROWS, FLAT):
       return _to_layout(x, batch_multiple(reader, elements[0]))
   if x.tag == COLS:
-    if shape is not None and in_shape.rank and in_shape[0] == 1 and (
+    if shape is not None and shapes.dim(in_shape) == 1 and (
         op.inputs[1].op.type == 'Shape' or shape.tag == SHAPE):
       return ROWS_KIND   # [1, n, ...] back to the rows' shape
     return 'a reshape of values with the batch on axis 1'
@@ -91,10 +92,10 @@ def _reshape(reader, op, kinds):
     return 'a reshape of the batch to one value'
   if out.rank is None:
     return 'a reshape to an unknown rank'
-  if in_shape.rank == 1 and out.rank == 2 and out[0] == 1:
+  if in_shape.rank == 1 and out.rank == 2 and shapes.dim(out) == 1:
     return COLS_KIND   # [n] -> [1, n]
-  if out[0] is not None and value is not None and value[0] >= 0:
-    return _to_layout(x, _static_multiple(reader, out[0]))
+  if shapes.dim(out) is not None and value is not None and value[0] >= 0:
+    return _to_layout(x, _static_multiple(reader, shapes.dim(out)))
   return _by_inner_sizes(x, in_shape, out, value)
 
 
@@ -165,14 +166,14 @@ def _lifted_reshape(op, x, shape):
     return why
   if x.tag == LIFTED:   # [1, n, d...] -> [n, d'...] or [1, n, d'...]
     inner = product(in_shape[2:])
-    if out.rank >= 2 and out[0] == 1 and shape is not None and shape.tag == LIFTED_SHAPE and (
+    if out.rank >= 2 and shapes.dim(out) == 1 and shape is not None and shape.tag == LIFTED_SHAPE and (
         inner is not None and inner == product(out[2:])):
       return x
     if out.rank >= 1 and inner is not None and inner == product(out[1:]) and (
         shape is None or shape.tag != LIFTED_SHAPE):
       return unlifted(x)
     return why
-  if x.tag in (ROWS, FLAT) and out.rank >= 2 and out[0] == 1 and (   # [n, d...] -> [1, n, d'...]
+  if x.tag in (ROWS, FLAT) and out.rank >= 2 and shapes.dim(out) == 1 and (   # [n, d...] -> [1, n, d'...]
       product(in_shape[1:]) is not None and product(in_shape[1:]) == product(out[2:])):
     return lifted(x)
   return why
@@ -190,12 +191,12 @@ def _tile(reader, op, kinds):
   elements = op.inputs[1].op.inputs if op.inputs[1].op.type == 'Pack' else ()
   sized = [i for i, e in enumerate(elements) if reader.kind(e) is not None]
   if x is None and multiples is not None and op.inputs[0].shape.rank == len(elements):
-    if sized == [0] and op.inputs[0].shape[0] == 1:
+    if sized == [0] and shapes.dim(op.inputs[0]) == 1:
       return ROWS_KIND
-    if sized == [1] and len(elements) == 2 and op.inputs[0].shape[1] == 1:
+    if sized == [1] and len(elements) == 2 and shapes.dim(op.inputs[0], 1) == 1:
       return COLS_KIND   # a constant column repeated for every example
   if multiples is not None and multiples.tag == SHAPE and (x is None) and (
-      op.inputs[0].shape.rank and op.inputs[0].shape[0] == 1):
+      shapes.dim(op.inputs[0]) == 1):
     return ROWS_KIND if multiples.layout != FLAT else flat_kind(multiples.per)
   if x is not None and x.tag in (STAT, SIZE) and multiples is None:
     return x
@@ -254,7 +255,7 @@ def _squeeze(reader, op, kinds):
       return x
     return 'a squeeze of the batch axis of entries lifted onto axis 1'
   if (dims and 0 not in dims and (rank is None or all(d >= 0 for d in dims))) or (
-      not dims and op.inputs[0].shape.rank and op.inputs[0].shape[0] != 1):
+      not dims and op.inputs[0].shape.rank and shapes.dim(op.inputs[0]) != 1):
     return x if x.tag != SHAPE else SIZE_KIND
   return 'a squeeze of the batch axis'
 
@@ -366,7 +367,7 @@ def _strided_slice(reader, op, kinds):
   ellipsis, new_axis = op.get_attr('ellipsis_mask'), op.get_attr('new_axis_mask')
   shrink = op.get_attr('shrink_axis_mask')
   if x.tag == LIFTED_SHAPE:   # [1, n, ...][i]: n at 1, static sizes elsewhere
-    length = op.inputs[0].shape[0] if op.inputs[0].shape.rank else None
+    length = shapes.dim(op.inputs[0])
     if shrink & 1 and begin is not None and not (ellipsis & 1 or new_axis & 1) and (
         int(begin[0]) >= 0 or length is not None):
       start = int(begin[0]) + (length if int(begin[0]) < 0 else 0)
@@ -387,7 +388,7 @@ def _strided_slice(reader, op, kinds):
       return SIZE_KIND
     if ellipsis & 1 or new_axis & 1:
       return SIZE_KIND
-    length = op.inputs[0].shape[0] if op.inputs[0].shape.rank else None
+    length = shapes.dim(op.inputs[0])
     start = 0 if begin_mask & 1 else int(begin[0])
     if start < 0:
       start = start + length if length is not None else -1

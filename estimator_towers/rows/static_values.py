@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers.base import shapes
+
 _FOLDED = {'Sub': np.subtract, 'AddV2': np.add, 'Add': np.add, 'Mul': np.multiply,
            'Neg': np.negative, 'FloorDiv': np.floor_divide, 'Identity': lambda a: a,
            'Reshape': np.reshape, 'Range': np.arange}
@@ -65,7 +67,8 @@ def _shape_gather(op: tf.Operation, depth: int):
   indices, axis = static_value(op.inputs[1], depth + 1), static_value(op.inputs[2], depth + 1)
   if dims.rank is None or indices is None or axis is None or int(axis) != 0:
     return None
-  picked = [dims[int(i)] for i in np.reshape(indices, [-1]) if -dims.rank <= int(i) < dims.rank]
+  picked = [shapes.dim(dims, int(i)) for i in np.reshape(indices, [-1])
+            if -dims.rank <= int(i) < dims.rank]
   if len(picked) != indices.size or any(d is None for d in picked):
     return None
   return np.reshape(np.asarray(picked, op.outputs[0].dtype.as_numpy_dtype), indices.shape)
@@ -104,7 +107,7 @@ def axes_of(axes_tensor: tf.Tensor, rank: int | None) -> list | None:
 def product(dims) -> int | None:
   """The number of elements of `dims` (a shape's), None if one is unknown."""
   total = 1
-  for d in dims:
+  for d in shapes.dims(dims) if isinstance(dims, tf.TensorShape) else dims:
     if d is None:
       return None
     total *= int(d)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from estimator_towers.base import shapes
+
 NUM_CLASSES = 10
 UNITS_PER_STAGE = 3   # depth 6 * 3 + 2 = 20
 STAGE_FILTERS = (16, 32, 64)
@@ -37,7 +39,7 @@ def _unit(x, filters: int, strides: int, training: bool, data_format: str):
   if strides > 1:
     shortcut = tf.compat.v1.layers.average_pooling2d(
         shortcut, strides, strides, data_format=data_format)
-  extra = filters - x.shape[channels]
+  extra = filters - shapes.dim(x, channels)
   if extra:
     pad = [[0, 0]] * 4
     pad[channels] = [extra // 2, extra - extra // 2]

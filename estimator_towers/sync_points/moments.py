@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from estimator_towers.base import shapes
 from estimator_towers.sync_points import batch_norm_kernels as kernels
 
 
@@ -42,11 +43,11 @@ def chan(table: tf.Tensor):
 
 def _split_table(table: tf.Tensor, const: Callable = tf.constant) -> list:
   """A table's rows (count, C values, C values) as [rows, 1], [rows, C] and [rows, C]."""
-  if table.shape[1] is None:
+  if shapes.dim(table, 1) is None:
     channels = (tf.shape(table)[1] - 1) // 2
     sizes = tf.stack([1, channels, channels])
   else:
-    channels = (table.shape[1] - 1) // 2
+    channels = (shapes.dim(table, 1) - 1) // 2
     sizes = const([1, channels, channels], tf.int32)
   return tf.split(table, sizes, const(1, tf.int32), num=3)
 
@@ -81,7 +82,7 @@ class Arithmetic:
     By the training kernel: its variance has Bessel's correction over the
     shard's count. The shape is given as floats (a constant where static).
     """
-    channels = x.shape[kernels.channel_axis(x, data_format)]
+    channels = shapes.dim(x, kernels.channel_axis(x, data_format))
     if channels is None:  # known at run time only
       ones = tf.ones_like(scale, tf.float32)
       ones_zeros = (ones, ones * 0.0)
@@ -104,7 +105,7 @@ class Arithmetic:
     empty shard) when `presents` is given.
     """
     one = self.const(1, tf.int32)
-    channels = rows.shape[1] - rank if rows.shape[1] is not None else None
+    channels = shapes.dim(rows, 1) - rank if shapes.dim(rows, 1) is not None else None
     pieces = [axis, 1, rank - axis - 1] + ([channels // 2] * 2 if channels else [-1])
     parts = tf.split(rows, self.const([n for n in pieces if n], tf.int32), one,
                      num=len([n for n in pieces if n]))
@@ -161,7 +162,7 @@ def local_moments(x: tf.Tensor, axes: Sequence[int]):
 
 def dims(x: tf.Tensor, axes: Sequence[int], ones: Sequence[int] = ()) -> list:
   """The sizes of `x` along `axes` (Python ints where static), 1 for `ones`."""
-  return [1 if a in ones else (x.shape[a] if x.shape[a] is not None else tf.shape(x)[a])
+  return [1 if a in ones else (shapes.dim(x, a) if shapes.dim(x, a) is not None else tf.shape(x)[a])
           for a in axes]
 
 

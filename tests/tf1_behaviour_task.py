@@ -1,0 +1,100 @@
+"""The core equivalence checks under TF1 behaviour, in a process of their own.
+
+`python tests/tf1_behaviour_task.py BEHAVIOUR CASE...` switches TF1 behaviour
+on first (process-global, so never in the pytest process):
+`disable_v2_behavior()` ('v1') or one of its parts ('tensorshape',
+'ref_variables', 'control_flow_v1'); then, per CASE (a key of `CASES`), trains
+the plain model_fn and the towered one (steps 1 and 3, every variable and slot
+within 1e-5: `testlib.assert_variables_close`) and counts the towered TRAIN
+graph's heavy ops per device (`heavy_ops.least_share`). Prints one JSON line
+per case: {"case", "error" (None if exact), "share"}. Run by
+tests/test_tf1_behaviour.py.
+"""
+
+import json
+import os
+import sys
+import traceback
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+BEHAVIOURS = {
+    'v1': tf.compat.v1.disable_v2_behavior,
+    'tensorshape': tf.compat.v1.disable_v2_tensorshape,
+    'ref_variables': tf.compat.v1.disable_resource_variables,
+    'control_flow_v1': tf.compat.v1.disable_control_flow_v2,
+}
+
+
+def _dense():
+  import testlib  # pylint: disable=g-import-not-at-top
+  x, y = testlib.data(30)
+  return (testlib.v1_model_fn, testlib.input_fn(x, y, 10, epochs=5), {'x': x[:10]}, y[:10],
+          None, {})
+
+
+def _einsum_attention():
+  import test_transformers  # pylint: disable=g-import-not-at-top
+  x, _ = test_transformers._data()  # pylint: disable=protected-access
+  return (test_transformers.einsum_attention_model_fn, test_transformers._input_fn(False),  # pylint: disable=protected-access
+          {'x': x}, None, None, {})
+
+
+def _batch_norm():
+  import testlib  # pylint: disable=g-import-not-at-top
+  x, y = testlib.data(30)
+  return (testlib.keras_model_fn, testlib.input_fn(x, y, 10, epochs=5), {'x': x[:10]}, y[:10],
+          {'learning_rate': 0.5}, {'sync_batch_norm': True})
+
+
+MODELS = {'dense': _dense, 'einsum_attention': _einsum_attention, 'batch_norm': _batch_norm}
+# case: (model, devices, micro-batches); synchronised batch norm takes no micro-batches.
+CASES = {'dense_2': ('dense', 2, 1), 'dense_2x2': ('dense', 2, 2),
+         'einsum_attention_2': ('einsum_attention', 2, 1),
+         'einsum_attention_2x2': ('einsum_attention', 2, 2),
+         'batch_norm_2': ('batch_norm', 2, 1)}
+
+
+def _plain_fn(model_fn):
+  return lambda features, labels, mode, params, config=None: model_fn(
+      features, labels, mode, params)
+
+
+def run(case: str) -> dict:
+  """Case `case` trained towered and plain; its error (None: exact) and heavy-op share."""
+  import heavy_ops  # pylint: disable=g-import-not-at-top
+  import testlib  # pylint: disable=g-import-not-at-top
+  import estimator_towers as et  # pylint: disable=g-import-not-at-top
+  model, devices, micro_batches = CASES[case]
+  model_fn, input_fn, features, labels, params, options = MODELS[model]()
+  towered_fn = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(devices),
+                                     micro_batches=micro_batches, **options)
+  result = {'case': case, 'error': None, 'share': None}
+  try:
+    plain = testlib.train_and_read(testlib.stepwise_estimator(model_fn, params=params), input_fn)
+    towered = testlib.train_and_read(
+        testlib.stepwise_estimator(towered_fn, num_cpus=devices, params=params), input_fn)
+    for got, expected in zip(towered, plain):
+      testlib.assert_variables_close(got, expected)
+  except Exception:  # pylint: disable=broad-except
+    result['error'] = traceback.format_exc()[-3000:]
+  try:
+    result['share'] = heavy_ops.least_share(
+        heavy_ops.train_graph(towered_fn, features, labels, params),
+        heavy_ops.train_graph(_plain_fn(model_fn), features, labels, params), devices)
+  except Exception:  # pylint: disable=broad-except
+    result['error'] = (result['error'] or '') + traceback.format_exc()[-3000:]
+  return result
+
+
+def main(argv):
+  BEHAVIOURS[argv[1]]()
+  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+  for case in argv[2:]:
+    print(json.dumps(run(case)), flush=True)
+
+
+if __name__ == '__main__':
+  main(sys.argv)
