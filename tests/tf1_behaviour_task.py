@@ -42,6 +42,29 @@ def _einsum_attention():
           {'x': x}, None, None, {})
 
 
+def cond_model_fn(features, labels, mode, params):
+  """The dense model with a tf.cond not chosen by the batch (control flow v1: Switch, Merge)."""
+  import testlib  # pylint: disable=g-import-not-at-top
+  hidden = tf.compat.v1.layers.dense(
+      features['x'] if isinstance(features, dict) else features, 4, activation=tf.nn.tanh,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1))
+  hidden = tf.cond(tf.compat.v1.placeholder_with_default(True, []),
+                   lambda: hidden * 2.0, lambda: hidden)
+  logits = tf.compat.v1.layers.dense(
+      hidden, testlib.NUM_CLASSES,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf.compat.v1.train.MomentumOptimizer(0.3, 0.9).minimize(
+      loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _cond():
+  import testlib  # pylint: disable=g-import-not-at-top
+  x, y = testlib.data(30)
+  return cond_model_fn, testlib.input_fn(x, y, 10, epochs=5), {'x': x[:10]}, y[:10], None, {}
+
+
 def _batch_norm():
   import testlib  # pylint: disable=g-import-not-at-top
   x, y = testlib.data(30)
@@ -49,12 +72,13 @@ def _batch_norm():
           {'learning_rate': 0.5}, {'sync_batch_norm': True})
 
 
-MODELS = {'dense': _dense, 'einsum_attention': _einsum_attention, 'batch_norm': _batch_norm}
+MODELS = {'dense': _dense, 'einsum_attention': _einsum_attention, 'batch_norm': _batch_norm,
+          'cond': _cond}
 # case: (model, devices, micro-batches); synchronised batch norm takes no micro-batches.
 CASES = {'dense_2': ('dense', 2, 1), 'dense_2x2': ('dense', 2, 2),
          'einsum_attention_2': ('einsum_attention', 2, 1),
          'einsum_attention_2x2': ('einsum_attention', 2, 2),
-         'batch_norm_2': ('batch_norm', 2, 1)}
+         'batch_norm_2': ('batch_norm', 2, 1), 'cond_2x2': ('cond', 2, 2)}
 
 
 def _plain_fn(model_fn):

@@ -96,7 +96,7 @@ def _is_ref(t: tf.Tensor) -> bool:
 
 
 def _ref_variables_read(xs: list) -> list:
-  """`xs`, each ref tensor of a ref variable (its `VariableV2`'s output) replaced by the variable."""
+  """`xs`, each ref variable's ref tensor (its `VariableV2`'s output) replaced by the variable."""
   refs = [x for x in xs if isinstance(x, tf.Tensor) and _is_ref(x)]
   if not refs:
     return xs

@@ -7,7 +7,8 @@ that depends on no input of the shard gives no kind; one fed by a mixed
 tensor is mixed; otherwise its op type picks the family that reads it
 (`sizes`, `elementwise`, `statistics`, `einsum`, `flat`, `stacked`; a
 tf.cond's branches are read like the rest when the choice is not the
-batch's), and an op no family knows, a function call, a `py_func` or
+batch's, its functional `If` or control flow v1's `Switch` and `Merge`), and an op
+no family knows, a function call, a `py_func` or
 functional control flow fed by the batch mixes its rows: never
 per-example by default, and so does an op not named in `_LIFTED_OPS` on
 entries lifted onto axis 1, or one not named in `_POSITION_OPS` on
@@ -209,10 +210,26 @@ def _rule(reader: Reader, op: tf.Operation, kinds: list):
     return flat.where(op, kinds)
   if t in ('If', 'StatelessIf'):
     return _cond(reader, op, kinds)
+  if t in ('Switch', 'RefSwitch', 'Merge', 'RefMerge'):
+    return _cond_v1(t, kinds)
   if t in FUNCTIONS:
     return (f'a {"function call" if "Call" in t else "Python function" if "Py" in t else "functional control flow op"}'
             f' the library cannot see inside, fed by the batch\'s rows')
   return f'an op the library does not know how it treats the batch\'s rows ({t})'
+
+
+def _cond_v1(t: str, kinds: list):
+  """A tf.cond of control flow v1 (`disable_control_flow_v2()`): its `Switch` passes its data's
+  kind to both branches when the choice is not the batch's, its `Merge` gives the branches'
+  common kind (its second output, the branch taken, none)."""
+  if t.endswith('Switch'):
+    if kinds[1] is not None:
+      return 'a tf.cond whose branch is chosen by a value of the batch'
+    return [kinds[0], kinds[0]]
+  present = [k for k in kinds if k is not None]
+  if any(k != present[0] for k in present):
+    return 'a tf.cond whose branches give rows of different kinds'
+  return [present[0] if present else None, None]
 
 
 def _cond(reader: Reader, op: tf.Operation, kinds: list):
