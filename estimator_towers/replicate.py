@@ -43,11 +43,13 @@ from estimator_towers.placement import session_devices
 from estimator_towers.placement import strategies as placement_lib
 from estimator_towers.reporting import throughput
 from estimator_towers.reporting import tower_summaries
+from estimator_towers.reporting import whole_batch_views
 from estimator_towers.reporting import work_share
 from estimator_towers.rows import row_dependence
 from estimator_towers.settings import plan as plan_lib
 from estimator_towers.sync_points import batch_norm as batch_norm_sync
 from estimator_towers.towers import builder as builder_lib
+from estimator_towers.towers import counterparts
 from estimator_towers.towers import specs as specs_lib
 from estimator_towers.towers import tower_context
 from estimator_towers.towers import tower_copies
@@ -354,7 +356,11 @@ def _build_eval_predict(builder: builder_lib.TowerBuilder, plan: plan_lib.Device
   loss = reported.reported_loss([s.loss for s in built], losses, shards, plan.loss_reduction,
                                 builder.graph, gated)
   tower_summaries.of_built_towers(shards.active, losses, shards.sizes)
-  return specs_lib.merge_eval(tower_specs, loss, built)
+  merged = specs_lib.merge_eval(tower_specs, loss, built)
+  views = whole_batch_views.WholeBatchViews(
+      (built[0].loss, loss), counterparts.every_tower([s.loss for s in built]), shards,
+      builder.graph)
+  return merged._replace(evaluation_hooks=views.rebind_hooks(merged.evaluation_hooks or ()))
 
 
 def _build_train(builder: builder_lib.TowerBuilder, plan: plan_lib.DevicePlan, features,
@@ -402,6 +408,10 @@ def _build_train(builder: builder_lib.TowerBuilder, plan: plan_lib.DevicePlan, f
   if loss is None:
     loss = reported.reported_loss(losses, losses, shards, plan.loss_reduction, graph,
                                   batch=batch, across=across)
+  views = whole_batch_views.WholeBatchViews((spec.loss, loss), others.counterparts, shards,
+                                            graph, batch, across)
+  views.rebind_summaries(graph.get_collection(GraphKeys.SUMMARIES))  # one device's values
+  spec = spec._replace(training_hooks=views.rebind_hooks(spec.training_hooks or ()))
   tower_summaries.of_built_towers(shards.active, losses, shards.sizes)
   train_op = variable_sharing.refresh(spec.train_op)  # itself without copies
   merged = specs_lib.merge_train(spec, loss, train_op, others.counterparts)

@@ -94,15 +94,9 @@ Handler = Callable[[str, Callable, tuple, dict], Any]
 
 @contextlib.contextmanager
 def gradient_requests(handler: Handler) -> Iterator[None]:
-  """While active, every graph gradient request is passed to `handler`.
-
-  `handler(kind, original, args, kwargs)` is called with kind 'graph' for
-  `_GradientsHelper(ys, xs, grad_ys, name, colocate_gradients_with_ops,
-  gate_gradients, aggregation_method, stop_gradients, unconnected_gradients,
-  src_graph)` and kind 'tape' for `GradientTape.gradient(tape, target, sources,
-  output_gradients, unconnected_gradients)`; `original(*args, **kwargs)` does
-  what TensorFlow would have done.
-  """
+  """While active, every graph gradient request is passed to `handler(kind, original, args,
+  kwargs)`: kind 'graph' for `_GradientsHelper(ys, xs, grad_ys, ...)`, 'tape' for
+  `GradientTape.gradient(tape, target, sources, ...)`; `original` does TensorFlow's."""
 
   def graph_request(*args, **kwargs):
     with shape_reads_folded():
@@ -508,6 +502,12 @@ def initializers(graph: tf.Graph) -> dict:
 def set_initializers(saved: dict) -> None:
   for variable, (op, value) in saved.items():
     variable._initializer_op, variable._initial_value = op, value  # pylint: disable=protected-access
+
+
+def hook_tensors(hook: Any) -> list:
+  """The tensors (or names) a LoggingTensorHook logs or a NanTensorHook checks, given to it."""
+  tensors = getattr(hook, '_tensors', None) or {}
+  return list(tensors.values()) + [t for t in [getattr(hook, '_loss_tensor', None)] if t is not None]
 
 
 def function_nodes(graph: tf.Graph) -> Iterator[tuple[str, Any]]:
