@@ -20,16 +20,19 @@ import tensorflow as tf
 
 from estimator_towers.base import interception
 from estimator_towers.cluster import cross_worker
+from estimator_towers.cluster import peer_probe
 from estimator_towers.cluster import tf_config as cluster_lib
 
 
 def attach(spec: tf.estimator.EstimatorSpec, across: cross_worker.CrossWorker
            ) -> tf.estimator.EstimatorSpec:
-  """`spec` with the cluster's session start (`scaffold`) and the step timeout hook."""
+  """`spec` with the cluster's session start (`scaffold`), the step timeout hook and the
+  probe of the other training tasks (`peer_probe`)."""
   progress = _Progress()
   hook = StepTimeoutHook(across.timeout_secs, across.cluster, progress)
+  probe = peer_probe.PeerProbeHook(across.cluster, across.timeout_secs)
   return spec._replace(scaffold=scaffold(spec.scaffold, across, progress),
-                       training_hooks=tuple(spec.training_hooks) + (hook,))
+                       training_hooks=tuple(spec.training_hooks) + (hook, probe))
 
 
 def scaffold(base: tf.compat.v1.train.Scaffold | None, across: cross_worker.CrossWorker,
