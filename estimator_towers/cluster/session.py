@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import threading
 
-from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers.base import logs
 from estimator_towers.base import interception
 from estimator_towers.cluster import cross_worker
 from estimator_towers.cluster import tf_config as cluster_lib
@@ -150,7 +150,7 @@ class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
       self._timer.cancel()
 
   def _report_start(self):
-    logging.error(
+    logs.error(
         'estimator_towers: %s (rank %d of %d training tasks) has waited %.0f s '
         '(make_plan(worker_timeout_secs=...)) at its start for the other training '
         'tasks (%s) to take the chief\'s variables: one of them has not started, or '
@@ -161,7 +161,7 @@ class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
         ', '.join(self._cluster.training_tasks))
 
   def _report(self):
-    logging.error(
+    logs.error(
         'estimator_towers: %s (rank %d of %d training tasks: %s) has waited %.0f s '
         '(the step timeout, make_plan(worker_timeout_secs=...)) for the other '
         'workers\' all-reduce: a worker has died or stopped. This step fails '

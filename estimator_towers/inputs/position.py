@@ -36,7 +36,6 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
-from absl import logging
 import tensorflow as tf
 
 from estimator_towers.base import interception
@@ -353,7 +352,7 @@ class PositionSaver(tf.compat.v1.train.Saver):
       self._position.mark_ready(sess)
       return
     if reason == ENDED:  # an epoch loop: each train() call reads the dataset once
-      logging.info('estimator_towers: %s: the previous train() read the dataset to its end, '
+      logs.info('estimator_towers: %s: the previous train() read the dataset to its end, '
                    'so this one reads it again from its first element.', save_path)
       super().restore(sess, save_path)
     elif not self._without_position:
@@ -362,7 +361,7 @@ class PositionSaver(tf.compat.v1.train.Saver):
           f'it cannot restore the input position: {reason}. Run train() again: its graph '
           f'then restores the variables alone, and the input starts from its first element.')
     else:
-      logging.warning('estimator_towers: restoring %s without the input position: %s. The '
+      logs.warning('estimator_towers: restoring %s without the input position: %s. The '
                       'input starts from its first element.', save_path, reason)
       self._without_position.restore(sess, save_path)
     self._position.initialize(sess)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from absl import logging
 import tensorflow as tf
 
 from estimator_towers.base import logs
@@ -63,7 +62,7 @@ def attach(spec: tf.estimator.EstimatorSpec, source: position_lib.Source, config
   per_worker = across is not None and source.saved and not source.is_global and not saver_taken
   positions = worker_positions.WorkerPositions(source, across) if per_worker else source
   if source.saved and saver_taken:
-    logging.warning(
+    logs.warning(
         'estimator_towers: the model_fn brings its own Saver (Scaffold.saver or the '
         'SAVERS collection), so the input position is not saved: a resumed train() '
         'reads its input from the first element. Leave the Saver to Estimator to '

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers.base import logs
 from estimator_towers.base import interception
 from estimator_towers.inputs import position as position_lib
 
@@ -192,7 +192,7 @@ class GatherHook(tf.compat.v1.train.SessionRunHook):
     del coord
     self._positions.source.ensure(session)
     if session.run(self._positions.taken) == OTHER_DATASET:
-      logging.warning(
+      logs.warning(
           'estimator_towers: the checkpoint\'s input position of this worker (rank %d) is '
           'of another dataset (another batch size, other files, other ops, another shard), '
           'and tf.data would go on with the old one: this worker\'s input starts from its '
