@@ -136,6 +136,22 @@ class WorkerPositions:
       return position_lib.ENDED
     return None
 
+  def describe(self, save_path: str) -> tuple[int, str]:
+    """(the step the positions were taken at, where each worker reads on), for the log."""
+    reader = tf.train.load_checkpoint(save_path)
+    step = int(reader.get_tensor(f'{NAME}/step'))
+    names = self.across.cluster.training_tasks
+    where = []
+    for rank, slot in enumerate(reader.get_tensor(f'{NAME}/ranks')):
+      name = 'the chief' if rank == 0 else f'worker {rank - 1}'
+      if not slot:
+        where.append(f'{name} ({names[rank]}) reads its input from its first element')
+      elif _ended(slot):
+        where.append(f'{name} ({names[rank]}) stays at the end of its input')
+      else:
+        where.append(f'{name} ({names[rank]}) reads on from its own position')
+    return step, '; '.join(where)
+
   def initialize(self, session: Any) -> None:
     session.run(self.initializer)
     self.source.mark_ready(session)
