@@ -19,6 +19,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from estimator_towers.base import interception
 from estimator_towers.base import logs
 from estimator_towers.inputs import position as position_lib
 from estimator_towers.inputs import worker_positions
@@ -104,8 +105,5 @@ def _scaffold(base: tf.compat.v1.train.Scaffold, positions: Any, local_init_op: 
       user_init_fn(session)
     positions.initialize(session)
 
-  return tf.compat.v1.train.Scaffold(
-      init_op=base.init_op, init_feed_dict=base.init_feed_dict, init_fn=init_fn,
-      ready_op=base.ready_op, ready_for_local_init_op=base.ready_for_local_init_op,
-      local_init_op=local_init_op, summary_op=base.summary_op, saver=base.saver,
-      local_init_feed_dict=base.local_init_feed_dict, copy_from_scaffold=None)
+  # A copy of its class: a cluster's Scaffold refuses a second session (cluster.session).
+  return interception.scaffold_with(base, init_fn, local_init_op)
