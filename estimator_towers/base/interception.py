@@ -57,6 +57,7 @@ TensorFlow upgrade has one file to check.
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 import threading
 import weakref
@@ -576,6 +577,15 @@ def is_stateful(op_type: str) -> bool:
 
 def set_saver_var_list(saver: Any, var_list: list) -> None:  # before a deferred Saver's build
   saver._var_list = var_list  # pylint: disable=protected-access
+
+
+def scaffold_with(base: Any, init_fn: Callable | None, local_init_op: Any) -> Any:
+  """A copy of Scaffold `base`, its class kept, with init_fn(scaffold, session) and local init."""
+  copied = copy.copy(base)
+  copied._user_init_fn = init_fn  # pylint: disable=protected-access
+  copied._init_fn = None if init_fn is None else (lambda session: init_fn(copied, session))  # pylint: disable=protected-access
+  copied._local_init_op = local_init_op  # pylint: disable=protected-access
+  return copied
 
 
 @contextlib.contextmanager
