@@ -5,7 +5,7 @@ gradient functions it answers, control-flow and device contexts, op
 imports): a TensorFlow upgrade has this one module to check. `logs` says a
 thing once per graph or process, `spelling` names a setting as the user
 wrote it (`num_gpus=4` or `--num_gpus=4`), `updates` tells which ops change a
-variable. Nothing here knows about towers, shards or losses.
+variable, `shared_patch` replaces attributes while any thread needs them. Nothing here knows about towers, shards or losses.
 
 May import: nothing.
 """

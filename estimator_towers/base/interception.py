@@ -64,6 +64,8 @@ import weakref
 from typing import Any, Callable, Iterator
 
 import tensorflow as tf
+
+from estimator_towers.base import shared_patch
 from tensorflow.python.eager import backprop  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.eager import record  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import importer  # pylint: disable=g-direct-tensorflow-import
@@ -143,49 +145,6 @@ def batch_norm_calls(fused: Callable, moments: Callable) -> Iterator[None]:
     gen_nn_ops.fused_batch_norm_v3, nn_impl.moments, v1_nn.moments = saved
 
 
-class _SharedPatch:
-  """Attributes replaced while any thread holds the patch (counted, one lock), then restored.
-
-  `targets()` gives (owner, name, make) triples: `owner.name` becomes
-  `make(original)`. Each user thread says by its own thread-local state
-  whether the replacement acts for it; the patch itself is shared. With
-  `active` (a thread-local), holding the patch also raises the holding
-  thread's `active.depth` (nested holds count), which the replacements read.
-  """
-
-  def __init__(self, targets: Callable[[], list], active: threading.local | None = None):
-    self._targets, self._users, self._saved = targets, 0, []
-    self._active = active
-    self._lock = threading.Lock()
-
-  @contextlib.contextmanager
-  def held(self) -> Iterator[None]:
-    with self._lock:
-      if self._users == 0:
-        for owner, name, make in self._targets():
-          original = getattr(owner, name)
-          self._saved.append((owner, name, original, name in vars(owner)))
-          setattr(owner, name, make(original))
-      self._users += 1
-    depth = getattr(self._active, 'depth', 0)
-    if self._active is not None:
-      self._active.depth = depth + 1
-    try:
-      yield
-    finally:
-      if self._active is not None:
-        self._active.depth = depth
-      with self._lock:
-        self._users -= 1
-        if self._users == 0:
-          for owner, name, original, own in reversed(self._saved):
-            if own:
-              setattr(owner, name, original)
-            else:
-              delattr(owner, name)   # an inherited method again
-          self._saved.clear()
-
-
 _KERAS_BATCH_NORM = 'keras.src.layers.normalization.batch_normalization'
 
 
@@ -207,7 +166,7 @@ def _skipping_add_update(own: Callable | None) -> Callable:
   return add_update
 
 
-_skip_patch = _SharedPatch(lambda: [(_skip_base['class'], 'add_update', lambda original:
+_skip_patch = shared_patch.SharedPatch(lambda: [(_skip_base['class'], 'add_update', lambda original:
                                      _skipping_add_update(vars(_skip_base['class']).get(
                                          'add_update')))], _skipping)
 
@@ -265,7 +224,7 @@ def _rank_recorded(original: Callable) -> Callable:
   return call
 
 
-_unfold_patch = _SharedPatch(lambda: [
+_unfold_patch = shared_patch.SharedPatch(lambda: [
     (array_ops, 'shape_internal', lambda f: _unfolded(f, 2)),
     (array_ops, 'size_internal', lambda f: _unfolded(f, 2)),
     (array_ops, 'array_like_impl', lambda f: _unfolded(f, 5)),
@@ -425,7 +384,7 @@ def given_op_seed() -> Any:
   return seed
 
 
-_random_patch = _SharedPatch(lambda: [
+_random_patch = shared_patch.SharedPatch(lambda: [
     (module, name, lambda f, m=module_name, n=name: _random_call(m, n, f))
     for module_name, module in RANDOM_MODULES.items() for name in dir(module)
     if name.islower() and not name.startswith('_') and callable(getattr(module, name))
