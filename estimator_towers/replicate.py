@@ -156,8 +156,9 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
 
   Side effects:
     The train_op is tower 0's: what hangs on it (batch-norm moving averages,
-    EMA, counters) runs once per step, on tower 0's shard; summaries come
-    from tower 0 under their plain names. EVAL reports the whole batch's
+    EMA, counters) runs once per step, on tower 0's shard; summaries and
+    hooks read the whole batch's values (one warning per value that cannot
+    be rebuilt). EVAL reports the whole batch's
     loss and metrics of per-example values equal the plain ones; PREDICT
     returns predictions in input order.
     More: [what differs from one device](../guarantees.md#what-differs-from-single-device-training-and-why).
