@@ -43,11 +43,13 @@ from estimator_towers.placement import session_devices
 from estimator_towers.placement import strategies as placement_lib
 from estimator_towers.reporting import throughput
 from estimator_towers.reporting import tower_summaries
+from estimator_towers.reporting import whole_batch_views
 from estimator_towers.reporting import work_share
 from estimator_towers.rows import row_dependence
 from estimator_towers.settings import plan as plan_lib
 from estimator_towers.sync_points import batch_norm as batch_norm_sync
 from estimator_towers.towers import builder as builder_lib
+from estimator_towers.towers import counterparts
 from estimator_towers.towers import specs as specs_lib
 from estimator_towers.towers import tower_context
 from estimator_towers.towers import tower_copies
@@ -154,8 +156,9 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
 
   Side effects:
     The train_op is tower 0's: what hangs on it (batch-norm moving averages,
-    EMA, counters) runs once per step, on tower 0's shard; summaries come
-    from tower 0 under their plain names. EVAL reports the whole batch's
+    EMA, counters) runs once per step, on tower 0's shard; summaries and
+    hooks read the whole batch's values (one warning per value that cannot
+    be rebuilt). EVAL reports the whole batch's
     loss and metrics of per-example values equal the plain ones; PREDICT
     returns predictions in input order.
     More: [what differs from one device](../guarantees.md#what-differs-from-single-device-training-and-why).
@@ -354,7 +357,11 @@ def _build_eval_predict(builder: builder_lib.TowerBuilder, plan: plan_lib.Device
   loss = reported.reported_loss([s.loss for s in built], losses, shards, plan.loss_reduction,
                                 builder.graph, gated)
   tower_summaries.of_built_towers(shards.active, losses, shards.sizes)
-  return specs_lib.merge_eval(tower_specs, loss, built)
+  merged = specs_lib.merge_eval(tower_specs, loss, built)
+  views = whole_batch_views.WholeBatchViews(
+      (built[0].loss, loss), counterparts.every_tower([s.loss for s in built]), shards,
+      builder.graph)
+  return merged._replace(evaluation_hooks=views.rebind_hooks(merged.evaluation_hooks or ()))
 
 
 def _build_train(builder: builder_lib.TowerBuilder, plan: plan_lib.DevicePlan, features,
@@ -402,6 +409,10 @@ def _build_train(builder: builder_lib.TowerBuilder, plan: plan_lib.DevicePlan, f
   if loss is None:
     loss = reported.reported_loss(losses, losses, shards, plan.loss_reduction, graph,
                                   batch=batch, across=across)
+  views = whole_batch_views.WholeBatchViews((spec.loss, loss), others.counterparts, shards,
+                                            graph, batch, across)
+  views.rebind_summaries(graph.get_collection(GraphKeys.SUMMARIES))  # one device's values
+  spec = spec._replace(training_hooks=views.rebind_hooks(spec.training_hooks or ()))
   tower_summaries.of_built_towers(shards.active, losses, shards.sizes)
   train_op = variable_sharing.refresh(spec.train_op)  # itself without copies
   merged = specs_lib.merge_train(spec, loss, train_op, others.counterparts)

@@ -236,3 +236,17 @@ def test_needs_towers_config(fn):
 def test_run_config_session_config_conflict():
   with pytest.raises(ValueError, match='builds session_config from the TowersConfig'):
     make_run_config(make_config(), session_config=tf.compat.v1.ConfigProto())
+
+
+def test_every_make_plan_argument_is_a_make_config_argument():
+  import inspect  # pylint: disable=g-import-not-at-top
+  plan_only = set(inspect.signature(make_plan).parameters) - set(
+      f.name for f in dataclasses.fields(TowersConfig))
+  assert not plan_only, plan_only
+
+
+def test_worker_timeout_from_make_config_reaches_the_plan():
+  config = make_config(num_cpu_devices=2, variable_strategy='collective', worker_timeout_secs=9)
+  assert config.plan.worker_timeout_secs == 9.0
+  assert config.plan == make_plan(devices=['/cpu:0', '/cpu:1'], variable_strategy='collective',
+                                  worker_timeout_secs=9)

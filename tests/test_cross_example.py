@@ -370,7 +370,7 @@ def test_per_example_losses_gather_nothing():
 def test_a_head_not_made_of_rows_runs_on_the_first_tower_device(warnings, monkeypatch):
   """A penalty on the whole B x B matrix: not row-wise, so the single head (and exact)."""
   said = []
-  monkeypatch.setattr(logs.logging, 'info', lambda fmt, *a: said.append(fmt % a))
+  monkeypatch.setattr(logs, 'info', lambda fmt, *a: said.append(fmt % a))
   ops = _head_ops('in_batch_regularised')
   assert ops and {op.device for op in ops} == {'/device:CPU:0'}, {op.device for op in ops}
   # Gathered: the two encoders' rows, once each (no other tensor is gathered).

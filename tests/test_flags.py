@@ -130,6 +130,9 @@ def test_num_gpus_flag(monkeypatch):
      r'--num_gpus=2 needs 2 GPUs but --visible_gpus=0 shows the session only 1'),
     (['--intra_op_threads=-1'],
      r'--intra_op_threads must be a non-negative integer .*got --intra_op_threads=-1'),
+    (['--worker_timeout_secs=0'],
+     r'--worker_timeout_secs must be a positive number of seconds .*got '
+     r'--worker_timeout_secs=0\.0\. The default is 120'),
 ])
 def test_flag_errors_at_parse_time_in_flag_syntax(args, message):
   flag_values = flags.FlagValues()
@@ -263,3 +266,9 @@ def test_removed_staging_backend_flag_value():
                      match="--staging_backend='multi_device_iterator' is no longer "
                            "available.*Use --staging_backend='staging_area'"):
     parsed('--staging_backend=multi_device_iterator', '--num_cpu_devices=2')
+
+
+def test_worker_timeout_flag_reaches_the_plan():
+  config = config_from_flags(parsed('--num_cpu_devices=2', '--worker_timeout_secs=7.5'))
+  assert config.worker_timeout_secs == 7.5
+  assert config.plan == make_plan(devices=['/cpu:0', '/cpu:1'], worker_timeout_secs=7.5)

@@ -395,3 +395,26 @@ def test_error_a_checkpoint_without_a_position_appears_after_the_graph_is_built(
                   hooks=[_CopiesACheckpointIn(plain.model_dir, towered.model_dir)])
   towered.train(_input_fn(), max_steps=2)  # the next graph restores the variables alone
   assert towered.get_variable_value('global_step') == 2
+
+
+@pytest.mark.parametrize('layout', ['1 device', 'staged 2'])
+def test_a_resume_logs_once_what_it_restored(layout, monkeypatch):
+  """One INFO line at the restore: the checkpoint, its step, the position's step and where
+  the input reads on (the staged batches it holds first), read here from the checkpoint."""
+  from estimator_towers.base import logs  # pylint: disable=g-import-not-at-top
+  model_dir = tempfile.mkdtemp(prefix='et_')
+  estimator, input_fn = _estimator('v1', layout, model_dir)
+  estimator.train(input_fn, max_steps=STOPS[0])
+  checkpoint = tf.train.latest_checkpoint(model_dir)
+  pending = tf.train.load_checkpoint(checkpoint).get_variable_to_shape_map()[
+      testlib.POSITION_PREFIX + 'pending'][0]
+  assert pending == LAYOUTS[layout][2]
+  said = []
+  monkeypatch.setattr(logs, 'info', lambda fmt, *a: said.append(fmt % a))
+  estimator, input_fn = _estimator('v1', layout, model_dir)
+  estimator.train(input_fn, max_steps=STOPS[1])
+  staged = f', its {pending} staged global batch(es) first' if pending else ''
+  expected = (f'estimator_towers: resumed training from {checkpoint} (global step {STOPS[0]}) '
+              f'with the input position of step {STOPS[0]}: the input reads on after the '
+              f'global batch of step {STOPS[0]}{staged}.')
+  assert [m for m in said if 'resumed' in m] == [expected], said

@@ -344,7 +344,7 @@ def warnings(monkeypatch):
   """The warnings logged while the test runs (each test sees its own)."""
   monkeypatch.setattr(logs, '_warned', set())
   found = []
-  monkeypatch.setattr(logs.logging, 'warning', lambda fmt, *a: found.append(fmt % a))
+  monkeypatch.setattr(logs, 'warning', lambda fmt, *a: found.append(fmt % a))
   return found
 
 

@@ -47,8 +47,8 @@ def said(monkeypatch):
   """Every INFO and WARNING line the library logs, as (level, message)."""
   monkeypatch.setattr(logs, '_warned', set())
   lines = []
-  monkeypatch.setattr(logs.logging, 'info', lambda fmt, *a: lines.append(('I', fmt % a)))
-  monkeypatch.setattr(logs.logging, 'warning', lambda fmt, *a: lines.append(('W', fmt % a)))
+  monkeypatch.setattr(logs, 'info', lambda fmt, *a: lines.append(('I', fmt % a)))
+  monkeypatch.setattr(logs, 'warning', lambda fmt, *a: lines.append(('W', fmt % a)))
   return lines
 
 

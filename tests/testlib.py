@@ -194,7 +194,7 @@ def logged_warnings(monkeypatch) -> list:
   from estimator_towers.base import logs  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(logs, '_warned', set())
   found = []
-  monkeypatch.setattr(logs.logging, 'warning', lambda fmt, *a: found.append(fmt % a))
+  monkeypatch.setattr(logs, 'warning', lambda fmt, *a: found.append(fmt % a))
   return found
 
 

@@ -57,12 +57,15 @@ TensorFlow upgrade has one file to check.
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 import threading
 import weakref
 from typing import Any, Callable, Iterator
 
 import tensorflow as tf
+
+from estimator_towers.base import shared_patch
 from tensorflow.python.eager import backprop  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.eager import record  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import importer  # pylint: disable=g-direct-tensorflow-import
@@ -94,15 +97,9 @@ Handler = Callable[[str, Callable, tuple, dict], Any]
 
 @contextlib.contextmanager
 def gradient_requests(handler: Handler) -> Iterator[None]:
-  """While active, every graph gradient request is passed to `handler`.
-
-  `handler(kind, original, args, kwargs)` is called with kind 'graph' for
-  `_GradientsHelper(ys, xs, grad_ys, name, colocate_gradients_with_ops,
-  gate_gradients, aggregation_method, stop_gradients, unconnected_gradients,
-  src_graph)` and kind 'tape' for `GradientTape.gradient(tape, target, sources,
-  output_gradients, unconnected_gradients)`; `original(*args, **kwargs)` does
-  what TensorFlow would have done.
-  """
+  """While active, every graph gradient request is passed to `handler(kind, original, args,
+  kwargs)`: kind 'graph' for `_GradientsHelper(ys, xs, grad_ys, ...)`, 'tape' for
+  `GradientTape.gradient(tape, target, sources, ...)`; `original` does TensorFlow's."""
 
   def graph_request(*args, **kwargs):
     with shape_reads_folded():
@@ -148,49 +145,6 @@ def batch_norm_calls(fused: Callable, moments: Callable) -> Iterator[None]:
     gen_nn_ops.fused_batch_norm_v3, nn_impl.moments, v1_nn.moments = saved
 
 
-class _SharedPatch:
-  """Attributes replaced while any thread holds the patch (counted, one lock), then restored.
-
-  `targets()` gives (owner, name, make) triples: `owner.name` becomes
-  `make(original)`. Each user thread says by its own thread-local state
-  whether the replacement acts for it; the patch itself is shared. With
-  `active` (a thread-local), holding the patch also raises the holding
-  thread's `active.depth` (nested holds count), which the replacements read.
-  """
-
-  def __init__(self, targets: Callable[[], list], active: threading.local | None = None):
-    self._targets, self._users, self._saved = targets, 0, []
-    self._active = active
-    self._lock = threading.Lock()
-
-  @contextlib.contextmanager
-  def held(self) -> Iterator[None]:
-    with self._lock:
-      if self._users == 0:
-        for owner, name, make in self._targets():
-          original = getattr(owner, name)
-          self._saved.append((owner, name, original, name in vars(owner)))
-          setattr(owner, name, make(original))
-      self._users += 1
-    depth = getattr(self._active, 'depth', 0)
-    if self._active is not None:
-      self._active.depth = depth + 1
-    try:
-      yield
-    finally:
-      if self._active is not None:
-        self._active.depth = depth
-      with self._lock:
-        self._users -= 1
-        if self._users == 0:
-          for owner, name, original, own in reversed(self._saved):
-            if own:
-              setattr(owner, name, original)
-            else:
-              delattr(owner, name)   # an inherited method again
-          self._saved.clear()
-
-
 _KERAS_BATCH_NORM = 'keras.src.layers.normalization.batch_normalization'
 
 
@@ -212,7 +166,7 @@ def _skipping_add_update(own: Callable | None) -> Callable:
   return add_update
 
 
-_skip_patch = _SharedPatch(lambda: [(_skip_base['class'], 'add_update', lambda original:
+_skip_patch = shared_patch.SharedPatch(lambda: [(_skip_base['class'], 'add_update', lambda original:
                                      _skipping_add_update(vars(_skip_base['class']).get(
                                          'add_update')))], _skipping)
 
@@ -270,7 +224,7 @@ def _rank_recorded(original: Callable) -> Callable:
   return call
 
 
-_unfold_patch = _SharedPatch(lambda: [
+_unfold_patch = shared_patch.SharedPatch(lambda: [
     (array_ops, 'shape_internal', lambda f: _unfolded(f, 2)),
     (array_ops, 'size_internal', lambda f: _unfolded(f, 2)),
     (array_ops, 'array_like_impl', lambda f: _unfolded(f, 5)),
@@ -430,7 +384,7 @@ def given_op_seed() -> Any:
   return seed
 
 
-_random_patch = _SharedPatch(lambda: [
+_random_patch = shared_patch.SharedPatch(lambda: [
     (module, name, lambda f, m=module_name, n=name: _random_call(m, n, f))
     for module_name, module in RANDOM_MODULES.items() for name in dir(module)
     if name.islower() and not name.startswith('_') and callable(getattr(module, name))
@@ -510,6 +464,12 @@ def set_initializers(saved: dict) -> None:
     variable._initializer_op, variable._initial_value = op, value  # pylint: disable=protected-access
 
 
+def hook_tensors(hook: Any) -> list:
+  """The tensors (or names) a LoggingTensorHook logs or a NanTensorHook checks, given to it."""
+  tensors = getattr(hook, '_tensors', None) or {}
+  return list(tensors.values()) + [t for t in [getattr(hook, '_loss_tensor', None)] if t is not None]
+
+
 def function_nodes(graph: tf.Graph) -> Iterator[tuple[str, Any]]:
   """(function name, NodeDef) of every function body the graph holds (`Graph._functions`)."""
   for name, function in list(graph._functions.items()):  # pylint: disable=protected-access
@@ -576,6 +536,15 @@ def is_stateful(op_type: str) -> bool:
 
 def set_saver_var_list(saver: Any, var_list: list) -> None:  # before a deferred Saver's build
   saver._var_list = var_list  # pylint: disable=protected-access
+
+
+def scaffold_with(base: Any, init_fn: Callable | None, local_init_op: Any) -> Any:
+  """A copy of Scaffold `base`, its class kept, with init_fn(scaffold, session) and local init."""
+  copied = copy.copy(base)
+  copied._user_init_fn = init_fn  # pylint: disable=protected-access
+  copied._init_fn = None if init_fn is None else (lambda session: init_fn(copied, session))  # pylint: disable=protected-access
+  copied._local_init_op = local_init_op  # pylint: disable=protected-access
+  return copied
 
 
 @contextlib.contextmanager

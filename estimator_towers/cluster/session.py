@@ -7,29 +7,33 @@ does not wait for the chief to initialise variables it never sees); the
 towers' copies are set after it. Every training step runs with
 RunOptions.timeout_in_ms (`StepTimeoutHook`), so a lost worker makes the
 others fail instead of wait, and a session that MonitoredSession recreates
-after a lost worker raises instead of waiting for it again.
+after a lost task raises instead of waiting for it again, with one message
+that names the lost task (the chief, or worker k).
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 
-from absl import logging
-import numpy as np
 import tensorflow as tf
 
+from estimator_towers.base import logs
 from estimator_towers.base import interception
 from estimator_towers.cluster import cross_worker
+from estimator_towers.cluster import peer_probe
 from estimator_towers.cluster import tf_config as cluster_lib
 
 
 def attach(spec: tf.estimator.EstimatorSpec, across: cross_worker.CrossWorker
            ) -> tf.estimator.EstimatorSpec:
-  """`spec` with the cluster's session start (`scaffold`) and the step timeout hook."""
+  """`spec` with the cluster's session start (`scaffold`), the step timeout hook and the
+  probe of the other training tasks (`peer_probe`)."""
   progress = _Progress()
   hook = StepTimeoutHook(across.timeout_secs, across.cluster, progress)
+  probe = peer_probe.PeerProbeHook(across.cluster, across.timeout_secs)
   return spec._replace(scaffold=scaffold(spec.scaffold, across, progress),
-                       training_hooks=tuple(spec.training_hooks) + (hook,))
+                       training_hooks=tuple(spec.training_hooks) + (hook, probe))
 
 
 def scaffold(base: tf.compat.v1.train.Scaffold | None, across: cross_worker.CrossWorker,
@@ -38,7 +42,8 @@ def scaffold(base: tf.compat.v1.train.Scaffold | None, across: cross_worker.Cros
 
   Every task runs the local init op: the chief after restoring or
   initialising its variables, a worker after initialising its own (it does
-  not wait for the chief to initialise them, which it never sees).
+  not wait for the chief to initialise them, which it never sees). The
+  Scaffold refuses a second session once a step has run (`_StartOnce`).
   """
   base = base or tf.compat.v1.train.Scaffold()
   variables = tf.compat.v1.global_variables()
@@ -56,12 +61,16 @@ def scaffold(base: tf.compat.v1.train.Scaffold | None, across: cross_worker.Cros
         interception.add_control_inputs(op, [broadcast])
   local = (base.local_init_op if base.local_init_op is not None
            else tf.compat.v1.train.Scaffold.default_local_init_op())
-  return tf.compat.v1.train.Scaffold(
+  with tf.device(across.device):
+    # Ready at once: a worker does not wait for the chief's variables.
+    ready = tf.constant([], tf.string, name='ready_for_broadcast')
+  return _StartOnce(
+      across.cluster, progress,
       init_op=base.init_op, init_feed_dict=base.init_feed_dict,
       # Scaffold keeps init_fn bound to itself (a function of the session alone).
       init_fn=_rebound(base._init_fn),  # pylint: disable=protected-access
       ready_op=base.ready_op,
-      ready_for_local_init_op=_first_session(across, progress),
+      ready_for_local_init_op=ready,
       local_init_op=tf.group(broadcast, local, name='local_init_from_chief'),
       summary_op=base.summary_op, saver=base.saver,
       local_init_feed_dict=base.local_init_feed_dict)
@@ -72,32 +81,65 @@ def _rebound(init_fn):
   return None if init_fn is None else lambda scaffold, session: init_fn(session)
 
 
-def _first_session(across: cross_worker.CrossWorker, progress: '_Progress') -> tf.Tensor:
-  """The Scaffold's ready_for_local_init_op: ready, unless training already started.
+class _StartOnce(tf.compat.v1.train.Scaffold):
+  """A Scaffold that raises instead of starting a second session after a step ran.
 
   A peer that dies makes a step fail with UnavailableError, on which
   MonitoredSession recreates the session and runs the local init again,
-  whose broadcast would wait for the lost peer, again and again. This op
-  raises instead, once a step has run in this process.
+  whose broadcast would wait for the lost peer, again and again. Every
+  session MonitoredSession creates calls `finalize` first: once a step has
+  run in this process, it raises, in Python (one message, naming the lost
+  task), before any op runs.
   """
-  cluster = across.cluster
 
-  def check():
-    if progress.steps:
-      raise RuntimeError(
-          f'estimator_towers: a training step of {cluster.device} (rank '
-          f'{cluster.rank} of {cluster.num_workers} training tasks: '
-          f'{", ".join(cluster.training_tasks)}) failed after {progress.steps} '
-          f'step(s) because another worker is lost (see the error above), and '
-          f'variable_strategy=\'collective\' cannot continue without it. Restart '
-          f'the job: it resumes from the chief\'s last checkpoint.')
-    return np.zeros([0], dtype=object)
+  def __init__(self, cluster: cluster_lib.Cluster, progress: '_Progress', **kwargs):
+    super().__init__(**kwargs)
+    self._cluster = cluster
+    self._progress = progress
 
-  with tf.device(across.device):
-    ready = tf.compat.v1.py_func(check, [], tf.string, stateful=True,
-                                 name='ready_for_broadcast')
-  ready.set_shape([0])
-  return ready
+  def finalize(self):
+    if self._progress.steps:
+      raise RuntimeError(lost_task_message(self._cluster, self._progress.steps,
+                                           unreachable_tasks(self._cluster)))
+    return super().finalize()
+
+
+def task_name(job: str, index: int) -> str:
+  """'the chief' or 'worker k', as TF_CONFIG names the task."""
+  return 'the chief' if job == 'chief' else f'{job} {index}'
+
+
+def unreachable_tasks(cluster: cluster_lib.Cluster, timeout_secs: float = 2.0) -> list[str]:
+  """The other training tasks whose address accepts no connection, by name and address."""
+  lost = []
+  for job in cluster_lib.TRAINING_JOBS:
+    for index, address in enumerate(cluster.jobs.get(job, ())):
+      if (job, index) == (cluster.task_type, cluster.task_index):
+        continue
+      host, _, port = str(address).rpartition(':')
+      try:
+        socket.create_connection((host.strip('[]'), int(port)), timeout=timeout_secs).close()
+      except (OSError, ValueError):
+        lost.append(f'{task_name(job, index)} ({address})')
+  return lost
+
+
+def _lost(lost: list[str]) -> str:
+  """'worker 0 (host:port) is lost (...)', or '' for none."""
+  if not lost:
+    return ''
+  return f'{" and ".join(lost)} {"is" if len(lost) == 1 else "are"} lost (no server answers there)'
+
+
+def lost_task_message(cluster: cluster_lib.Cluster, steps: int, lost: list[str]) -> str:
+  """The error of a task whose step failed because another training task is lost."""
+  who = _lost(lost) or ('another training task stopped answering (every task\'s address accepts '
+           'connections: one of them hangs or restarted)')
+  return (f'estimator_towers: {task_name(cluster.task_type, cluster.task_index)} '
+          f'({cluster.device}, rank {cluster.rank} of {cluster.num_workers} training tasks) '
+          f'failed a training step after {steps} step(s): {who}. '
+          f'variable_strategy=\'collective\' cannot continue without every training '
+          f'task. Restart the job: it resumes from the chief\'s last checkpoint.')
 
 
 class _Progress:
@@ -150,7 +192,7 @@ class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
       self._timer.cancel()
 
   def _report_start(self):
-    logging.error(
+    logs.error(
         'estimator_towers: %s (rank %d of %d training tasks) has waited %.0f s '
         '(make_plan(worker_timeout_secs=...)) at its start for the other training '
         'tasks (%s) to take the chief\'s variables: one of them has not started, or '
@@ -161,11 +203,13 @@ class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
         ', '.join(self._cluster.training_tasks))
 
   def _report(self):
-    logging.error(
+    lost = unreachable_tasks(self._cluster)
+    logs.error(
         'estimator_towers: %s (rank %d of %d training tasks: %s) has waited %.0f s '
         '(the step timeout, make_plan(worker_timeout_secs=...)) for the other '
-        'workers\' all-reduce: a worker has died or stopped. This step fails '
+        'workers\' all-reduce: %s. This step fails '
         'with DeadlineExceededError; restart the job, which resumes from the '
         'chief\'s last checkpoint.', self._cluster.device, self._cluster.rank,
         self._cluster.num_workers, ', '.join(self._cluster.training_tasks),
-        self._timeout_secs)
+        self._timeout_secs,
+        _lost(lost) or 'a worker has died or stopped')

@@ -93,7 +93,7 @@ class OtherTowers:
     if found is None:
       return None
     shards = self.builder.shards
-    return [t if isinstance(shards.sizes[k], int) else t[:shards.sizes[k]]
+    return [t if isinstance(shards.sizes[k], int) or t.shape.rank == 0 else t[:shards.sizes[k]]
             for k, t in zip(shards.active, found)]
 
   def loss(self, k: int, loss: tf.Tensor) -> tf.Tensor:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
-from absl import logging
 import tensorflow as tf
 
 from estimator_towers.base import interception
@@ -244,6 +243,14 @@ class Source:
       return ENDED
     return None
 
+  def describe(self, save_path: str) -> tuple[int | None, str]:
+    """(the step of the position at `save_path`, where the input reads on), for the log."""
+    reader = tf.train.load_checkpoint(save_path)
+    step = checkpoint_step(reader)
+    pending = reader.get_variable_to_shape_map()[f'{NAME}/pending'][0]
+    first = f', its {pending} staged global batch(es) first' if pending else ''
+    return step, f'the input reads on after the global batch of step {step}{first}'
+
   # Sessions.
 
   def mark_ready(self, session: Any) -> None:
@@ -351,9 +358,10 @@ class PositionSaver(tf.compat.v1.train.Saver):
     if reason is None:
       super().restore(sess, save_path)
       self._position.mark_ready(sess)
+      logs.info('%s', resumed(save_path, self._position))
       return
     if reason == ENDED:  # an epoch loop: each train() call reads the dataset once
-      logging.info('estimator_towers: %s: the previous train() read the dataset to its end, '
+      logs.info('estimator_towers: %s: the previous train() read the dataset to its end, '
                    'so this one reads it again from its first element.', save_path)
       super().restore(sess, save_path)
     elif not self._without_position:
@@ -362,10 +370,23 @@ class PositionSaver(tf.compat.v1.train.Saver):
           f'it cannot restore the input position: {reason}. Run train() again: its graph '
           f'then restores the variables alone, and the input starts from its first element.')
     else:
-      logging.warning('estimator_towers: restoring %s without the input position: %s. The '
+      logs.warning('estimator_towers: restoring %s without the input position: %s. The '
                       'input starts from its first element.', save_path, reason)
       self._without_position.restore(sess, save_path)
     self._position.initialize(sess)
+
+
+def checkpoint_step(reader: Any) -> int | None:
+  """The global step a checkpoint was written at (None if it has no `global_step`)."""
+  return int(reader.get_tensor('global_step')) if reader.has_tensor('global_step') else None
+
+
+def resumed(save_path: str, position: Any) -> str:
+  """What a session that restored `save_path` with its input position resumes, in one line."""
+  step, where = position.describe(save_path)
+  ckpt_step = checkpoint_step(tf.train.load_checkpoint(save_path))
+  return (f'estimator_towers: resumed training from {save_path} (global step {ckpt_step}) '
+          f'with the input position of step {step}: {where}.')
 
 
 def own(features: Any, labels: Any, replace: bool, across: bool, resume: bool,

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from absl import logging
 import tensorflow as tf
 
+from estimator_towers.base import interception
 from estimator_towers.base import logs
 from estimator_towers.inputs import position as position_lib
 from estimator_towers.inputs import worker_positions
@@ -63,7 +63,7 @@ def attach(spec: tf.estimator.EstimatorSpec, source: position_lib.Source, config
   per_worker = across is not None and source.saved and not source.is_global and not saver_taken
   positions = worker_positions.WorkerPositions(source, across) if per_worker else source
   if source.saved and saver_taken:
-    logging.warning(
+    logs.warning(
         'estimator_towers: the model_fn brings its own Saver (Scaffold.saver or the '
         'SAVERS collection), so the input position is not saved: a resumed train() '
         'reads its input from the first element. Leave the Saver to Estimator to '
@@ -105,8 +105,5 @@ def _scaffold(base: tf.compat.v1.train.Scaffold, positions: Any, local_init_op: 
       user_init_fn(session)
     positions.initialize(session)
 
-  return tf.compat.v1.train.Scaffold(
-      init_op=base.init_op, init_feed_dict=base.init_feed_dict, init_fn=init_fn,
-      ready_op=base.ready_op, ready_for_local_init_op=base.ready_for_local_init_op,
-      local_init_op=local_init_op, summary_op=base.summary_op, saver=base.saver,
-      local_init_feed_dict=base.local_init_feed_dict, copy_from_scaffold=None)
+  # A copy of its class: a cluster's Scaffold refuses a second session (cluster.session).
+  return interception.scaffold_with(base, init_fn, local_init_op)

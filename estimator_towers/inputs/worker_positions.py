@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers.base import logs
 from estimator_towers.base import interception
 from estimator_towers.inputs import position as position_lib
 
@@ -136,6 +136,22 @@ class WorkerPositions:
       return position_lib.ENDED
     return None
 
+  def describe(self, save_path: str) -> tuple[int, str]:
+    """(the step the positions were taken at, where each worker reads on), for the log."""
+    reader = tf.train.load_checkpoint(save_path)
+    step = int(reader.get_tensor(f'{NAME}/step'))
+    names = self.across.cluster.training_tasks
+    where = []
+    for rank, slot in enumerate(reader.get_tensor(f'{NAME}/ranks')):
+      name = 'the chief' if rank == 0 else f'worker {rank - 1}'
+      if not slot:
+        where.append(f'{name} ({names[rank]}) reads its input from its first element')
+      elif _ended(slot):
+        where.append(f'{name} ({names[rank]}) stays at the end of its input')
+      else:
+        where.append(f'{name} ({names[rank]}) reads on from its own position')
+    return step, '; '.join(where)
+
   def initialize(self, session: Any) -> None:
     session.run(self.initializer)
     self.source.mark_ready(session)
@@ -192,7 +208,7 @@ class GatherHook(tf.compat.v1.train.SessionRunHook):
     del coord
     self._positions.source.ensure(session)
     if session.run(self._positions.taken) == OTHER_DATASET:
-      logging.warning(
+      logs.warning(
           'estimator_towers: the checkpoint\'s input position of this worker (rank %d) is '
           'of another dataset (another batch size, other files, other ops, another shard), '
           'and tf.data would go on with the old one: this worker\'s input starts from its '

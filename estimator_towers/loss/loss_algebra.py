@@ -469,6 +469,24 @@ def analyse(loss: Any, inputs: Sequence[tf.Tensor], variables: Sequence[Any],
   return Analysis('rebuild', expression)
 
 
+def read_quietly(value: Any, inputs: Sequence[tf.Tensor],
+                 static_count: Callable[[tf.Tensor], bool] | None = None) -> Analysis | None:
+  """The rule of a scalar that is not the loss (one a summary or a hook reads), or None
+  where the algebra does not read it; nothing is reported. Its rule 'const': the value
+  does not depend on the shard (tower 0's is every tower's)."""
+  if not isinstance(value, tf.Tensor) or not _one_element(value) or not value.dtype.is_floating:
+    return None
+  dependence = Dependence(inputs, ())
+  parser = _Parser(dependence, True, static_count, lambda t: False)
+  try:
+    parser.visit(value)
+  except _Unrecognised:
+    return None
+  expression = Expression(value, parser.leaves, dependence)
+  form = _form(expression, value)
+  return Analysis(form) if form in ('mean', 'sum', 'const') else Analysis('rebuild', expression)
+
+
 def _batch_norms(rows: row_dependence.RowDependence, t: tf.Tensor) -> bool:
   """True for a batch norm's statistic (the row reader's reading of `t`)."""
   kind = rows.kind(t)

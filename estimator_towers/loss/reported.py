@@ -73,6 +73,32 @@ def reported_loss(built: Sequence, losses: Sequence, shards: shards_lib.Shards,
     return loss if across is None else across.sum([loss])[0]
 
 
+def whole_batch_value(values: Sequence[tf.Tensor], shards: shards_lib.Shards, graph: tf.Graph,
+                      batch: Any = None, across: Any = None) -> tf.Tensor | None:
+  """A scalar other than the loss (a summary's, a hook's) for the whole batch, from its
+  counterpart on every built tower (`values`), by the loss algebra's rule (a mean, a sum,
+  a ratio of sums); None where it does not read it (nothing is reported: the caller says
+  so)."""
+  batch = shards.batch if batch is None else batch
+  inputs = shards.flat(shards.active[0])
+  if row_dependence.classify([values[0]], inputs).mixing:
+    return None
+  find = counterparts.in_losses(values)
+  analysis = loss_algebra.read_quietly(values[0], inputs, statistics_lib.static_counts(
+      graph, find, [shards.sizes[k] for k in shards.active]))
+  if analysis is None:
+    return None
+  if analysis.rule == 'const':
+    return values[0]
+  if analysis.rule == 'rebuild':
+    statistics = statistics_lib.shard_statistics(analysis.expression, find, len(values))
+    return None if statistics is None else statistics_lib.whole_batch_loss(
+        analysis.expression, statistics, shards.nonempty, across)
+  weights = statistics_lib.tower_weights(analysis.rule, shards.sizes, batch, shards.active)
+  value = specs_lib.weighted_sum(values, weights, shards.nonempty)
+  return value if across is None else across.sum([value])[0]
+
+
 def _head_value(loss: tf.Tensor, shards: shards_lib.Shards, find: Any, batch: Any,
                 across: Any) -> tf.Tensor | None:
   """A TRAIN loss that mixes the batch's rows: its head on the whole batch (None: it does not

@@ -20,9 +20,9 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from absl import logging
 import tensorflow as tf
 
+from estimator_towers.base import logs
 from estimator_towers.base import shapes
 
 # Graph collection holding the global batch size (int32 scalar) of each step.
@@ -158,7 +158,7 @@ class ThroughputHook(tf.compat.v1.train.SessionRunHook):
       left = max(self._max_steps - step, 0)
       progress = (f'; step {step} of {self._max_steps}, ETA '
                   f'{_format_duration(left / steps_per_sec)}')
-    logging.info('examples/sec: %.1f (%.3g steps/sec, %.1f examples/step)%s',
+    logs.info('examples/sec: %.1f (%.3g steps/sec, %.1f examples/step)%s',
                  examples_per_sec, steps_per_sec, examples / elapsed_steps, progress)
     if self._writer is not None:
       summary = tf.compat.v1.Summary(value=[tf.compat.v1.Summary.Value(

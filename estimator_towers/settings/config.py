@@ -71,6 +71,9 @@ class TowersConfig:
       the missing towers on the host CPU with one warning, instead of raising.
     sync_batch_norm: in TRAIN, batch norms use the global batch's statistics.
     micro_batches: micro-batches per device and step (1: none).
+    worker_timeout_secs: under variable_strategy='collective' across workers,
+      how long a training step (and the start) waits for the other training
+      tasks before failing with DeadlineExceededError.
 
   Example:
       ```python
@@ -99,6 +102,7 @@ class TowersConfig:
   allow_cpu_fallback: bool = False
   sync_batch_norm: bool = False
   micro_batches: int = 1
+  worker_timeout_secs: float = 120.0
 
   @property
   def plan(self) -> plan_lib.DevicePlan:
@@ -116,7 +120,8 @@ class TowersConfig:
                               staging_backend=self.staging_backend,
                               allow_cpu_fallback=self.allow_cpu_fallback,
                               sync_batch_norm=self.sync_batch_norm,
-                              micro_batches=self.micro_batches)
+                              micro_batches=self.micro_batches,
+                              worker_timeout_secs=self.worker_timeout_secs)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TowersConfig))

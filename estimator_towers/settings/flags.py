@@ -110,6 +110,12 @@ def _definitions() -> dict[str, Callable[[flags.FlagValues], object]]:
           'within one step (peak activation memory of about one part); the '
           'model_fn still gets the whole batch\'s gradient and makes one '
           'update per global batch. 1: none.', flag_values=fv),
+      'worker_timeout_secs': lambda fv: flags.DEFINE_float(
+          'worker_timeout_secs', 120.0,
+          'With --variable_strategy=collective across a chief and workers: how '
+          'long a training step, and the start, wait for the other training '
+          'tasks before failing with DeadlineExceededError (seconds, > 0).',
+          flag_values=fv),
       # A string, not an enum: make_config's check explains a removed value.
       'staging_backend': lambda fv: flags.DEFINE_string(
           'staging_backend', 'staging_area',

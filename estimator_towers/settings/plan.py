@@ -232,8 +232,9 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
   if (isinstance(worker_timeout_secs, bool) or not isinstance(worker_timeout_secs, (int, float))
       or not worker_timeout_secs > 0):
     raise ValueError(
-        f'worker_timeout_secs must be a positive number of seconds (how long a '
-        f'step waits for the other workers), got {worker_timeout_secs!r}.')
+        f'{spelling.name("worker_timeout_secs")} must be a positive number of seconds '
+        f'(how long a step waits for the other workers), got '
+        f'{spelling.value("worker_timeout_secs", worker_timeout_secs)}. The default is 120.')
   if variable_strategy == 'collective':
     cross_worker_servers.install()
   return DevicePlan(devices=canonical, num_gpus=num_gpus,

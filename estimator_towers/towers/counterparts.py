@@ -28,6 +28,16 @@ def in_losses(losses: Sequence[tf.Tensor]) -> Callable:
   return find
 
 
+def every_tower(losses: Sequence[tf.Tensor]) -> Callable:
+  """`find(tensor)`: every tower's counterpart of tower 0's `tensor`, None if one is unknown."""
+  find = in_losses(losses)
+
+  def every(tensor: tf.Tensor) -> list | None:
+    found = [tensor] + [find(i, tensor) for i in range(1, len(losses))]
+    return None if any(t is None for t in found) else found
+  return every
+
+
 def path(start: tf.Tensor, target: tf.Tensor, limit: int = 512) -> tuple[int, ...] | None:
   """Input indices leading from `start` back to `target`, breadth first."""
   if not isinstance(start, tf.Tensor) or not isinstance(target, tf.Tensor):

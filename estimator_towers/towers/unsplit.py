@@ -10,9 +10,9 @@ the code says (`ordering`).
 
 from __future__ import annotations
 
-from absl import logging
 import tensorflow as tf
 
+from estimator_towers.base import logs
 from estimator_towers.inputs import sharding
 from estimator_towers.placement import strategies as placement_lib
 from estimator_towers.towers import builder as builder_lib
@@ -45,4 +45,4 @@ _logged = set()
 def _log_once(message: str) -> None:
   if message not in _logged:
     _logged.add(message)
-    logging.warning(message)
+    logs.warning(message)

@@ -1,0 +1,87 @@
+"""docs/clusters.md's program runs as written on loopback, on the commands the page gives.
+
+The page's `train.py` (its first python block) and its shell block: a chief and
+a worker on two machines (`host0:2222`, `host1:2222`, replaced by free
+127.0.0.1 ports) train 20 steps with `save_checkpoints_steps`, then the same
+program restarted on one task (no TF_CONFIG) resumes at step 20 and trains
+to 30.
+Each task is a subprocess, bounded in time and killed by its own pid.
+"""
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import tensorflow as tf
+
+from test_collective import _free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE = os.path.join(ROOT, 'docs', 'clusters.md')
+
+
+def _blocks(language):
+  with open(PAGE, encoding='utf-8') as f:
+    return re.findall(rf'```{language}\n(.*?)```', f.read(), re.S)
+
+
+def _commands(hosts):
+  """The shell block's commands: (TF_CONFIG or None, argv), hosts replaced."""
+  commands = []
+  for line in _blocks('shell')[0].splitlines():
+    if not line.strip() or line.lstrip().startswith('#'):
+      continue
+    for host, address in hosts.items():
+      line = line.replace(host, address)
+    words = shlex.split(line)
+    tf_config = words.pop(0).split('=', 1)[1] if words[0].startswith('TF_CONFIG=') else None
+    assert words[:2] == ['python', 'train.py'], line
+    commands.append((tf_config, words[2:]))
+  return commands
+
+
+def _start(tmp_path, tf_config, args, name):
+  env = dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES='')
+  env.pop('TF_CONFIG', None)
+  if tf_config is not None:
+    env['TF_CONFIG'] = tf_config
+  log = open(tmp_path / f'{name}.log', 'wb')
+  return subprocess.Popen([sys.executable, 'train.py'] + args, cwd=tmp_path, env=env,
+                          stdout=log, stderr=subprocess.STDOUT)
+
+
+def _finish(procs, tmp_path, timeout=150):
+  try:
+    for name, proc in procs.items():
+      try:
+        code = proc.wait(timeout=timeout)
+      except subprocess.TimeoutExpired:
+        code = 'timeout'
+      log = (tmp_path / f'{name}.log').read_text(errors='replace')
+      assert code == 0, f'{name} exited with {code}:\n{log[-3000:]}'
+  finally:
+    for proc in procs.values():
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_clusters_page_program_runs_on_two_tasks_and_resumes_on_one(tmp_path):
+  (tmp_path / 'train.py').write_text(_blocks('python')[0])
+  hosts = {'host0:2222': f'127.0.0.1:{_free_port()}', 'host1:2222': f'127.0.0.1:{_free_port()}'}
+  cluster, restart = _commands(hosts)[:2], _commands(hosts)[2:]
+  assert [json.loads(c)['task']['type'] for c, _ in cluster] == ['chief', 'worker']
+  assert len(restart) == 1 and restart[0][0] is None
+  _finish({json.loads(c)['task']['type']: _start(tmp_path, c, args, json.loads(c)['task']['type'])
+           for c, args in cluster}, tmp_path)
+  model_dir = tmp_path / 'model'
+  checkpoints = tf.train.get_checkpoint_state(str(model_dir)).all_model_checkpoint_paths
+  assert [int(p.rsplit('-', 1)[1]) for p in checkpoints][-2:] == [10, 20], checkpoints
+  tenth = (model_dir / 'model.ckpt-10.index').stat().st_mtime_ns
+  _finish({'restart': _start(tmp_path, None, restart[0][1], 'restart')}, tmp_path)
+  assert tf.train.latest_checkpoint(str(model_dir)).endswith('-30')
+  # resumed from step 20: step 10 was not trained (nor saved) again
+  assert (model_dir / 'model.ckpt-10.index').stat().st_mtime_ns == tenth
