@@ -1,5 +1,6 @@
 """estimator_towers: data-parallel training of TensorFlow Estimators on several devices."""
 
+from estimator_towers.cluster.slurm import tf_config_from_slurm
 from estimator_towers.cluster.tf_config import worker_index_and_count
 from estimator_towers.inputs.global_batches import global_batches
 from estimator_towers.inputs.staging import staged_input_fn
@@ -35,6 +36,7 @@ __all__ = [
     'make_plan',
     'replicate_model_fn',
     'staged_input_fn',
+    'tf_config_from_slurm',
     'worker_index_and_count',
 ]
 

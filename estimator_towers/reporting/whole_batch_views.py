@@ -123,11 +123,22 @@ class WholeBatchViews:
     rebound = []
     for hook in hooks:
       for tensor in interception.hook_tensors(hook):
-        tensor = self._graph.as_graph_element(tensor) if isinstance(tensor, str) else tensor
+        if isinstance(tensor, str):
+          # A name made later (global_mean's, once every tower is built) is the
+          # whole batch's value already; the hook finds it at begin().
+          tensor = _existing(self._graph, tensor)
         if isinstance(tensor, tf.Tensor):
           self.whole(tensor, f'the hook {type(hook).__name__}')
       rebound.append(Rebound(hook, dict(self._views)))
     return tuple(rebound)
+
+
+def _existing(graph: tf.Graph, name: str) -> Any:
+  """The graph element `name` names, or None while the graph has none of that name."""
+  try:
+    return graph.as_graph_element(name)
+  except (KeyError, ValueError):
+    return None
 
 
 class Rebound(tf.compat.v1.train.SessionRunHook):

@@ -15,6 +15,15 @@ Two sources behind one interface, keyed by the --data flag value:
 Both give uint8 [32, 32, 3] images and int32 labels; `make_input_fn` adds the
 usual training augmentation (pad to 40x40, random 32x32 crop, random
 left-right flip) and per-image standardization.
+
+Rule: the training input holds no state outside tf.data, so the library saves
+its position in every checkpoint and a resumed run reads on where it stopped
+(docs/resuming.md). It shuffles with a fixed seed, and each example's crop and
+flip are stateless draws keyed by the example's index in its split and its
+place in the stream (so every epoch draws anew): the same draws on any
+number of devices or workers and after any resume. A stateful
+`tf.image.random_crop` in the `map` would make the input restart from its
+first element on every resume, with a warning.
 """
 
 from __future__ import annotations
@@ -37,6 +46,9 @@ EVAL_FILES = ('test_batch.bin',)
 EXTRACTED_DIR = 'cifar-10-batches-bin'
 PAD = 4
 SHUFFLE_BUFFER = 10000
+SHUFFLE_SEED = 1
+# Keys the augmentation's draws apart from the synthetic data's (seeded 1, 2).
+AUGMENT_SEED = 3
 
 
 class DataError(ValueError):
@@ -156,31 +168,58 @@ def make_source(name: str, data_dir: str | None = None):
   return SOURCES[name](data_dir)
 
 
-def preprocess(image: tf.Tensor, label: tf.Tensor, training: bool
-               ) -> tuple[tf.Tensor, tf.Tensor]:
-  """uint8 image -> standardized float32 image; augmented when training."""
-  image = tf.cast(image, tf.float32)
-  if training:
-    image = tf.image.pad_to_bounding_box(image, PAD, PAD, HEIGHT + 2 * PAD,
-                                         WIDTH + 2 * PAD)
-    image = tf.image.random_crop(image, [HEIGHT, WIDTH, CHANNELS])
-    image = tf.image.random_flip_left_right(image)
-  return tf.image.per_image_standardization(image), label
+def standardize(image: tf.Tensor) -> tf.Tensor:
+  """uint8 (or float) image -> float32 image of mean 0 and variance 1."""
+  return tf.image.per_image_standardization(tf.cast(image, tf.float32))
+
+
+def example_seed(index: tf.Tensor, position: tf.Tensor) -> tf.Tensor:
+  """The [2] seed of the draws for example `index` read at `position` of the stream."""
+  key = tf.stack([tf.constant(AUGMENT_SEED, tf.int64), index])
+  return tf.random.experimental.stateless_fold_in(key, position)
+
+
+def augment(image: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
+  """Pads to 40x40, crops a 32x32 window and flips half the time, drawn by `seed` alone."""
+  crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+  image = tf.image.pad_to_bounding_box(image, PAD, PAD, HEIGHT + 2 * PAD,
+                                       WIDTH + 2 * PAD)
+  image = tf.image.stateless_random_crop(image, [HEIGHT, WIDTH, CHANNELS], crop_seed)
+  return tf.image.stateless_random_flip_left_right(image, flip_seed)
+
+
+def training_examples(source) -> tf.data.Dataset:
+  """Augmented, standardized (image, label) pairs: seeded shuffle, repeated forever.
+
+  Every op is a dataset op or stateless, so tf.data saves the position.
+  """
+  dataset = source.records(True).enumerate()  # (index in the split, example)
+  dataset = dataset.shuffle(SHUFFLE_BUFFER, seed=SHUFFLE_SEED).repeat().enumerate()
+
+  def preprocess(position, indexed):
+    index, (image, label) = indexed
+    image = augment(tf.cast(image, tf.float32), example_seed(index, position))
+    return standardize(image), label
+
+  return dataset.map(preprocess, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
 def make_input_fn(source, training: bool, batch_size: int
                   ) -> Callable[[], tf.data.Dataset]:
   """An Estimator input_fn of (images [B, 32, 32, 3] float32, labels [B] int32).
 
-  Training repeats and shuffles forever and drops the last partial batch;
-  evaluation reads the split once, in order, keeping the last partial batch.
+  Training repeats and shuffles forever, augments each example with draws
+  keyed by the example (`training_examples`) and drops the last partial
+  batch; evaluation reads the split once, in order, keeping the last partial
+  batch.
   """
   def input_fn() -> tf.data.Dataset:
-    dataset = source.records(training)
     if training:
-      dataset = dataset.shuffle(SHUFFLE_BUFFER).repeat()
-    dataset = dataset.map(lambda image, label: preprocess(image, label, training),
-                          num_parallel_calls=tf.data.AUTOTUNE)
+      dataset = training_examples(source)
+    else:
+      dataset = source.records(False).map(
+          lambda image, label: (standardize(image), label),
+          num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     dataset = dataset.batch(batch_size, drop_remainder=training)
     return dataset.prefetch(tf.data.AUTOTUNE)
   return input_fn
