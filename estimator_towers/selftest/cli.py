@@ -87,6 +87,8 @@ def _define_own_model_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string('params', None, 'The params dict for --model_fn and --input_fn, as a '
                       'JSON object.', flag_values=fv)
   flags.DEFINE_integer('steps', 3, 'Training steps of each --model_fn run.', flag_values=fv)
+  flags.DEFINE_boolean('sync_batch_norm', None, 'The --model_fn runs with (or without) '
+                       'synchronised batch norm (default: the library\'s).', flag_values=fv)
   flags.DEFINE_integer('micro_batches', 2, 'k in the --model_fn runs on 1 device x k and N '
                        'devices x k micro-batches (1: towers only).', flag_values=fv)
 
@@ -200,7 +202,8 @@ def main(argv, flag_values: flags.FlagValues | None = None) -> int:
   env = progress('environment', lambda: environment.check(devices, note))
   if fv.model_fn:
     results = [env, progress('own model', lambda: own_model.check_paths(
-        fv.model_fn, fv.input_fn, fv.params, devices, fv.steps, fv.micro_batches))]
+        fv.model_fn, fv.input_fn, fv.params, devices, fv.steps, fv.micro_batches,
+        sync_batch_norm=fv.sync_batch_norm, variable_strategy=fv.variable_strategy))]
     return _finish(results, fv.json)
   timed = (progress('speed', lambda: speed.check(
       settings, devices, _speed_strategy(fv, len(devices), gpus), mirrored, timing))

@@ -11,7 +11,7 @@ The step-0 checkpoint is written by a training run stopped before its first
 step (Estimator's checkpoint hook saves the state it starts from).
 
 A run is the user's model_fn through `replicate_model_fn(devices=...,
-micro_batches=...)` for `steps` steps of the user's input_fn, with the
+micro_batches=...)` (and the run's other `make_config` settings) for `steps` steps of the user's input_fn, with the
 user's params; it returns its checkpoint's values, its TRAIN graph and the
 variables in the order the graph created them.
 """
@@ -57,19 +57,19 @@ class Trained:
 
 
 def _estimator(model_fn: Callable, devices, micro_batches: int, params: dict,
-               model_dir: str) -> tf.estimator.Estimator:
-  config = et.make_config(devices=list(devices), micro_batches=micro_batches)
+               model_dir: str, settings: dict) -> tf.estimator.Estimator:
+  config = et.make_config(devices=list(devices), micro_batches=micro_batches, **settings)
   run_config = et.make_run_config(config, model_dir=model_dir, save_summary_steps=None,
                                   log_step_count_steps=10**6)
   return tf.estimator.Estimator(et.replicate_model_fn(model_fn, plan=config.plan),
-                                config=run_config, params=params)
+                                config=run_config, params=params or None)  # {}: a model_fn without params
 
 
 def initial_checkpoint(model_fn: Callable, input_fn: Callable, device: str, params: dict,
-                       root: str | None = None) -> str:
+                       root: str | None = None, settings: dict | None = None) -> str:
   """A directory (in `root`) holding the step-0 checkpoint of `model_fn` decorated for `device`."""
   directory = tempfile.mkdtemp(prefix='start_', dir=root)
-  _estimator(model_fn, [device], 1, params, directory).train(
+  _estimator(model_fn, [device], 1, params, directory, settings or {}).train(
       input_fn, max_steps=1, hooks=[_Capture(stop=True)])
   if not glob.glob(os.path.join(directory, CHECKPOINT + '.index')):
     raise RuntimeError(f'no step-0 checkpoint in {directory}: the reference run saved '
@@ -79,14 +79,15 @@ def initial_checkpoint(model_fn: Callable, input_fn: Callable, device: str, para
 
 
 def train(model_fn: Callable, input_fn: Callable, devices, micro_batches: int, params: dict,
-          start: str, steps: int, root: str | None = None) -> Trained:
+          start: str, steps: int, root: str | None = None,
+          settings: dict | None = None) -> Trained:
   """`model_fn` on `devices` x `micro_batches`, `steps` steps from the checkpoint in `start`."""
   model_dir = tempfile.mkdtemp(prefix='run_', dir=root)
   for path in glob.glob(os.path.join(start, CHECKPOINT + '.*')):
     shutil.copy(path, model_dir)
   tf.compat.v1.train.update_checkpoint_state(model_dir, CHECKPOINT)
   capture = _Capture()
-  estimator = _estimator(model_fn, devices, micro_batches, params, model_dir)
+  estimator = _estimator(model_fn, devices, micro_batches, params, model_dir, settings or {})
   estimator.train(input_fn, steps=steps, hooks=[capture])
   reader = tf.train.load_checkpoint(model_dir)
   values = {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}

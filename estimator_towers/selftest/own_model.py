@@ -188,8 +188,11 @@ def _lines(run: dict) -> list[str]:
 
 def check_model(model_fn: Callable, input_fn: Callable, devices: Sequence[str],
                 params: dict | None = None, steps: int = 3, micro_batches: int = 2,
-                name: str = 'your model_fn') -> report.Result:
-  """The own-model check: PASS when every candidate gives the reference's variables."""
+                name: str = 'your model_fn', **settings) -> report.Result:
+  """The own-model check: PASS when every candidate gives the reference's variables.
+
+  `settings`: `make_config` settings of every run (`sync_batch_norm`, `variable_strategy`).
+  """
   devices, params = tuple(devices_lib.canonical(d) for d in devices), dict(params or {})
   gpus = any(tf.DeviceSpec.from_string(d).device_type == 'GPU' for d in devices)
   if gpus:
@@ -201,6 +204,7 @@ def check_model(model_fn: Callable, input_fn: Callable, devices: Sequence[str],
   determinism = ('op determinism on (GPUs)' if gpus else
                  'op determinism not needed (CPU devices only)')
   data = {'tolerance': TOLERANCE, 'steps': steps, 'reference': devices[0], 'params': params,
+          'settings': settings,
           'op_determinism': gpus, 'runs': [], 'warnings': []}
   if not runs:
     return report.Result('own model', report.INFO, [
@@ -208,12 +212,13 @@ def check_model(model_fn: Callable, input_fn: Callable, devices: Sequence[str],
         f'Give 2 or more devices, or --micro_batches=2.'], data)
   lines, status = [head, determinism], report.PASS
   with _library_warnings() as warned, tempfile.TemporaryDirectory(prefix='et_own_model_') as root:
-    start = one_start.initial_checkpoint(model_fn, input_fn, devices[0], params, root)
-    reference = one_start.train(model_fn, input_fn, devices[:1], 1, params, start, steps, root)
+    start = one_start.initial_checkpoint(model_fn, input_fn, devices[0], params, root, settings)
+    reference = one_start.train(model_fn, input_fn, devices[:1], 1, params, start, steps, root,
+                                settings)
     for label, run_devices, k in runs:
       try:
         run = _compare(label, run_devices, k, one_start.train(
-            model_fn, input_fn, run_devices, k, params, start, steps, root), reference)
+            model_fn, input_fn, run_devices, k, params, start, steps, root, settings), reference)
         lines.extend(_lines(run))
       except Exception as e:  # pylint: disable=broad-except  (one run's crash: its FAIL)
         error = f'{type(e).__name__}: {e}'.strip()
@@ -231,7 +236,8 @@ def check_model(model_fn: Callable, input_fn: Callable, devices: Sequence[str],
 
 
 def check_paths(model_fn: str, input_fn: str, params: str | None, devices: Sequence[str],
-                steps: int, micro_batches: int) -> report.Result:
+                steps: int, micro_batches: int, **settings) -> report.Result:
   """`check_model` of the functions `model_fn` and `input_fn` name (`module.path:function`)."""
   return check_model(user_code.load('model_fn', model_fn), user_code.load('input_fn', input_fn),
-                     devices, user_code.params(params), steps, micro_batches, name=model_fn)
+                     devices, user_code.params(params), steps, micro_batches, name=model_fn,
+                     **{k: v for k, v in settings.items() if v is not None})
