@@ -9,7 +9,9 @@ are checked here. With no device flag the towers are every visible GPU, or
 two virtual CPU devices on a machine without GPUs. `main` makes the
 MirroredStrategy before any session runs, then runs the checks (the speed
 runs before the exactness runs, which turn op determinism on for the rest of
-the process), prints the report in order and returns its exit status.
+the process), prints the report in order and returns its exit status. With
+--model_fn and --input_fn (together) it runs the own-model check instead of
+the library's exactness and speed checks.
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ from estimator_towers.base import spelling
 from estimator_towers.placement import strategies
 from estimator_towers.selftest import environment
 from estimator_towers.selftest import exactness
+from estimator_towers.selftest import own_model
 from estimator_towers.selftest import report
 from estimator_towers.selftest import speed
+from estimator_towers.selftest import user_code
 
 _DEVICE_FLAGS = ('num_gpus', 'devices', 'num_cpu_devices')
 # Speed defaults: (GPUs, CPUs). On CPUs the runs only show that they work.
 _DEFAULTS = {'speed_steps': (100, 3), 'speed_warmup': (20, 1), 'speed_batch_size': (128, 16)}
-_MINIMUM = {'speed_steps': 0, 'speed_warmup': 0, 'speed_batch_size': 1}
+_MINIMUM = {'speed_steps': 0, 'speed_warmup': 0, 'speed_batch_size': 1, 'steps': 1,
+            'micro_batches': 1}
 # The variable strategy the speed runs use without --variable_strategy, by GPU count
 # (docs/choosing-a-strategy.md): up to 2, up to 4, more.
 _RECOMMENDED = ((2, 'cpu'), (4, 'gpu'), (None, 'collective'))
@@ -64,10 +69,44 @@ def define_flags(flag_values: flags.FlagValues | None = None) -> None:
                        '1 on CPUs).', flag_values=fv)
   flags.DEFINE_integer('speed_batch_size', None, 'Examples per device in the speed runs '
                        '(default 128 on GPUs, 16 on CPUs).', flag_values=fv)
+  _define_own_model_flags(fv)
   for name, minimum in _MINIMUM.items():
     flags.register_validator(name, _at_least(name, minimum), flag_values=fv)
   flags.register_validator('json', _json_path, flag_values=fv)
   flags.register_multi_flags_validator(list(_DEVICE_FLAGS), _device_choice, flag_values=fv)
+  flags.register_multi_flags_validator(['model_fn', 'input_fn', 'params'], _own_model,
+                                       flag_values=fv)
+
+
+def _define_own_model_flags(fv: flags.FlagValues) -> None:
+  """The own-model check's flags: with --model_fn, it runs instead of the library's checks."""
+  flags.DEFINE_string('model_fn', None, 'Check your own model_fn instead of the library\'s '
+                      'models: module.path:function (with --input_fn).', flag_values=fv)
+  flags.DEFINE_string('input_fn', None, 'The training input_fn for --model_fn: '
+                      'module.path:function, giving global batches.', flag_values=fv)
+  flags.DEFINE_string('params', None, 'The params dict for --model_fn and --input_fn, as a '
+                      'JSON object.', flag_values=fv)
+  flags.DEFINE_integer('steps', 3, 'Training steps of each --model_fn run.', flag_values=fv)
+  flags.DEFINE_boolean('sync_batch_norm', None, 'The --model_fn runs with (or without) '
+                       'synchronised batch norm (default: the library\'s).', flag_values=fv)
+  flags.DEFINE_integer('micro_batches', 2, 'k in the --model_fn runs on 1 device x k and N '
+                       'devices x k micro-batches (1: towers only).', flag_values=fv)
+
+
+def _own_model(values: dict) -> bool:
+  given = [f'--{k}' for k in ('model_fn', 'input_fn') if values.get(k)]
+  if len(given) == 1:
+    raise flags.ValidationError(
+        f'--model_fn and --input_fn go together (the check trains your model on your '
+        f'input), got {given[0]} alone. Give both, as module.path:function.')
+  problems = [user_code.form_problem(k, values[k]) for k in ('model_fn', 'input_fn')
+              if values.get(k)] + [user_code.params_problem(values.get('params'))]
+  if values.get('params') is not None and not given:
+    problems.append(f'--params={values["params"]} is for --model_fn and --input_fn. Give '
+                    f'them too, or leave --params out.')
+  if any(problems):
+    raise flags.ValidationError(next(p for p in problems if p))
+  return True
 
 
 def _at_least(name: str, minimum: int):
@@ -148,7 +187,7 @@ def main(argv, flag_values: flags.FlagValues | None = None) -> int:
                         warmup=_speed_setting(fv, 'speed_warmup', gpus),
                         steps=_speed_setting(fv, 'speed_steps', gpus))
   mirrored = None
-  if timing.steps and len(devices) > 1:  # before any session runs in this process
+  if timing.steps and len(devices) > 1 and not fv.model_fn:  # before any session runs
     try:
       mirrored = speed.make_mirrored(devices)
     except Exception as e:  # pylint: disable=broad-except  (reported by the speed check)
@@ -161,15 +200,24 @@ def main(argv, flag_values: flags.FlagValues | None = None) -> int:
     return report.run_check(name, check)
 
   env = progress('environment', lambda: environment.check(devices, note))
+  if fv.model_fn:
+    results = [env, progress('own model', lambda: own_model.check_paths(
+        fv.model_fn, fv.input_fn, fv.params, devices, fv.steps, fv.micro_batches,
+        sync_batch_norm=fv.sync_batch_norm, variable_strategy=fv.variable_strategy))]
+    return _finish(results, fv.json)
   timed = (progress('speed', lambda: speed.check(
       settings, devices, _speed_strategy(fv, len(devices), gpus), mirrored, timing))
            if timing.steps else report.Result('speed', report.INFO,
                                              ['skipped (--speed_steps=0)']))
   exact = progress('exactness', lambda: exactness.check(settings, devices, chosen))
-  results = [env, exact, timed]
+  return _finish([env, exact, timed], fv.json)
+
+
+def _finish(results: list, json_path: str | None) -> int:
+  """Prints the report, writes --json, returns the exit status."""
   print(report.text(results), flush=True)
-  if fv.json:
-    report.write_json(results, fv.json)
+  if json_path:
+    report.write_json(results, json_path)
   return report.exit_status(results)
 
 
