@@ -3,11 +3,13 @@
 The same model at the same global batch (--batch_size, 256), in one process:
 
 - plain: the unchanged single-device model_fn, on /cpu:0;
-- towered: `replicate_model_fn(model_fn, devices=['/cpu:0', .. '/cpu:N-1'])`;
+- towered: `replicate_model_fn(model_fn, devices=['/cpu:0', .. '/cpu:N-1'],
+  sync_batch_norm=False)` (per-tower batch-norm statistics: the figures
+  recorded before synchronised batch norm became the default measure this);
 - mirrored: the unchanged model_fn with
   `RunConfig(train_distribute=tf.distribute.MirroredStrategy(devices))`, its
   input_fn batching global / N examples (each replica takes one batch);
-- synced: towered with `sync_batch_norm=True` (batch norms normalise with
+- synced: towered with `sync_batch_norm=True`, the default (batch norms normalise with
   the global batch's statistics; run it with --contenders=plain,towered,synced
   --models=resnet);
 - handwritten: a reference, not a contender: the towers' scheme written by

@@ -66,7 +66,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
                        devices: Sequence[str] | None = None,
                        variable_strategy: str = 'cpu',
                        loss_reduction: str = 'auto',
-                       sync_batch_norm: bool = False,
+                       sync_batch_norm: bool | None = None,
                        micro_batches: int = 1,
                        cross_example: str = 'auto',
                        random_draws: str = 'keyed',
@@ -98,11 +98,14 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
       function records, a mean when none does), 'exact' ('auto' with that
       warning an error), 'mean' or 'sum' (the loss is not analysed;
       statistics declared with `loss_denominator` still are).
-    sync_batch_norm: in TRAIN, every batch norm (Keras, tf.compat.v1.layers,
-      tf.compat.v1.nn.fused_batch_norm, tf.nn.moments over the batch axis)
-      normalises with the mean and variance of the global batch, so towered
-      training equals single-device training for batch-norm models. Off by
-      default: each tower uses its shard's statistics.
+    sync_batch_norm: None (default, unset) or True: in TRAIN, every batch
+      norm (Keras, tf.compat.v1.layers, tf.compat.v1.nn.fused_batch_norm,
+      tf.nn.moments over the batch axis) normalises with the mean and
+      variance of the global batch, so towered training equals
+      single-device training for batch-norm models. With micro_batches > 1
+      unset means a batch norm in TRAIN is an error naming the choice, and
+      True is an error. False: each tower (micro-batch) uses its shard's
+      statistics; one warning per graph names the batch norms.
     micro_batches: k >= 1: each device's shard is split into k micro-batches
       that run one after another on that device within the step.
     cross_example: 'auto' (a computation across examples that cannot be

@@ -1,12 +1,13 @@
 """Towered vs plain: one training step, evaluation, prediction, checkpoints.
 
 The reference is the plain single-device model_fn run by a plain Estimator on
-the same data. For the batch-separable model (tf.compat.v1.layers) the towered
-step must equal the plain step on the whole batch. For the Keras model with
-BatchNormalization each tower normalises its own shard, so its reference is
-built from plain steps on each shard alone: with SGD the towered update is
-w + sum_k (n_k / B) * (w_k - w), where w_k is the plain step on shard k, and the
-moving statistics are those of the plain step on shard 0.
+the same data. With the default settings the towered step equals the plain
+step on the whole batch, for the batch-separable model (tf.compat.v1.layers)
+and for the Keras model with BatchNormalization (synchronised by default).
+With `sync_batch_norm=False` each tower normalises its own shard, so that
+reference is built from plain steps on each shard alone: with SGD the towered
+update is w + sum_k (n_k / B) * (w_k - w), where w_k is the plain step on shard
+k, and the moving statistics are those of the plain step on shard 0.
 """
 
 import functools
@@ -40,8 +41,8 @@ def plain_step(model_name, batch, start=0, size=None, learning_rate=None):
   return testlib.variables(est)
 
 
-def expected_step(model_name, batch, num_devices):
-  if model_name == 'v1_layers':
+def expected_step(model_name, batch, num_devices, sync_batch_norm=None):
+  if model_name == 'v1_layers' or sync_batch_norm is None:
     return plain_step(model_name, batch)
   initial = plain_step(model_name, batch, learning_rate=0.0)
   expected = {}
@@ -90,3 +91,15 @@ def test_train_eval_predict_match_plain(model_name, batch, num_devices):
   predicted = testlib.predictions(est, fn)
   assert predicted.shape == (batch, testlib.NUM_CLASSES)
   testlib.assert_close(predicted, plain_predictions, err_msg='predictions')
+
+
+@pytest.mark.parametrize('num_devices', [2, 3])
+def test_the_opt_out_normalises_each_shard_with_its_own_statistics(num_devices):
+  """sync_batch_norm=False: the step of the shards' own statistics, moving averages from tower 0."""
+  x, y = testlib.data(7)
+  towered = replicate_model_fn(testlib.MODELS['keras_bn'], devices=testlib.cpu_devices(num_devices),
+                               sync_batch_norm=False)
+  est = testlib.make_estimator(towered, num_cpus=num_devices)
+  est.train(testlib.input_fn(x, y, 7), steps=1)
+  testlib.assert_variables_close(testlib.variables(est),
+                                 expected_step('keras_bn', 7, num_devices, sync_batch_norm=False))

@@ -208,7 +208,7 @@ def test_the_reader_keeps_the_views_blocks_through_flat_rows():
 @pytest.mark.parametrize('devices', [1, 2], ids=['micro_batches', 'devices_x_micro_batches'])
 def test_sync_batch_norm_with_micro_batches_is_refused(devices):
   """docs/micro_batches.md: global statistics would need every micro-batch's forward pass first."""
-  with pytest.raises(ValueError, match=r'sync_batch_norm and micro_batches=2 cannot be combined'):
+  with pytest.raises(ValueError, match=r'sync_batch_norm=True and micro_batches=2 cannot be combined'):
     et.replicate_model_fn(functools.partial(simclr_model_fn, encoder=token_encoder),
                           devices=testlib.cpu_devices(devices), sync_batch_norm=True,
                           micro_batches=2)

@@ -2,9 +2,10 @@
 
 The reference is always the plain model_fn run by a plain Estimator on the same
 global batches, from explicitly seeded initializers (the same starting
-variables). Towered with `sync_batch_norm=True`, every variable (weights,
-Momentum slots, moving mean and variance) equals plain within 1e-5 after 1 and
-3 steps; without it the same models differ, so these tests can fail. The
+variables). Towered with `sync_batch_norm=True` (the default's resolved value),
+every variable (weights, Momentum slots, moving mean and variance) equals plain
+within 1e-5 after 1 and 3 steps; with `sync_batch_norm=False` the same models
+differ, so these tests can fail. The
 shards' examples are scaled differently, so shard statistics are far from the
 global batch's.
 """
@@ -165,7 +166,8 @@ def test_synchronised_training_equals_plain(name, batch, static):
 @pytest.mark.parametrize('name', sorted(MODELS))
 def test_without_sync_the_same_models_differ(name):
   model_fn, input_fn, params, reference = _case(name, 10, False)
-  towered = testlib.make_estimator(_towered(model_fn), num_cpus=NUM_TOWERS, params=params)
+  towered = testlib.make_estimator(_towered(model_fn, sync_batch_norm=False), num_cpus=NUM_TOWERS,
+                                   params=params)
   towered.train(input_fn, steps=1)
   assert _relative_difference(testlib.variables(towered), reference.continuous()[1]) > 1e-3
 
@@ -291,7 +293,7 @@ def test_input_gradient_equals_plain(fused, batch):
   runs = [('plain', model_fn, 1),
           ('synced', _towered(model_fn, sync_batch_norm=True), NUM_TOWERS)]
   if batch > NUM_TOWERS:  # the test can fail: per-shard statistics give other gradients
-    runs.append(('unsynced', _towered(model_fn), NUM_TOWERS))
+    runs.append(('unsynced', _towered(model_fn, sync_batch_norm=False), NUM_TOWERS))
   gradients = {}
   for name, fn, num_cpus in runs:
     estimator = testlib.make_estimator(fn, num_cpus=num_cpus)
@@ -329,7 +331,7 @@ def test_error_unsyncable_batch_norm_option(option, value):
 
 def test_unsyncable_options_are_fine_without_sync():
   x, y = _vectors(12)
-  towered = _towered(_keras_bn_model_fn(virtual_batch_size=2))
+  towered = _towered(_keras_bn_model_fn(virtual_batch_size=2), sync_batch_norm=False)
   testlib.make_estimator(towered, num_cpus=NUM_TOWERS).train(
       testlib.input_fn(x, y, 12, static_batch=True), steps=1)
 
@@ -373,7 +375,7 @@ def test_error_tower_rebuilt():
 
 
 def test_error_sync_batch_norm_not_a_bool():
-  with pytest.raises(ValueError, match='sync_batch_norm must be True or False'):
+  with pytest.raises(ValueError, match=r'sync_batch_norm must be True, False or unset'):
     et.make_plan(devices=['/cpu:0'], sync_batch_norm='yes')
 
 
@@ -391,8 +393,8 @@ def test_error_gradient_of_a_copied_graph():
 
 
 def test_error_sync_batch_norm_with_micro_batches():
-  with pytest.raises(ValueError, match=r'sync_batch_norm and micro_batches=2 cannot be combined.*'
-                                       r'Use one of the two'):
+  with pytest.raises(ValueError, match=r'sync_batch_norm=True and micro_batches=2 cannot be '
+                                       r'combined.*Use one of the two'):
     et.make_plan(devices=testlib.cpu_devices(2), sync_batch_norm=True, micro_batches=2)
 
 

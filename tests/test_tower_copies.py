@@ -125,15 +125,15 @@ def test_towers_with_their_own_variable_copies(strategy, static_batch):
 @pytest.mark.parametrize('model_fn', [testlib.keras_model_fn, _convnet_model_fn],
                          ids=['keras', 'convnet'])
 def test_copied_batch_norm_towers_train_as_built(model_fn, monkeypatch):
-  """Unsynced batch norm: each tower normalises its shard, copied or built alike.
+  """sync_batch_norm=False: each tower normalises its shard, copied or built alike.
 
-  (Unsynced towers differ from plain by design; the built towers are checked
-  against plain with sync_batch_norm in tests/test_sync_batch_norm.py.)
+  (Unsynced towers differ from plain by design; the default, synchronised, is
+  checked against plain below and in tests/test_sync_batch_norm.py.)
   """
   x, y = testlib.data(18)
-  copied, graph = _train(model_fn, 3, x, y, 9)
+  copied, graph = _train(model_fn, 3, x, y, 9, sync_batch_norm=False)
   monkeypatch.setattr(towers, '_tower_copies', lambda *args: None)
-  built, built_graph = _train(model_fn, 3, x, y, 9)
+  built, built_graph = _train(model_fn, 3, x, y, 9, sync_batch_norm=False)
   assert _copied(graph, 1) and _copied(graph, 2) and _built(built_graph, 1)
   testlib.assert_variables_close(copied, built)
 

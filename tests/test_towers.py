@@ -243,7 +243,8 @@ def test_update_ops_run_once_per_step_from_tower_zero(num_devices, batch):
   plain = testlib.make_estimator(_v1_batch_norm_model_fn)
   plain.train(testlib.input_fn(x[:shard0], y[:shard0], shard0), steps=1)
   towered = testlib.make_estimator(
-      replicate_model_fn(_v1_batch_norm_model_fn, devices=testlib.cpu_devices(num_devices)),
+      replicate_model_fn(_v1_batch_norm_model_fn, devices=testlib.cpu_devices(num_devices),
+                         sync_batch_norm=False),  # per-tower statistics: tower 0's shard's
       num_cpus=num_devices)
   towered.train(testlib.input_fn(x, y, batch), steps=1)
   expected = testlib.variables(plain)

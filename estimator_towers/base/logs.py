@@ -46,13 +46,22 @@ def warning_once(message: str, key: str | None = None) -> bool:
 
 def info_once_per_graph(message: str, graph: tf.Graph | None = None) -> bool:
   """Logs `message` at INFO once per graph (default: the default graph); True if logged."""
+  return _once_per_graph(info, message, graph)
+
+
+def warning_once_per_graph(message: str, graph: tf.Graph | None = None) -> bool:
+  """Logs `message` as a warning once per graph (default: the default graph); True if logged."""
+  return _once_per_graph(warning, message, graph)
+
+
+def _once_per_graph(log, message: str, graph: tf.Graph | None) -> bool:
   graph = graph if graph is not None else tf.compat.v1.get_default_graph()
   with _lock:
     seen = _logged_in.setdefault(graph, set())
     if message in seen:
       return False
     seen.add(message)
-  info('%s', message)
+  log('%s', message)
   return True
 
 

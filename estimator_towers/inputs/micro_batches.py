@@ -22,12 +22,14 @@ merging a device's chain of sums into one AddN at the end of the step, which
 would keep every micro-batch's gradients alive until then. Devices still run
 in parallel with each other.
 
-Batch normalisation without synchronisation normalises each micro-batch by
-its own statistics (a shard's, as across devices), and its moving averages
-are updated once per step from the primary shard (micro-batch 0 of device
-0). `make_plan` refuses `sync_batch_norm` with micro-batches: with
-micro-batches that run one after another, whole-batch statistics would need
-a forward pass over every micro-batch before any normalises. A loss rebuilt
+Batch normalisation with `sync_batch_norm=False` normalises each
+micro-batch by its own statistics (a shard's, as across devices), and its
+moving averages are updated once per step from the primary shard
+(micro-batch 0 of device 0). `make_plan` refuses `sync_batch_norm=True` with
+micro-batches, and left unset a batch norm is an error naming that choice
+(`sync_points.unsynced`): with micro-batches that run one after another,
+whole-batch statistics would need a forward pass over every micro-batch
+before any normalises. A loss rebuilt
 from the batch's statistics (token counts, sums of weights: `loss_algebra`)
 seeds each micro-batch's backward pass with its numerators' coefficients,
 computed from normalisers known before the first forward pass (`seeds`).

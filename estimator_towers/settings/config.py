@@ -69,7 +69,11 @@ class TowersConfig:
     inter_op_threads: ops run in parallel; 0 lets TensorFlow choose.
     allow_cpu_fallback: when num_gpus asks for more GPUs than are visible, run
       the missing towers on the host CPU with one warning, instead of raising.
-    sync_batch_norm: in TRAIN, batch norms use the global batch's statistics.
+    sync_batch_norm: None (default, unset): in TRAIN, batch norms use the
+      global batch's statistics, as on one device; with micro_batches > 1 a
+      batch norm is an error naming the choice. True: the same, and an
+      error with micro_batches > 1. False: each shard's own statistics, with
+      one warning per graph naming the batch norms.
     micro_batches: micro-batches per device and step (1: none).
     worker_timeout_secs: under variable_strategy='collective' across workers,
       how long a training step (and the start) waits for the other training
@@ -100,7 +104,7 @@ class TowersConfig:
   intra_op_threads: int = 0
   inter_op_threads: int = 0
   allow_cpu_fallback: bool = False
-  sync_batch_norm: bool = False
+  sync_batch_norm: bool | None = None
   micro_batches: int = 1
   worker_timeout_secs: float = 120.0
 
@@ -193,8 +197,9 @@ def _make_config(kwargs: dict[str, Any], resolve: bool) -> TowersConfig:
   if kwargs.get('devices') is not None:
     kwargs['devices'] = devices_lib.validate_devices(kwargs['devices'])
   for name in ('log_device_placement', 'allow_soft_placement', 'allow_growth',
-               'allow_cpu_fallback', 'sync_batch_norm'):
+               'allow_cpu_fallback'):
     _check_bool(name, kwargs.get(name, False))
+  plan_lib.validate_sync_batch_norm(kwargs.get('sync_batch_norm'))
   for name in ('intra_op_threads', 'inter_op_threads'):
     _check_threads(name, kwargs.get(name, 0))
   _check_memory_fraction(kwargs.get('gpu_memory_fraction', 0.0))

@@ -151,12 +151,15 @@ def _definitions() -> dict[str, Callable[[flags.FlagValues], object]]:
           'from the first element again (examples seen twice, others never).',
           flag_values=fv),
       'sync_batch_norm': lambda fv: flags.DEFINE_bool(
-          'sync_batch_norm', False,
-          'In training, normalise every batch norm with the mean and variance '
-          'of the global batch (all towers\' shards, exchanged with a '
-          'collective all-reduce) instead of each tower\'s shard, so a '
-          'towered step equals the single-device step. Costs two small '
-          'all-reduces per batch-norm layer and step.', flag_values=fv),
+          'sync_batch_norm', None,
+          'Unset (the default): in training, every batch norm normalises with '
+          'the mean and variance of the global batch (all towers\' shards), so '
+          'a towered step equals the single-device step; with --micro_batches '
+          'above 1 a batch norm is an error that asks for a choice. '
+          '--sync_batch_norm: the same, and an error with micro-batches. '
+          '--nosync_batch_norm: each tower (or micro-batch) normalises with '
+          'its own shard\'s statistics; one warning names the batch norms.',
+          flag_values=fv),
       'log_device_placement': lambda fv: flags.DEFINE_bool(
           'log_device_placement', False,
           'Log the device of every op when the session starts (very verbose).',

@@ -69,9 +69,13 @@ class DevicePlan:
       'staging_area' (a StagingArea per device; the only value).
     allow_cpu_fallback: when num_gpus asks for more GPUs than are visible, run
       the missing towers on the host CPU (with one warning) instead of raising.
-    sync_batch_norm: in TRAIN, every batch normalisation uses the statistics
-      of the global batch (all towers' shards) instead of its tower's shard.
-      Off by default.
+    sync_batch_norm: True: in TRAIN, every batch normalisation uses the
+      statistics of the global batch (all towers' shards), as on one device;
+      what make_plan makes of the default (unset) with one micro-batch.
+      False: each shard's own statistics (one warning per graph names the
+      batch norms). None: unset with micro_batches > 1, where the global
+      statistics would need every micro-batch's activations at once: a
+      batch norm in TRAIN is then an error naming the choice.
     micro_batches: k, the micro-batches each device splits its shard into and
       runs one after another within a step (1: none).
     worker_timeout_secs: under variable_strategy='collective' across workers,
@@ -92,7 +96,7 @@ class DevicePlan:
   staging_depth: int = 1
   staging_backend: str = 'staging_area'
   allow_cpu_fallback: bool = False
-  sync_batch_norm: bool = False
+  sync_batch_norm: bool | None = True
   micro_batches: int = 1
   worker_timeout_secs: float = 120.0
   cross_example: str = 'auto'
@@ -128,7 +132,7 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
               staging_depth: int = 1,
               staging_backend: str = 'staging_area',
               allow_cpu_fallback: bool = False,
-              sync_batch_norm: bool = False,
+              sync_batch_norm: bool | None = None,
               micro_batches: int = 1,
               worker_timeout_secs: float = 120.0,
               cross_example: str = 'auto',
@@ -158,7 +162,11 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
     staging_backend: 'staging_area' (the only value).
     allow_cpu_fallback: run towers on the host CPU when num_gpus asks for
       more GPUs than are visible, instead of raising at graph construction.
-    sync_batch_norm: batch norms in TRAIN use the global batch's statistics.
+    sync_batch_norm: None (default: True, batch norms in TRAIN use the
+      global batch's statistics, exactly as on one device; with
+      micro_batches > 1 a batch norm is an error naming the choice), True
+      (the same; an error with micro_batches > 1) or False (each shard's own
+      statistics, with one warning per graph naming the batch norms).
     micro_batches: k >= 1: each device's shard is split into k micro-batches
       that run one after another on that device, within one step.
     worker_timeout_secs: variable_strategy='collective' across workers: a
@@ -180,12 +188,13 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
       duplicate or malformed devices, an unknown strategy, reduction or
       cross_example, or a
       negative staging depth, an unknown or removed staging backend, or
-      micro_batches that is not a positive integer, or a resume_input that
-      is not a bool.
+      micro_batches that is not a positive integer, a resume_input that
+      is not a bool, a sync_batch_norm that is not True, False or None, or
+      sync_batch_norm=True with micro_batches > 1.
 
   Example:
       ```python
-      plan = estimator_towers.make_plan(num_gpus=4, sync_batch_norm=True)
+      plan = estimator_towers.make_plan(num_gpus=4, variable_strategy='gpu')
       estimator = tf.estimator.Estimator(
           estimator_towers.replicate_model_fn(model_fn, plan=plan))
       ```
@@ -215,20 +224,13 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
         f'{spelling.name("staging_depth")} must be a non-negative integer '
         f'(shards kept in flight per device; 0 turns staging off), got '
         f'{spelling.value("staging_depth", staging_depth)}.')
-  for option, value in (('allow_cpu_fallback', allow_cpu_fallback),
-                        ('sync_batch_norm', sync_batch_norm)):
-    if not isinstance(value, bool):
-      raise ValueError(f'{spelling.name(option)} must be True or False, got '
-                       f'{spelling.value(option, value)}.')
+  if not isinstance(allow_cpu_fallback, bool):
+    raise ValueError(f'{spelling.name("allow_cpu_fallback")} must be True or False, got '
+                     f'{spelling.value("allow_cpu_fallback", allow_cpu_fallback)}.')
+  validate_sync_batch_norm(sync_batch_norm)
   staging_backends.validate_backend(staging_backend, what=spelling.name('staging_backend'))
   _validate_micro_batches(micro_batches)
-  if sync_batch_norm and micro_batches > 1:
-    raise ValueError(
-        f'{spelling.name("sync_batch_norm")} and {spelling.name("micro_batches")}='
-        f'{micro_batches} cannot be combined: global batch-norm statistics need '
-        f'every micro-batch\'s forward pass before any of them is normalised, '
-        f'which is what micro-batches avoid. Use one of the two (with micro-'
-        f'batches alone, each micro-batch uses its own statistics).')
+  sync_batch_norm = resolve_sync_batch_norm(sync_batch_norm, micro_batches)
   if (isinstance(worker_timeout_secs, bool) or not isinstance(worker_timeout_secs, (int, float))
       or not worker_timeout_secs > 0):
     raise ValueError(
@@ -247,6 +249,41 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
                     worker_timeout_secs=float(worker_timeout_secs),
                     cross_example=cross_example, random_draws=random_draws,
                     resume_input=resume_input)
+
+
+def validate_sync_batch_norm(value: object) -> None:
+  """Checks a `sync_batch_norm` setting.
+
+  Raises:
+    ValueError: unless `value` is True, False or None (unset).
+  """
+  if value is not None and not isinstance(value, bool):
+    raise ValueError(
+        f'{spelling.name("sync_batch_norm")} must be True, False or unset (None), got '
+        f'{spelling.value("sync_batch_norm", value)}: leave it unset (the default) for '
+        f'the global batch\'s batch-norm statistics, as on one device, or pass '
+        f'{spelling.setting("sync_batch_norm", False)} for each shard\'s own.')
+
+
+def resolve_sync_batch_norm(value: bool | None, micro_batches: int) -> bool | None:
+  """The plan's `sync_batch_norm`: unset is True with one micro-batch, and stays None
+  (a batch norm is then an error naming the choice) with micro-batches.
+
+  Raises:
+    ValueError: for True with micro_batches > 1.
+  """
+  if value and micro_batches > 1:
+    raise ValueError(
+        f'{spelling.setting("sync_batch_norm", True)} and {spelling.name("micro_batches")}='
+        f'{micro_batches} cannot be combined: global batch-norm statistics need '
+        f'every micro-batch\'s forward pass before any of them is normalised, '
+        f'which is what micro-batches avoid. Use one of the two: '
+        f'{spelling.setting("micro_batches", 1)}, or '
+        f'{spelling.setting("sync_batch_norm", False)} (each micro-batch uses its '
+        f'own statistics).')
+  if value is None and micro_batches == 1:
+    return True
+  return value
 
 
 def validate_random_draws(value: object) -> None:
@@ -299,7 +336,7 @@ def _validate_choice(name: str, value: object, choices: tuple, advice: str) -> N
 
 def plan_from_arguments(plan: DevicePlan | None, num_gpus: int | None,
                         devices: Sequence[str] | None, variable_strategy: str,
-                        loss_reduction: str, sync_batch_norm: bool,
+                        loss_reduction: str, sync_batch_norm: bool | None,
                         micro_batches: int, cross_example: str = 'auto',
                         random_draws: str = 'keyed',
                         resume_input: bool = True) -> DevicePlan:
@@ -327,7 +364,7 @@ def plan_from_arguments(plan: DevicePlan | None, num_gpus: int | None,
   overridden = {name: value for name, value, default in (
       ('variable_strategy', variable_strategy, 'cpu'),
       ('loss_reduction', loss_reduction, 'auto'),
-      ('sync_batch_norm', sync_batch_norm, False),
+      ('sync_batch_norm', sync_batch_norm, None),
       ('micro_batches', micro_batches, 1),
       ('cross_example', cross_example, 'auto'),
       ('random_draws', random_draws, 'keyed'),

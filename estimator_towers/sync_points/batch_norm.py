@@ -1,6 +1,7 @@
 """Synchronised batch norm: batch statistics of the global batch, in every tower.
 
-With `sync_batch_norm=True`, each batch normalisation a TRAIN model_fn builds
+With `sync_batch_norm` on (the default with one micro-batch), each batch
+normalisation a TRAIN model_fn builds
 normalises its tower's shard with the mean and variance of the whole global
 batch, so that a towered step equals the plain step for models whose only
 cross-example operation is batch norm. A batch statistic is a sync point of
@@ -36,37 +37,34 @@ the same table.
 
 Options whose result cannot equal the plain batch norm on the whole batch
 (`renorm`, `virtual_batch_size`, `adjustment` of a Keras layer) are errors when
-sync is on.
+sync is on, and so are towers sharing a device, when a batch norm is built.
 
 This module intercepts the calls and builds their sync points
-(`BatchNormSync`; `Unsynced` when sync is off). The arithmetic of the
-towers' moments (Chan's combination) is in `moments`; TensorFlow's fused
-kernels and the registered gradient are in `batch_norm_kernels`.
+(`BatchNormSync`; `unsynced.Unsynced` when sync is off, which says what the
+batch norms then get). Which calls are batch norms is `batch_norm_calls`'s;
+the arithmetic of the towers' moments (Chan's combination) is in `moments`;
+TensorFlow's fused kernels and the registered gradient are in
+`batch_norm_kernels`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import tensorflow as tf
 
 from estimator_towers.base import interception
+from estimator_towers.sync_points import batch_norm_calls as calls
 from estimator_towers.sync_points import batch_norm_kernels as kernels
 from estimator_towers.sync_points import join as sync_points
 from estimator_towers.sync_points import moments as moments_lib
+from estimator_towers.sync_points import unsynced
 from estimator_towers.towers import tower_context
 
-# Layer options that make a batch norm's result depend on how the batch is
-# split; the value that turns each off.
-_UNSYNCABLE = (('renorm', False), ('virtual_batch_size', None), ('adjustment', None))
-
-
-class BatchNormSyncError(ValueError):
-  """A batch norm that cannot be synchronised across towers."""
+BatchNormSyncError = calls.BatchNormSyncError
 
 
 class BatchNormSync:
@@ -82,15 +80,6 @@ class BatchNormSync:
 
   def __init__(self, graph: tf.Graph, devices: dict[int, str], present: dict[int, Any],
                across: Any = None):
-    if len(set(devices.values())) != len(devices):
-      raise BatchNormSyncError(
-          f'sync_batch_norm=True needs every tower on its own device, but the '
-          f'towers run on {sorted(devices.values())}: statistics are exchanged '
-          f'between the towers\' devices. Give distinct devices (on a machine '
-          f'without GPUs, replicate_model_fn(devices=[\'/cpu:0\', \'/cpu:1\']) with '
-          f'device_count={{\'CPU\': 2}} in the session config, or make_config('
-          f'num_cpu_devices=2), instead of allow_cpu_fallback=True), or pass '
-          f'sync_batch_norm=False.')
     self._graph = graph
     self._devices = devices
     self._present = present
@@ -116,7 +105,7 @@ class BatchNormSync:
     counts = {k: self._calls.get(k, 0) for k in self._devices}
     if len(set(counts.values())) > 1:
       raise BatchNormSyncError(
-          f'With sync_batch_norm=True every tower must build the same batch '
+          f'With sync_batch_norm on (the default) every tower must build the same batch '
           f'norms, but the towers built {counts} (tower: count). Do not branch '
           f'on the tower or shard around batch normalisation.')
 
@@ -192,7 +181,7 @@ class BatchNormSync:
              exponential_avg_factor=1, data_format='NHWC', is_training=True,
              name=None):
     tower = self._tower() if is_training else None
-    if tower is None or not _is_batch_norm(_calling_layer()):
+    if tower is None or not calls.is_batch_norm(calls.calling_layer()):
       return original(x, scale, offset, mean, variance, epsilon=epsilon,
                       exponential_avg_factor=exponential_avg_factor,
                       data_format=data_format, is_training=is_training, name=name)
@@ -314,10 +303,9 @@ class BatchNormSync:
     tower = self._tower()
     x = tf.convert_to_tensor(x)
     rank = x.shape.rank
-    batch_axis = rank is not None and 0 in [int(a) % rank for a in np.ravel(axes)]
-    if tower is None or not batch_axis:
+    if tower is None or not calls.over_batch_axis(x, axes):
       return original(x, axes, shift=shift, name=name, keep_dims=keep)
-    _is_batch_norm(_calling_layer())  # options that cannot be synchronised
+    calls.is_batch_norm(calls.calling_layer())  # options that cannot be synchronised
     self._moments_used = True
     with tf.name_scope(name or 'sync_moments'):
       y = tf.cast(x, tf.float32) if x.dtype == tf.float16 else x
@@ -361,19 +349,36 @@ class BatchNormSync:
 
   def _sync_point(self, tower: int) -> sync_points.SyncPoint:
     """This tower's next sync point (shared by the towers)."""
+    self._check_devices()
     build = tower_context.peek()[1]
     if self._builds.setdefault(tower, build) != build:
       raise BatchNormSyncError(
-          f'With sync_batch_norm=True each tower\'s model_fn is built once, '
+          f'With sync_batch_norm on (the default) each tower\'s model_fn is built once, '
           f'but tower {tower} was built again (a second gradient request, or '
           f'an EstimatorSpec loss other than the tensor gradients were asked '
           f'of, makes the library rebuild a tower). Return as the spec\'s loss '
-          f'the tensor you pass to the optimizer, or turn sync_batch_norm off.')
+          f'the tensor you pass to the optimizer, or pass sync_batch_norm=False '
+          f'(--nosync_batch_norm): per-tower statistics.')
     i = self._calls.get(tower, 0)
     self._calls[tower] = i + 1
     while len(self._points) <= i:
       self._points.append(sync_points.SyncPoint(sorted(self._devices)))
     return self._points[i]
+
+  def _check_devices(self) -> None:
+    """Towers sharing a device (the CPU fallback) cannot exchange statistics: an error,
+    raised when a batch norm is built."""
+    devices = self._devices
+    if len(set(devices.values())) != len(devices):
+      raise BatchNormSyncError(
+          f'sync_batch_norm (on by default) needs every tower on its own device '
+          f'when the model_fn builds a batch norm, but the towers run on '
+          f'{sorted(devices.values())}: statistics are exchanged between the '
+          f'towers\' devices. Give distinct devices (on a machine without GPUs, '
+          f'replicate_model_fn(devices=[\'/cpu:0\', \'/cpu:1\']) with '
+          f'device_count={{\'CPU\': 2}} in the session config, or make_config('
+          f'num_cpu_devices=2), instead of allow_cpu_fallback=True), or pass '
+          f'sync_batch_norm=False (--nosync_batch_norm): per-tower statistics.')
 
 
 def _times(t: tf.Tensor, factor) -> tf.Tensor:
@@ -381,81 +386,31 @@ def _times(t: tf.Tensor, factor) -> tf.Tensor:
   return t if isinstance(factor, float) and factor == 1.0 else t * tf.cast(factor, t.dtype)
 
 
-def _calling_layer() -> Any:
-  """The nearest Keras layer (or tf.compat.v1.layers layer) on the call stack."""
-  frame = sys._getframe(3)  # pylint: disable=protected-access
-  for _ in range(24):
-    if frame is None:
-      return None
-    candidate = frame.f_locals.get('self')
-    if hasattr(candidate, 'call') and hasattr(candidate, 'trainable_weights'):
-      return candidate
-    frame = frame.f_back
-  return None
-
-
-def _is_batch_norm(layer: Any) -> bool:
-  """Whether the layer that asks for statistics is a batch norm.
-
-  Keras' LayerNormalization computes per-example statistics with TensorFlow's
-  fused batch-norm kernel (each example a channel): not a batch statistic.
-  """
-  if layer is None:
-    return True
-  if not all(hasattr(layer, name) for name in ('moving_mean', 'moving_variance')):
-    return False
-  for option, off in _UNSYNCABLE:
-    value = getattr(layer, option, off)
-    if value is not off and value != off:
-      raise BatchNormSyncError(
-          f'Batch-norm layer {getattr(layer, "name", layer)!r} has '
-          f'{option}={value!r}, which cannot be synchronised across towers '
-          f'exactly (its result depends on how the batch is split). Remove '
-          f'{option} ({option}={off!r}) or turn sync_batch_norm off.')
-  return True
-
-
-class Unsynced:
-  """Per-tower batch statistics: nothing to synchronise."""
-
-  def syncing(self) -> Any:
-    return contextlib.nullcontext()
-
-  def check_complete(self) -> None:
-    pass
-
-  def copy_reason(self) -> None:
-    return None
-
-  def shared_ops(self) -> set:
-    return set()
-
-  def copied(self, primary: int, tower: int, counterpart: Callable) -> None:
-    pass
-
-  def joined_by(self, primary: int, tower: int) -> dict:
-    return {}
-
-  def copied_pass(self, primary: int, tower: int, counterpart: Callable, ops: set) -> None:
-    pass
-
-
-def for_train(enabled: bool, graph: tf.Graph, shards: Any, tower_devices: Any,
-              across: Any = None) -> BatchNormSync | Unsynced:
+def for_train(setting: bool | None, graph: tf.Graph, shards: Any, tower_devices: Any,
+              across: Any = None) -> BatchNormSync | unsynced.Unsynced:
   """The sync points of batch statistics for a TRAIN graph (`sync_batch_norm`).
 
-  make_plan refuses sync_batch_norm with micro-batches, so a shard is a device.
-  Across workers the statistics are the cluster's (`across`), even with one tower.
+  True (make_plan's default with one micro-batch): synchronised; make_plan
+  refuses it with micro-batches, so a shard is then a device. False: per
+  shard, with a warning naming the batch norms. None (unset, with
+  micro-batches): a batch norm is an error naming the choice. One shard is
+  the global batch: nothing to do. Across workers the statistics are the
+  cluster's (`across`), even with one tower.
 
   Args:
-    enabled: the plan's `sync_batch_norm`.
+    setting: the plan's `sync_batch_norm`.
     graph: the TRAIN graph.
     shards: the step's `inputs.shards.Shards`.
     tower_devices: the towers' devices, by device index.
     across: the all-reduces across workers, or None.
   """
-  if not enabled or (len(shards.active) < 2 and across is None):
-    return Unsynced()
+  micro_batches = shards.layout.micro_batches
+  if len(shards.active) < 2 and across is None:
+    return unsynced.Unsynced()
+  if setting is None:
+    return unsynced.Unsynced(graph, shards.active[0], unsynced.REFUSE, micro_batches)
+  if not setting:
+    return unsynced.Unsynced(graph, shards.active[0], unsynced.OPT_OUT, micro_batches)
   present = {}
   for k, ne in zip(shards.active, shards.nonempty):
     if isinstance(ne, bool):
