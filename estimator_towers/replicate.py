@@ -27,6 +27,7 @@ from estimator_towers.base import interception
 from estimator_towers.base import logs
 from estimator_towers.cluster import cross_worker
 from estimator_towers.cluster import session as cluster_session
+from estimator_towers.cluster import tf_config as cluster_lib
 from estimator_towers.draws import keyed
 from estimator_towers.gradients import backward_passes
 from estimator_towers.gradients import gradient_sync
@@ -39,6 +40,7 @@ from estimator_towers.inputs import resume
 from estimator_towers.inputs import shards as shards_lib
 from estimator_towers.inputs import staging
 from estimator_towers.loss import reported
+from estimator_towers.placement import recommended
 from estimator_towers.placement import session_devices
 from estimator_towers.placement import strategies as placement_lib
 from estimator_towers.reporting import throughput
@@ -64,7 +66,7 @@ _MODEL_FN_ARGS = ('features', 'labels', 'mode', 'params', 'config')
 def replicate_model_fn(model_fn: Callable | int | None = None,
                        num_gpus: int | None = None, *,
                        devices: Sequence[str] | None = None,
-                       variable_strategy: str = 'cpu',
+                       variable_strategy: str = 'auto',
                        loss_reduction: str = 'auto',
                        sync_batch_norm: bool | None = None,
                        micro_batches: int = 1,
@@ -90,8 +92,10 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
       CPU alone.
     devices: explicit tower devices, e.g. ['/cpu:0', '/cpu:1'].
     variable_strategy: where variables live and gradients are added up:
-      'cpu' (default; for 2 GPUs), 'gpu' (for 4), 'replicated' or
-      'collective' (NCCL all-reduce; for 8 GPUs and several machines).
+      'auto' (default: 'cpu' on CPU devices and 1 or 2 GPUs, 'gpu' on 3 or
+      4, 'collective' on 5 or more and across a chief and workers; the device
+      report says which and why), 'cpu', 'gpu', 'replicated' or 'collective'
+      (NCCL all-reduce).
     loss_reduction: 'auto' (the whole batch's loss rebuilt from the shards'
       statistics; one warning naming the op for a loss it cannot rebuild,
       which then follows the reduction the model_fn's TensorFlow loss
@@ -249,7 +253,9 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
   @functools.wraps(model_fn)
   def towered_model_fn(features, labels=None, mode=None, params=None, config=None):
     tower_devices = plan.resolve()
-    placement = placement_lib.make_placement(plan.variable_strategy, tower_devices)
+    strategy, chosen = recommended.choose(plan.variable_strategy, tower_devices,
+                                          cluster_lib.from_run_config(config))
+    placement = placement_lib.make_placement(strategy, tower_devices)
     single = len(tower_devices) == 1 and plan.micro_batches == 1
     serving = (mode == ModeKeys.PREDICT and not single and shards_lib.is_serving_input(features))
     if not serving:  # towers on devices the session lacks would share one (soft placement)
@@ -259,12 +265,12 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
         f'device pins (a serving graph).' if serving else
         f'estimator_towers: {mode} graph: {len(tower_devices)} tower(s) on '
         f'{", ".join(tower_devices)}; {placement.describe()} (variable_strategy='
-        f'{placement.name}, loss_reduction={plan.loss_reduction}'
+        f'{placement.name}{f", {chosen}" if chosen else ""}, loss_reduction={plan.loss_reduction}'
         f'{f", micro_batches={plan.micro_batches}" if plan.micro_batches > 1 else ""}).')
     run = functools.partial(call_user, params=params, config=config)
     from_staging = staging.is_staged(features)
     across = None if mode != ModeKeys.TRAIN else cross_worker.for_train_graph(
-        config, plan.variable_strategy, plan.worker_timeout_secs, from_staging)
+        config, strategy, plan.worker_timeout_secs, from_staging)
     source = None
     if mode == ModeKeys.TRAIN:  # the input's position, checkpointed (global batches' rows)
       features, labels, source = position.own(

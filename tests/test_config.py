@@ -58,7 +58,8 @@ def test_num_cpu_devices(n):
 def test_num_gpus(monkeypatch):
   monkeypatch.setattr(devices_lib, 'visible_gpus', lambda: [f'/device:GPU:{i}' for i in range(4)])
   config = make_config(num_gpus=4, variable_strategy='cpu')
-  assert config.plan == make_plan(num_gpus=4)
+  assert config.plan == make_plan(num_gpus=4, variable_strategy='cpu')
+  assert make_config(num_gpus=4).plan == make_plan(num_gpus=4)   # 'auto' both
   assert dict(session_config(config).device_count) == {}
 
 

@@ -65,7 +65,9 @@ def test_flag_defaults_equal_make_config_defaults():
 def test_strategy_choices_come_from_strategies():
   flag_values = flags.FlagValues()
   define_flags(flag_values)
-  assert sorted(flag_values['variable_strategy'].parser.enum_values) == sorted(placement.STRATEGIES)
+  assert sorted(flag_values['variable_strategy'].parser.enum_values) == sorted(
+      ['auto', *placement.STRATEGIES])
+  assert flag_values['variable_strategy'].default == 'auto'
   with pytest.raises(flags.IllegalFlagValueError):
     flag_values(['prog', '--variable_strategy=nowhere'])
 
@@ -213,7 +215,7 @@ def test_help_texts_describe_every_choice():
   define_flags(flag_values)
   for name in config_lib.FIELDS:
     assert len(flag_values[name].help) > 30, name
-  for name, values in (('variable_strategy', placement.STRATEGIES),
+  for name, values in (('variable_strategy', ['auto', *placement.STRATEGIES]),
                        ('staging_backend', staging.BACKENDS),
                        ('loss_reduction', plan_lib.LOSS_REDUCTIONS)):
     if name != 'staging_backend':  # A string flag: removed values get their own message.

@@ -237,14 +237,15 @@ def validate_strategy(name: object) -> str:
   """Checks a `variable_strategy` name.
 
   Raises:
-    ValueError: if `name` is not one of `STRATEGIES`.
+    ValueError: if `name` is neither 'auto' nor one of `STRATEGIES`.
   """
-  if name not in STRATEGIES:
+  if name not in STRATEGIES and name != 'auto':
     raise ValueError(
-        f'variable_strategy must be one of {sorted(STRATEGIES)}, got '
-        f'{name!r}.')
+        f'variable_strategy must be one of {["auto"] + sorted(STRATEGIES)} (\'auto\': the '
+        f'strategy recommended for the devices), got {name!r}.')
   return name
 
 
 def make_placement(name: str, tower_devices: Sequence[str]) -> Placement:
+  """The placement of strategy `name` (not 'auto': `recommended.choose` resolves it)."""
   return STRATEGIES[validate_strategy(name)](tower_devices)

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 import estimator_towers as et
 from estimator_towers.base import spelling
+from estimator_towers.placement import recommended
 from estimator_towers.placement import strategies
 from estimator_towers.selftest import environment
 from estimator_towers.selftest import exactness
@@ -40,9 +41,6 @@ _DEVICE_FLAGS = ('num_gpus', 'devices', 'num_cpu_devices')
 _DEFAULTS = {'speed_steps': (100, 3), 'speed_warmup': (20, 1), 'speed_batch_size': (128, 16)}
 _MINIMUM = {'speed_steps': 0, 'speed_warmup': 0, 'speed_batch_size': 1, 'steps': 1,
             'micro_batches': 1}
-# The variable strategy the speed runs use without --variable_strategy, by GPU count
-# (docs/choosing-a-strategy.md): up to 2, up to 4, more.
-_RECOMMENDED = ((2, 'cpu'), (4, 'gpu'), (None, 'collective'))
 
 
 def define_flags(flag_values: flags.FlagValues | None = None) -> None:
@@ -158,9 +156,7 @@ def _speed_setting(fv: flags.FlagValues, name: str, gpus: bool) -> int:
 def _speed_strategy(fv: flags.FlagValues, count: int, gpus: bool) -> str:
   if fv.variable_strategy:
     return fv.variable_strategy
-  if not gpus:
-    return 'cpu'
-  return next(s for limit, s in _RECOMMENDED if limit is None or count <= limit)
+  return recommended.choose('auto', ['/gpu:0' if gpus else '/cpu:0'] * count)[0]
 
 
 class _NoDeprecations(logging.Filter):

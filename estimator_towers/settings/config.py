@@ -18,6 +18,7 @@ from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-di
 from estimator_towers.base import spelling
 from estimator_towers.cluster import tf_config as cluster_lib
 from estimator_towers.placement import devices as devices_lib
+from estimator_towers.placement import recommended
 from estimator_towers.settings import plan as plan_lib
 
 _DEVICE_CHOICES = ('num_gpus', 'devices', 'num_cpu_devices')
@@ -41,8 +42,9 @@ class TowersConfig:
       (machines without GPUs); the session gets N CPU devices.
       At most one of num_gpus, devices and num_cpu_devices is set; with none,
       the towers are every visible GPU (the CPU when there is none).
-    variable_strategy: 'cpu' (default), 'gpu', 'replicated' or 'collective':
-      where variables live and gradients are combined.
+    variable_strategy: 'auto' (default: the one recommended for the
+      devices), 'cpu', 'gpu', 'replicated' or 'collective': where variables
+      live and gradients are combined.
     staging_depth: shards kept in flight per device by the staged input_fn.
     staging_backend: the staged input_fn's backend: 'staging_area' (the only
       value).
@@ -89,7 +91,7 @@ class TowersConfig:
   num_gpus: int | None = None
   devices: tuple[str, ...] | None = None
   num_cpu_devices: int | None = None
-  variable_strategy: str = 'cpu'
+  variable_strategy: str = 'auto'
   staging_depth: int = 1
   staging_backend: str = 'staging_area'
   loss_reduction: str = 'auto'
@@ -255,7 +257,8 @@ def session_config(config: TowersConfig) -> tf.compat.v1.ConfigProto:
     proto.gpu_options.per_process_gpu_memory_fraction = config.gpu_memory_fraction
   proto.gpu_options.allow_growth = config.allow_growth
   proto.gpu_options.visible_device_list = config.visible_gpus
-  cluster = cluster_lib.parse() if config.variable_strategy == 'collective' else None
+  strategy = recommended.cluster_strategy(config.variable_strategy)
+  cluster = cluster_lib.parse() if strategy == 'collective' else None
   if cluster is not None and cluster.trains:  # this task's devices only: no ps
     proto.device_filters.append(f'/job:{cluster.task_type}/task:{cluster.task_index}')
   return proto
@@ -299,9 +302,10 @@ def make_run_config(config: TowersConfig, **run_config_kwargs: Any
         'through make_config(...) or the flags, or build the RunConfig yourself '
         'with session_config(config) edited.')
   cluster = cluster_lib.parse()
+  strategy = recommended.cluster_strategy(config.variable_strategy)
   if cluster is not None and cluster.trains:
-    cluster_lib.check(cluster, config.variable_strategy)
-  if config.variable_strategy == 'collective' and cluster is not None:
+    cluster_lib.check(cluster, strategy)
+  if strategy == 'collective' and cluster is not None:
     # Every worker trains from its first step: the workers wait for each
     # other at the first all-reduce, so Estimator's start delay only costs.
     run_config_kwargs.setdefault('experimental_max_worker_delay_secs', 0)

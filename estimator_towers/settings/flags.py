@@ -68,7 +68,11 @@ def _choices(descriptions: dict[str, str]) -> str:
 
 def _definitions() -> dict[str, Callable[[flags.FlagValues], object]]:
   """One definer per TowersConfig field, keyed by the flag (= field) name."""
-  strategies = {name: _first_paragraph(cls) for name, cls in sorted(placement.STRATEGIES.items())}
+  strategies = {'auto': 'the strategy recommended for the towers\' devices and the cluster '
+                        '(cpu on CPUs and 1-2 GPUs, gpu on 3-4, collective on 5 or more and '
+                        'across a chief and workers)'}
+  strategies.update({name: _first_paragraph(cls)
+                     for name, cls in sorted(placement.STRATEGIES.items())})
   backends = {name: _STAGING_BACKEND_HELP.get(name, name) for name in sorted(staging_backends.BACKENDS)}
   return {
       'num_gpus': lambda fv: flags.DEFINE_integer(
@@ -94,7 +98,7 @@ def _definitions() -> dict[str, Callable[[flags.FlagValues], object]]:
           'missing towers on the host CPU (one warning says so) instead of '
           'stopping with an error.', flag_values=fv),
       'variable_strategy': lambda fv: flags.DEFINE_enum(
-          'variable_strategy', 'cpu', list(strategies),
+          'variable_strategy', 'auto', list(strategies),
           'Where variables live and where gradients are combined. '
           + _choices(strategies) + '.', flag_values=fv),
       'staging_depth': lambda fv: flags.DEFINE_integer(

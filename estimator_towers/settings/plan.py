@@ -40,8 +40,8 @@ class DevicePlan:
     num_gpus: the GPU count asked for, when given as a count; 0 means one
       tower on the host CPU.
     variable_strategy: where variables live and gradients are combined:
-      'cpu' (default), 'gpu', 'replicated' or 'collective' (see the
-      placement page).
+      'auto' (default: the recommended one for the devices), 'cpu', 'gpu',
+      'replicated' or 'collective' (see the placement page).
     loss_reduction: 'auto' (default: the whole batch's loss is rebuilt from
       the shards' statistics (see the losses page); a loss it cannot
       rebuild gets one warning naming the op and the reduction the model_fn's
@@ -91,7 +91,7 @@ class DevicePlan:
   """
   devices: tuple[str, ...] | None = None
   num_gpus: int | None = None
-  variable_strategy: str = 'cpu'
+  variable_strategy: str = 'auto'
   loss_reduction: str = 'auto'
   staging_depth: int = 1
   staging_backend: str = 'staging_area'
@@ -128,7 +128,7 @@ class DevicePlan:
 
 
 def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
-              variable_strategy: str = 'cpu', loss_reduction: str = 'auto',
+              variable_strategy: str = 'auto', loss_reduction: str = 'auto',
               staging_depth: int = 1,
               staging_backend: str = 'staging_area',
               allow_cpu_fallback: bool = False,
@@ -149,10 +149,12 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
     num_gpus: towers on /gpu:0 .. /gpu:N-1; 0 trains on the host CPU.
     devices: explicit tower devices, instead of num_gpus, e.g.
       ['/gpu:0', '/gpu:2'] or ['/cpu:0', '/cpu:1'].
-    variable_strategy: 'cpu' (default: variables on the host CPU), 'gpu'
-      (spread over the tower devices), 'replicated' (a copy per tower) or
-      'collective' (a copy per tower, all-reduced; also across a chief and
-      workers). See the placement page.
+    variable_strategy: 'auto' (default: the one the choosing-a-strategy
+      page recommends for the devices and the cluster, named in the device
+      report), 'cpu' (variables on the host CPU), 'gpu' (spread over the
+      tower devices), 'replicated' (a copy per tower) or 'collective' (a
+      copy per tower, all-reduced; also across a chief and workers). See the
+      placement page.
     loss_reduction: 'auto' (default: the whole batch's loss rebuilt from the
       shards' statistics, one warning for a loss it cannot rebuild), 'exact'
       ('auto' with that warning an error), 'mean' or 'sum' (the towers'
@@ -237,7 +239,7 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
         f'{spelling.name("worker_timeout_secs")} must be a positive number of seconds '
         f'(how long a step waits for the other workers), got '
         f'{spelling.value("worker_timeout_secs", worker_timeout_secs)}. The default is 120.')
-  if variable_strategy == 'collective':
+  if variable_strategy in ('collective', 'auto'):  # 'auto' is collective in such a cluster
     cross_worker_servers.install()
   return DevicePlan(devices=canonical, num_gpus=num_gpus,
                     variable_strategy=variable_strategy,
@@ -362,7 +364,7 @@ def plan_from_arguments(plan: DevicePlan | None, num_gpus: int | None,
     raise TypeError(f'plan must be a DevicePlan from make_plan, got {plan!r}.')
   validate_resume_input(resume_input)  # 1 == True: not an override, still not a bool.
   overridden = {name: value for name, value, default in (
-      ('variable_strategy', variable_strategy, 'cpu'),
+      ('variable_strategy', variable_strategy, 'auto'),
       ('loss_reduction', loss_reduction, 'auto'),
       ('sync_batch_norm', sync_batch_norm, None),
       ('micro_batches', micro_batches, 1),
