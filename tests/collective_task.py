@@ -16,7 +16,11 @@ hand, not make_run_config's), save_every and keep (the chief's checkpoints: ever
 steps, so many kept; 0 keeps all), random_draws and resume_input (make_plan's; 'keyed' and
 True unless given), global_batch (every task reads `global_input_fn`'s global batches of that
 size, from the data's xg, yg, wg, shuffled with shuffle_seed), block_at (each training task
-stops after that global step, writes dump/blocked<rank> and waits to be killed).
+stops after that global step, writes dump/blocked<rank> and waits to be killed), tf1 (the task
+calls tf.compat.v1.disable_v2_behavior() first), heavy_ops (each training task writes the plain
+model_fn's heavy ops and its TRAIN graph's per device to dump/heavy_ops<rank>.json), pretrained
+(a checkpoint of `pretrain_model_fn`: `finetune_model_fn` warm-starts from it, the Estimator's
+warm_start_from `warm_start_settings`; its Scaffold's init_fn writes dump/init_fn_<task type>).
 """
 
 import json
@@ -236,11 +240,84 @@ def random_draws_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(loss, params))
 
 
+def tf1_mix_model_fn(features, labels, mode, params):
+  """A dense layer, an einsum self-attention over each example's 3 tokens (BERT's einsums,
+  per example: no rows mix) and a batch norm (tf.compat.v1.layers, its moving averages in
+  UPDATE_OPS; exact across workers with sync_batch_norm), Momentum: the models of
+  tests/test_tf1_behaviour.py in one model_fn, trained under disable_v2_behavior()."""
+  init = tf.compat.v1.glorot_uniform_initializer
+  training = mode == tf.estimator.ModeKeys.TRAIN
+  h = tf.compat.v1.layers.dense(features['x'], 12, tf.nn.tanh, kernel_initializer=init(seed=1))
+  tokens = tf.reshape(h, [-1, 3, 4])
+  query, key = (tf.compat.v1.get_variable(n, [4, 4], initializer=init(seed=s))
+                for n, s in (('query', 4), ('key', 5)))
+  scores = tf.einsum('bfe,bte->bft', tf.einsum('bfd,de->bfe', tokens, query),
+                     tf.einsum('btd,de->bte', tokens, key)) / 2.0
+  context = tf.einsum('bft,btd->bfd', tf.nn.softmax(scores), tokens)
+  normed = tf.compat.v1.layers.batch_normalization(tf.reshape(context, [-1, 12]),
+                                                   training=training, fused=False, momentum=0.8)
+  logits = tf.compat.v1.layers.dense(tf.nn.tanh(normed), testlib.NUM_CLASSES,
+                                     kernel_initializer=init(seed=2))
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  optimizer = tf.compat.v1.train.MomentumOptimizer(params['learning_rate'], 0.9)
+  with tf.control_dependencies(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+    train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _layer(x, units, name, seed, activation=None):
+  return tf.compat.v1.layers.dense(
+      x, units, activation, name=name,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=seed))
+
+
+def pretrain_model_fn(features, labels, mode, params):
+  """The pre-training model whose checkpoint `finetune_model_fn` starts from."""
+  hidden = _layer(_layer(features['x'], 6, 'encoder', 1, tf.nn.tanh), 6, 'middle', 2, tf.nn.tanh)
+  logits = _layer(hidden, testlib.NUM_CLASSES, 'pre_head', 3)
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=tf.compat.v1.train.
+                                    GradientDescentOptimizer(0.5).minimize(
+                                        loss, tf.compat.v1.train.get_global_step()))
+
+
+def finetune_model_fn(features, labels, mode, params):
+  """Fine-tuning from params['pretrained'] (a pre_train_model_fn checkpoint) three ways at
+  once: `encoder/` by `init_from_checkpoint` in the model_fn (BERT's pattern), `middle/` by
+  Estimator's `warm_start_from` (the task's WarmStartSettings), `pre_head/` by the Scaffold's
+  `init_fn` (which writes params['init_fn_marker'] where it runs); `new_head/` new."""
+  checkpoint = params['pretrained']
+  encoded = _layer(features['x'], 6, 'encoder', 11, tf.nn.tanh)
+  tf.compat.v1.train.init_from_checkpoint(checkpoint, {'encoder/': 'encoder/'})
+  hidden = _layer(encoded, 6, 'middle', 12, tf.nn.tanh)
+  logits = (_layer(hidden, testlib.NUM_CLASSES, 'pre_head', 13) +
+            _layer(encoded, testlib.NUM_CLASSES, 'new_head', 14))
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf.compat.v1.train.MomentumOptimizer(params['learning_rate'], 0.9).minimize(
+      loss, tf.compat.v1.train.get_global_step())
+  saver = tf.compat.v1.train.Saver({v.op.name: v for v in tf.compat.v1.global_variables()
+                                    if v.op.name in ('pre_head/kernel', 'pre_head/bias')})
+
+  def init_fn(scaffold, session):
+    del scaffold
+    saver.restore(session, checkpoint)
+    with open(params['init_fn_marker'], 'a') as f:
+      f.write('ran\n')
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
+                                    scaffold=tf.compat.v1.train.Scaffold(init_fn=init_fn))
+
+
+def warm_start_settings(checkpoint):
+  """`finetune_model_fn`'s WarmStartSettings: `middle/` from `checkpoint`."""
+  return tf.estimator.WarmStartSettings(checkpoint, vars_to_warm_start='middle/.*')
+
+
 MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_model_fn,
           'bn': bn_model_fn, 'clip': clip_model_fn, 'top_k': top_k_model_fn,
           'clip_weighted': clip_weighted_model_fn, 'mixup': mixup_model_fn,
           'attention': attention_model_fn, 'batch_reductions': batch_reductions_model_fn,
-          'random_draws': random_draws_model_fn}
+          'random_draws': random_draws_model_fn, 'tf1_mix': tf1_mix_model_fn,
+          'finetune': finetune_model_fn}
 
 
 def input_fn(data, suffix, batch, features_only=False):
@@ -342,13 +419,37 @@ class MetricsExporter(tf.estimator.Exporter):
         json.dump({k: float(v) for k, v in eval_result.items()}, f)
 
 
+def heavy_ops_per_device(path, plain_fn, features, labels, params):
+  """Writes to `path` (JSON) the plain model_fn's heavy ops (its TRAIN graph, built here) and
+  a hook that adds the towered TRAIN graph's heavy ops per device as the task builds it."""
+  import heavy_ops  # pylint: disable=g-import-not-at-top
+  plain = heavy_ops.total(heavy_ops.train_graph(
+      lambda f, l, mode, p, config=None: plain_fn(f, l, mode, p), features, labels, params))
+
+  class HeavyOps(tf.compat.v1.train.SessionRunHook):
+
+    def begin(self):
+      with open(path, 'w') as f:
+        json.dump({'plain': plain, 'per_device': heavy_ops.per_device(
+            tf.compat.v1.get_default_graph()),
+                   'resource_variables': tf.compat.v1.resource_variables_enabled(),
+                   'control_flow_v2': tf.compat.v1.control_flow_v2_enabled()}, f)
+  return HeavyOps()
+
+
 def main(spec_path):
   with open(spec_path) as f:
     spec = json.load(f)
+  if spec.get('tf1'):  # before any graph: TF1 behaviour is process-global
+    tf.compat.v1.disable_v2_behavior()
   data = np.load(spec['data'])
   tf_config = json.loads(os.environ['TF_CONFIG'])
   task = tf_config['task']
   rank, _ = et.worker_index_and_count()
+  params = {'learning_rate': spec.get('learning_rate', 0.1)}
+  if spec.get('pretrained'):
+    params.update(pretrained=spec['pretrained'], init_fn_marker=os.path.join(
+        spec['dump'], f'init_fn_{task["type"]}'))
   config = et.make_config(num_cpu_devices=spec['towers'], variable_strategy='collective',
                           micro_batches=spec.get('micro_batches', 1),
                           inter_op_threads=2, intra_op_threads=1)
@@ -369,9 +470,15 @@ def main(spec_path):
         intra_op_parallelism_threads=1), **settings)
   else:
     run_config = et.make_run_config(config, **settings)
-  estimator = tf.estimator.Estimator(model_fn, config=run_config,
-                                     params={'learning_rate': spec.get('learning_rate', 0.1)})
+  estimator = tf.estimator.Estimator(
+      model_fn, config=run_config, params=params,
+      warm_start_from=warm_start_settings(spec['pretrained']) if spec.get('pretrained') else None)
   hooks = []
+  if task['type'] != 'evaluator' and spec.get('heavy_ops'):
+    hooks.append(heavy_ops_per_device(
+        os.path.join(spec['dump'], f'heavy_ops{rank}.json'), MODELS[spec['model']],
+        {'x': data['x0'][:spec['batch']], 'w': data['w0'][:spec['batch']]},
+        data['y0'][:spec['batch']], params))
   if task['type'] != 'evaluator':
     hooks.append(DumpVariables(os.path.join(spec['dump'], f'rank{rank}.npz'),
                                spec.get('step_sleep', {}).get(str(rank), 0.0)))

@@ -684,3 +684,82 @@ def test_a_session_config_without_device_filters_gets_the_task_s_own():
   chief = tf.compat.v1.ConfigProto(device_filters=['/job:chief', '/job:ps'])  # Estimator's own
   cross_worker_servers.own_devices_only(chief, cluster, 'chief', 0)
   assert list(chief.device_filters) == ['/job:chief', '/job:ps']
+
+
+# --- TF1 behaviour and warm starts across workers ------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_tf1_behaviour_across_two_workers_of_two_towers_trains_as_plain(tmp_path):
+  """Every task calls `disable_v2_behavior()` first (TF1 shapes, ref variables, control flow
+  v1), then trains `collective_task.tf1_mix_model_fn` (a dense layer, an einsum attention and
+  a synchronised batch norm: tests/test_tf1_behaviour.py's models, in one) on 2 workers x 2
+  towers: the chief as plain on the global batches (every variable, slot and moving average
+  within 1e-5), the worker bit-equal to it, and each task's every device holds at least 0.9 x
+  the plain TRAIN graph's heavy ops (matrix products and einsums)."""
+  data = _data(tmp_path / 'data.npz', SIZES)
+  batches = _global_batches(data, SIZES)
+  spec = _spec(tmp_path, 'tf1_mix', 2, tf1=True, sync_batch_norm=True, heavy_ops=True)
+  Cluster(tmp_path, spec).run()
+  chief, expected = _chief_against_plain(tmp_path, spec, 'tf1_mix', batches)
+  assert {'query', 'key', 'batch_normalization/moving_mean',
+          'batch_normalization/moving_variance', 'query/Momentum'} <= set(chief)
+  first = tf.train.load_checkpoint(os.path.join(spec['model_dir'], 'model.ckpt-0'))
+  for name in ('query', 'batch_normalization/moving_variance'):
+    assert np.max(np.abs(first.get_tensor(name) - expected[name])) > 1e-3, name
+  _assert_workers_equal_the_chief(tmp_path, chief, SIZES)
+  for rank in SIZES:
+    with open(tmp_path / 'dump' / f'heavy_ops{rank}.json') as f:
+      counts = json.load(f)
+    assert not counts['resource_variables'] and not counts['control_flow_v2'], counts
+    assert counts['plain'] >= 6, counts  # the forward and backward products
+    shares = [counts['per_device'].get(f'CPU:{i}', 0) / counts['plain'] for i in range(2)]
+    assert min(shares) >= 0.9, (rank, counts)
+
+
+def _pretrained(tmp_path, batches):
+  estimator = tf.estimator.Estimator(collective_task.pretrain_model_fn, config=testlib.run_config(
+      1, model_dir=str(tmp_path / 'pretrained')))
+  estimator.train(_batches_input_fn(batches), steps=3)
+  return estimator.latest_checkpoint()
+
+
+@pytest.mark.timeout(240)
+def test_warm_starts_across_two_workers_of_two_towers_train_as_plain(tmp_path):
+  """Fine-tuning from a pre-training checkpoint on 2 workers x 2 towers
+  (`collective_task.finetune_model_fn`): `init_from_checkpoint` in the model_fn (BERT's
+  pattern), Estimator's `warm_start_from` and a Scaffold's `init_fn`, each for a layer of its
+  own, and a new layer. Every task's variables are set to the chief's at session start (the
+  broadcast of the local init op): the warm-started values survive it (the chief's first
+  checkpoint holds the pre-trained layers), the init_fn runs on the chief only (the worker takes
+  its values from the broadcast), and the run equals the plain model_fn warm-started the same
+  three ways and trained on the global batches from its own start (not the chief's checkpoint),
+  the worker bit-equal to the chief."""
+  data = _data(tmp_path / 'data.npz', SIZES)
+  batches = _global_batches(data, SIZES)
+  pretrained = _pretrained(tmp_path, batches)
+  spec = _spec(tmp_path, 'finetune', 2, pretrained=pretrained)
+  Cluster(tmp_path, spec).run()
+
+  start = testlib.checkpoint_variables(os.path.join(spec['model_dir'], 'model.ckpt-0'))
+  source = testlib.checkpoint_variables(pretrained)
+  for layer in ('encoder', 'middle', 'pre_head'):  # the three ways, each on the chief's start
+    for name in (f'{layer}/kernel', f'{layer}/bias'):
+      np.testing.assert_array_equal(start[name], source[name], err_msg=name)
+  assert np.max(np.abs(source['encoder/bias'])) > 1e-3  # pre-training moved them
+  assert (tmp_path / 'dump' / 'init_fn_chief').read_text() == 'ran\n'
+  assert not (tmp_path / 'dump' / 'init_fn_worker').exists()
+
+  params = {'learning_rate': 0.1, 'pretrained': pretrained,
+            'init_fn_marker': str(tmp_path / 'plain_init_fn')}
+  plain = tf.estimator.Estimator(
+      collective_task.finetune_model_fn, params=params,
+      warm_start_from=collective_task.warm_start_settings(pretrained),
+      config=testlib.run_config(1, model_dir=str(tmp_path / 'plain')))
+  plain.train(_batches_input_fn(batches), steps=len(batches))
+  expected = testlib.variables(plain)
+  chief = testlib.variables(testlib.make_estimator(collective_task.finetune_model_fn,
+                                                   model_dir=spec['model_dir'], params=params))
+  assert chief['global_step'] == len(batches) == 5
+  testlib.assert_variables_close(chief, expected)
+  _assert_workers_equal_the_chief(tmp_path, chief, SIZES)
