@@ -718,8 +718,9 @@ def test_tf1_behaviour_across_two_workers_of_two_towers_trains_as_plain(tmp_path
 
 
 def _pretrained(tmp_path, batches):
-  estimator = tf.estimator.Estimator(collective_task.pretrain_model_fn, config=testlib.run_config(
-      1, model_dir=str(tmp_path / 'pretrained')))
+  estimator = tf.estimator.Estimator(collective_task.pretrain_model_fn, params={},
+                                     config=testlib.run_config(
+                                         1, model_dir=str(tmp_path / 'pretrained')))
   estimator.train(_batches_input_fn(batches), steps=3)
   return estimator.latest_checkpoint()
 

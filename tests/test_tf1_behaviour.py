@@ -7,7 +7,9 @@ batch norm (`sync_batch_norm=True`) on 2 towers, the first two and the dense
 model with a tf.cond (not chosen by the batch) on 2 towers x 2 micro-batches.
 Each must train as the plain model_fn on one device (every variable and slot
 within 1e-5 after steps 1 and 3) and be data-parallel: the least loaded device
-holds at least 0.9 x the plain graph's heavy ops.
+holds at least 0.9 x the plain graph's heavy ops. Across workers (a chief and a worker
+of 2 towers each, the three models in one model_fn):
+test_collective.py::test_tf1_behaviour_across_two_workers_of_two_towers_trains_as_plain.
 
 Before: TF1 shapes (`Dimension`s) failed in `reporting/throughput.py` (`int()`
 of an unknown batch size); ref variables (`disable_resource_variables()`)
