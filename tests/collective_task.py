@@ -282,7 +282,7 @@ def pretrain_model_fn(features, labels, mode, params):
 
 
 def finetune_model_fn(features, labels, mode, params):
-  """Fine-tuning from params['pretrained'] (a pre_train_model_fn checkpoint) three ways at
+  """Fine-tuning from params['pretrained'] (a pretrain_model_fn checkpoint) three ways at
   once: `encoder/` by `init_from_checkpoint` in the model_fn (BERT's pattern), `middle/` by
   Estimator's `warm_start_from` (the task's WarmStartSettings), `pre_head/` by the Scaffold's
   `init_fn` (which writes params['init_fn_marker'] where it runs); `new_head/` new."""
