@@ -122,6 +122,9 @@ class WholeBatchViews:
     """`hooks`, each fetching the whole batch's tensors (`Rebound`)."""
     rebound = []
     for hook in hooks:
+      if isinstance(hook, tf.compat.v1.train.CheckpointSaverHook):
+        rebound.append(hook)   # Estimator looks for it by its type; it fetches no tensor
+        continue
       for tensor in interception.hook_tensors(hook):
         if isinstance(tensor, str):
           # A name made later (global_mean's, once every tower is built) is the
