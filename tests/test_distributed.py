@@ -60,7 +60,7 @@ def test_a_worker_with_parameter_servers_warns_that_its_input_restarts(monkeypat
   monkeypatch.setenv('TF_CONFIG', json.dumps(
       {'cluster': cluster, 'task': {'type': task_type, 'index': 0}}))
   warnings = testlib.logged_warnings(monkeypatch)
-  config = tf.estimator.RunConfig()
+  config = tf.estimator.RunConfig(session_config=testlib.session_config(2))
   towered = replicate_model_fn(testlib.v1_model_fn, devices=['/cpu:0', '/cpu:1'])
   x, y = testlib.data(8)
   setter = tf.compat.v1.train.replica_device_setter(
