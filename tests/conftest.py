@@ -12,6 +12,8 @@ full collection otherwise walks those millions of long-lived objects again;
 the tests build and drop graphs all the time, which triggers many (about 8%
 of a test process's time, measured on tests/test_cross_example.py). Objects
 the tests make are collected as before.
+
+TF_CONFIG: a test that leaves it changed fails, and it is put back.
 """
 
 import gc
@@ -42,3 +44,20 @@ def _temporary_directory():
     else:
       os.environ['TMPDIR'] = saved_env
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _tf_config_left_as_it_was():
+  """A TF_CONFIG a test leaves in os.environ would make every later Estimator of the
+  process a task of that cluster (a worker waiting for its chief forever): it is put
+  back, and the test that left it fails."""
+  saved = os.environ.get('TF_CONFIG')
+  yield
+  left = os.environ.get('TF_CONFIG')
+  if left != saved:
+    if saved is None:
+      os.environ.pop('TF_CONFIG', None)
+    else:
+      os.environ['TF_CONFIG'] = saved
+    pytest.fail(f'the test left TF_CONFIG={left!r} in os.environ (it was {saved!r}); '
+                f'use monkeypatch.setenv / delenv')

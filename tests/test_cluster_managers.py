@@ -44,7 +44,11 @@ def slurm(tmp_path, monkeypatch):
   stub.write_text('\n'.join(lines) + '\n')
   stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
   monkeypatch.setenv('PATH', f'{tmp_path}{os.pathsep}{os.environ["PATH"]}')
-  monkeypatch.delenv('TF_CONFIG', raising=False)
+  # Recorded as it is (absent, most often), so that the TF_CONFIG the code under test
+  # sets in os.environ is undone after the test: a TF_CONFIG left behind makes every
+  # later Estimator of the process a worker waiting for its chief.
+  monkeypatch.setenv('TF_CONFIG', '{}')
+  monkeypatch.delenv('TF_CONFIG')
 
   def step(procid, nodelist='node[9-10]', tasks_per_node='1(x2)', ntasks=2):
     for name in [n for n in os.environ if n.startswith('SLURM_')]:
