@@ -10,6 +10,8 @@ within 1e-5 after steps 1 and 3) and be data-parallel: the least loaded device
 holds at least 0.9 x the plain graph's heavy ops. Across workers (a chief and a worker
 of 2 towers each, the three models in one model_fn):
 test_collective.py::test_tf1_behaviour_across_two_workers_of_two_towers_trains_as_plain.
+Under `disable_v2_behavior()` the hooks' and summaries' values are one device's
+too (tests/test_hook_values.py's model on 2 x 2: case 'hooks_2x2').
 
 Before: TF1 shapes (`Dimension`s) failed in `reporting/throughput.py` (`int()`
 of an unknown batch size); ref variables (`disable_resource_variables()`)
@@ -35,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 600
 # Under disable_v2_behavior() every case; under each of its parts alone, one per model.
 PARTS_CASES = ('dense_2x2', 'einsum_attention_2', 'batch_norm_2', 'cond_2x2')
-RUNS = [('v1', c) for c in task.CASES] + [
+RUNS = [('v1', c) for c in (*task.CASES, 'hooks_2x2')] + [
     (b, c) for b in task.BEHAVIOURS if b != 'v1' for c in PARTS_CASES]
 
 

@@ -7,7 +7,8 @@ on first (process-global, so never in the pytest process):
 the plain model_fn and the towered one (steps 1 and 3, every variable and slot
 within 1e-5: `testlib.assert_variables_close`) and counts the towered TRAIN
 graph's heavy ops per device (`heavy_ops.least_share`). Prints one JSON line
-per case: {"case", "error" (None if exact), "share"}. Run by
+per case: {"case", "error" (None if exact), "share"}; case 'hooks_2x2' checks
+what hooks and summaries read instead (`run_hooks`). Run by
 tests/test_tf1_behaviour.py.
 """
 
@@ -81,6 +82,47 @@ CASES = {'dense_2': ('dense', 2, 1), 'dense_2x2': ('dense', 2, 2),
          'batch_norm_2': ('batch_norm', 2, 1), 'cond_2x2': ('cond', 2, 2)}
 
 
+def run_hooks() -> dict:
+  """tests/test_hook_values.py's model (summaries of the loss, an accuracy, a max and the
+  logits; a hook fetching the loss; dropout) on 2 towers x 2 micro-batches against plain:
+  the summaries read back and the hook's values at every step."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import heavy_ops  # pylint: disable=g-import-not-at-top
+  import test_hook_values as hooks  # pylint: disable=g-import-not-at-top
+  import testlib  # pylint: disable=g-import-not-at-top
+  import estimator_towers as et  # pylint: disable=g-import-not-at-top
+
+  def trained(model_fn, num_cpus):
+    model_dir = tempfile.mkdtemp()
+    tf.estimator.Estimator(model_fn, config=testlib.run_config(
+        num_cpus, model_dir=model_dir, save_summary_steps=1)).train(
+            hooks._input_fn(True), max_steps=hooks.STEPS)  # pylint: disable=protected-access
+    return hooks._events(model_dir)  # pylint: disable=protected-access
+
+  result = {'case': 'hooks_2x2', 'error': None, 'share': None}
+  plain_fetches, towered_fetches = [], []
+  towered_fn = et.replicate_model_fn(hooks._model_fn(towered_fetches),  # pylint: disable=protected-access
+                                     devices=testlib.cpu_devices(2), micro_batches=2)
+  try:
+    plain = trained(hooks._model_fn(plain_fetches), 1)  # pylint: disable=protected-access
+    towered = trained(towered_fn, 2)
+    for tag in ('loss', 'my_loss', 'accuracy', 'max_logit', 'logits'):
+      assert len(plain[tag]) == hooks.STEPS, (tag, plain[tag])
+      testlib.assert_close(np.array(towered[tag], np.float64),
+                           np.array(plain[tag], np.float64), err_msg=tag)
+    testlib.assert_close(np.array(towered_fetches[0].values),
+                         np.array(plain_fetches[0].values), err_msg='the hook\'s loss')
+    features = {'x': hooks.X[:12], 'label': hooks.Y[:12]}
+    plain_fn = hooks._model_fn([])  # pylint: disable=protected-access
+    result['share'] = heavy_ops.least_share(
+        heavy_ops.train_graph(towered_fn, features, None),
+        heavy_ops.train_graph(lambda f, l, m, p, c=None: plain_fn(f, l, m), features, None), 2)
+  except Exception:  # pylint: disable=broad-except
+    result['error'] = traceback.format_exc()[-3000:]
+  return result
+
+
 def _plain_fn(model_fn):
   return lambda features, labels, mode, params, config=None: model_fn(
       features, labels, mode, params)
@@ -117,7 +159,7 @@ def main(argv):
   BEHAVIOURS[argv[1]]()
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
   for case in argv[2:]:
-    print(json.dumps(run(case)), flush=True)
+    print(json.dumps(run_hooks() if case == 'hooks_2x2' else run(case)), flush=True)
 
 
 if __name__ == '__main__':
