@@ -71,17 +71,15 @@ def _flags_of_its_own():
       setattr(module, n, f)
 
 
-def model_fn(learning_rate: float = 1e-2, dropout: bool = False, num_warmup_steps: int = 0,
-             num_train_steps: int = NUM_TRAIN_STEPS):
+def model_fn(learning_rate: float = 1e-2, dropout: bool = False):
   """BERT's pre-training model_fn (an Estimator model_fn giving an EstimatorSpec);
-  `dropout`: BertConfig's default dropout probabilities, else none; `num_warmup_steps`
-  and `num_train_steps`: its learning rate's schedule."""
+  `dropout`: BertConfig's default dropout probabilities, else none."""
   modeling, run_pretraining = modules()
   config = modeling.BertConfig(**(CONFIG if not dropout else {
       k: v for k, v in CONFIG.items() if not k.endswith('dropout_prob')}))
   bert_fn = run_pretraining.model_fn_builder(
       bert_config=config, init_checkpoint=None, learning_rate=learning_rate,
-      num_train_steps=num_train_steps, num_warmup_steps=num_warmup_steps, use_tpu=False,
+      num_train_steps=NUM_TRAIN_STEPS, num_warmup_steps=0, use_tpu=False,
       use_one_hot_embeddings=False)
 
   def fn(features, labels, mode, params, config=None):

@@ -254,7 +254,7 @@ def _write_model_fn(write):
   return model_fn
 
 
-def _train_graph_with_hooks_begun(model_fn, ref_step=False, num_devices=2, bert=False):
+def _train_graph_with_hooks_begun(model_fn, ref_step=False, num_devices=2):
   """The TRAIN graph as Estimator builds it, up to its hooks' begin() (before the session)."""
   x, y = testlib.data(8)
   with tf.Graph().as_default() as graph:
@@ -266,11 +266,7 @@ def _train_graph_with_hooks_begun(model_fn, ref_step=False, num_devices=2, bert=
     else:
       tf.compat.v1.train.create_global_step()
     towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices))
-    if bert:
-      spec = towered({k: tf.constant(v) for k, v in bert_model.features(12).items()}, None,
-                     tf.estimator.ModeKeys.TRAIN)
-    else:
-      spec = towered({'x': tf.constant(x)}, tf.constant(y), tf.estimator.ModeKeys.TRAIN)
+    spec = towered({'x': tf.constant(x)}, tf.constant(y), tf.estimator.ModeKeys.TRAIN)
     for hook in spec.training_hooks:
       hook.begin()
   return graph
@@ -299,28 +295,3 @@ def test_a_function_with_a_handle_of_its_own_to_the_step_is_refused():
   with pytest.raises(ValueError, match=r'VarHandleOp .* in the function .*advance.* cannot: '
                                        r'it makes its own handle to the global step'):
     _train_graph_with_hooks_begun(_write_model_fn(lambda step: advance()))
-
-
-def test_bert_s_learning_rate_reads_the_step_before_its_assign():
-  """BERT's warm-up and decay read the global step in no order with its
-  `assign(global_step + 1)`: the assign waits for those reads (and for the draws' key), so
-  a step's learning rate is its own step's in every run, on one device as on towers."""
-  from estimator_towers.draws import keyed
-  for devices in (['/cpu:0'], testlib.cpu_devices(3)):
-    graph = _train_graph_with_hooks_begun(
-        lambda features, labels, mode, params=None: bert_model.model_fn(
-            dropout=True, num_warmup_steps=10, num_train_steps=100)(features, labels, mode, {}),
-        num_devices=len(devices), bert=True)
-    step = tf.compat.v1.train.get_global_step(graph)
-    graph_def = graph.as_graph_def()
-    assigns = [op for op in step.op.outputs[0].consumers() if op.type == 'AssignVariableOp'
-               and op is not step.initializer]
-    reads = [op for op in step.op.outputs[0].consumers() if op.type == 'ReadVariableOp']
-    assert len(assigns) == 1 and len(reads) >= 3, (assigns, reads)
-    waited = _waited_for(graph_def, assigns[0].name)
-    learning_rate_reads = [r for r in reads if 'PolynomialDecay' in str(
-        [c.name for c in r.outputs[0].consumers()]) or 'Cast' in str(
-        [c.type for c in r.outputs[0].consumers()])]
-    assert learning_rate_reads and all(r.name in waited for r in learning_rate_reads), (
-        [r.name for r in learning_rate_reads], assigns[0].name)
-    assert keyed._of_graph.get(graph) is not None

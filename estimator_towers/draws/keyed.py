@@ -116,13 +116,10 @@ def positions_for(graph: tf.Graph, k: int) -> dict:
 
 def with_step_order(spec: tf.estimator.EstimatorSpec) -> tf.estimator.EstimatorSpec:
   """A TRAIN `spec` whose last hook orders the global step's writes that hooks build
-  (`step_order.StepOrderHook`), and whose train op's writes of the step wait for the step's
-  plain reads (`step_order.order_reads_first`), where the default graph has keyed draws."""
+  (`step_order.StepOrderHook`), where the default graph has keyed draws."""
   draws = _of_graph.get(tf.compat.v1.get_default_graph())
   if draws is None:
     return spec
-  train_op = getattr(spec.train_op, 'op', spec.train_op)
-  step_order.order_reads_first(draws.graph, draws.seed.op, train_op)
   return spec._replace(
       training_hooks=tuple(spec.training_hooks or ()) + (draws.step_order_hook(),))
 

@@ -13,9 +13,7 @@ Switch, so that everything inside waits too. This is a graph edge, which
 TensorFlow honours in every run, whatever the scheduling. It is done when the
 model_fn returns and again in `StepOrderHook.begin`, which runs after every
 other hook's `begin` (the last of the TRAIN spec's hooks) and so sees the ops
-hooks build. The writes the train op runs also wait for every plain read of
-the step that no write comes before (a learning-rate schedule's), so the
-whole step reads the step it started with, on one device as on towers.
+hooks build.
 
 The read's own ops (the anchor's ancestors) are the only takers left alone.
 What cannot be ordered is refused, naming the op: a function body that makes
@@ -31,13 +29,12 @@ import tensorflow as tf
 
 from estimator_towers.base import interception
 
-__all__ = ['StepOrderHook', 'order_reads_first', 'order_writes', 'unordered_writes']
+__all__ = ['StepOrderHook', 'order_writes', 'unordered_writes']
 
 # Ops that only read a variable: they need no order (a read's value is the step's either way).
 _READS = frozenset({'ReadVariableOp', 'VarIsInitializedOp', 'IsVariableInitialized',
                     'VariableShape', '_ReadVariablesOp'})
 _HANDLE_OPS = frozenset({'VarHandleOp', 'VariableV2', 'Variable'})
-_PLAIN_READS = frozenset({'ReadVariableOp', 'Identity'})   # a value read (Identity: a ref's)
 
 
 def _owners(graph: tf.Graph, step) -> list[tf.Operation]:
@@ -112,27 +109,6 @@ def order_writes(graph: tf.Graph, anchor: tf.Operation) -> int:
   for op in writes:
     interception.add_control_inputs(op, [anchor])
   return len(writes)
-
-
-def order_reads_first(graph: tf.Graph, anchor: tf.Operation, train_op: tf.Operation) -> None:
-  """Every write of the step the train op runs waits for every plain read of the step that
-  no write comes before (a learning-rate schedule reads the step in no order with BERT's
-  assign): the whole step reads the step it started with. Not other writes (a Saver's
-  restore runs before the variable can be read)."""
-  step = tf.compat.v1.train.get_global_step(graph)
-  if step is None or not hasattr(step, 'op') or train_op is None:
-    return
-  own, trained = _ancestors(anchor), _ancestors(train_op)
-  writes = [op for op in _takers(graph, step) if op in trained and op not in own]
-  for owner in _owners(graph, step):
-    for read in [op for op in owner.outputs[0].consumers()
-                 if op.type in _PLAIN_READS and _is_read(op) and op not in own]:
-      before = _ancestors(read)
-      if any(write in before for write in writes):
-        continue   # a read after a write (a read_value of an assign): it stays after
-      for write in writes:
-        if read not in write.control_inputs:
-          interception.add_control_inputs(write, [read])
 
 
 def _refuse_hidden_handles(graph: tf.Graph, step) -> None:
