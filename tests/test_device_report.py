@@ -92,9 +92,11 @@ def test_cpu_fallback_warns_once_naming_the_cpu_and_logs_the_real_devices(
   # Once per graph, naming the devices the towers got; no GPU claimed.
   assert tower_logs(records) == [
       'estimator_towers: train graph: 2 tower(s) on /device:CPU:0, /device:CPU:0; '
-      'variables on /device:CPU:0 (variable_strategy=cpu, loss_reduction=auto).',
+      'variables on /device:CPU:0 (variable_strategy=cpu, chosen for towers on CPU devices: '
+      'the host adds their gradients, loss_reduction=auto).',
       'estimator_towers: eval graph: 2 tower(s) on /device:CPU:0, /device:CPU:0; '
-      'variables on /device:CPU:0 (variable_strategy=cpu, loss_reduction=auto).']
+      'variables on /device:CPU:0 (variable_strategy=cpu, chosen for towers on CPU devices: '
+      'the host adds their gradients, loss_reduction=auto).']
 
   plain = testlib.make_estimator(testlib.v1_model_fn, model_dir=str(tmp_path / 'plain'))
   plain.train(fn, steps=1)
@@ -118,7 +120,8 @@ def test_placement_log_once_per_graph_not_per_call(records, num_towers):
         towered(tf.constant(x), None, ModeKeys.PREDICT, None, None)
   devices = ', '.join(f'/device:CPU:{k}' for k in range(num_towers))
   expected = (f'estimator_towers: infer graph: {num_towers} tower(s) on {devices}; '
-              f'variables on /device:CPU:0 (variable_strategy=cpu, loss_reduction=auto).')
+              f'variables on /device:CPU:0 (variable_strategy=cpu, chosen for towers on '
+              f'CPU devices: the host adds their gradients, loss_reduction=auto).')
   assert tower_logs(records) == [expected, expected]
 
 

@@ -59,5 +59,6 @@ def test_the_library_lines_print_once_at_absl_info(tmp_path):
   placement = [l for l in lines if 'estimator_towers: train graph: 2 tower(s)' in l]
   assert placement == [
       'INFO:absl:estimator_towers: train graph: 2 tower(s) on /device:CPU:0, /device:CPU:1; '
-      'variables on /device:CPU:0 (variable_strategy=cpu, loss_reduction=auto).'], placement
+      'variables on /device:CPU:0 (variable_strategy=cpu, chosen for towers on CPU devices: '
+      'the host adds their gradients, loss_reduction=auto).'], placement
   assert sum('Loss for final step' in l for l in lines) == 1

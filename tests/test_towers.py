@@ -458,7 +458,8 @@ def test_summaries_come_from_tower_zero_and_placement_is_logged(caplog):
                      if r.getMessage().startswith('estimator_towers: train graph:')]
   assert placement_lines == [  # Once per graph.
       'estimator_towers: train graph: 3 tower(s) on /device:CPU:0, /device:CPU:1, /device:CPU:2; '
-      'variables on /device:CPU:0 (variable_strategy=cpu, loss_reduction=auto).']
+      'variables on /device:CPU:0 (variable_strategy=cpu, chosen for towers on CPU devices: '
+      'the host adds their gradients, loss_reduction=auto).']
 
 
 def _sequential_model_fn(features, labels, mode, params):

@@ -48,13 +48,17 @@ class WholeBatchViews:
     counterparts: tower 0's tensor -> every built tower's (None if unknown).
     shards: the towers' shards.
     graph: the graph.
-    batch: the global batch size; across: the cluster's all-reduces, if any.
+    batch: unused (this task's batch is the shards'); across: the cluster's
+      all-reduces, if any (the loss is the cluster's; other views this task's).
   """
 
   def __init__(self, loss: tuple, counterparts: Callable[[tf.Tensor], Sequence | None],
                shards: Any, graph: tf.Graph, batch: Any = None, across: Any = None):
     self._counterparts, self._shards, self._graph = counterparts, shards, graph
-    self._batch, self._across = batch, across
+    # Across workers a view is this task's share of the global batch: an all-reduce only
+    # a summary or a hook on one task reads would wait for the others forever.
+    self._batch, self._across, self._workers = shards.batch, None, across is not None
+    del batch
     self._inputs = shards.flat(shards.active[0])
     self._views = {loss[0].name: loss[1]}
     self._dependence = loss_algebra.Dependence(self._inputs)
@@ -72,6 +76,12 @@ class WholeBatchViews:
           f'rows): on towers it shows tower 0\'s value, not one device\'s.',
           key=f'whole_batch_views:{name}')
       view = tensor
+    elif self._workers and view is not tensor:
+      logs.warning_once(
+          f'estimator_towers: across workers, {name} reads {tensor.name} of this task\'s '
+          f'share of the global batch (its towers\' rows), not the whole cluster\'s: only '
+          f'the loss is the whole global batch\'s in a summary or hook.',
+          key='whole_batch_views:workers')
     self._views[tensor.name] = view
     return view
 
@@ -99,9 +109,9 @@ class WholeBatchViews:
     return kind is not None and kind == row_dependence.Kind(row_dependence.ROWS)
 
   def _joined(self, rows: tf.Tensor) -> tf.Tensor | None:
-    """Every tower's rows of tower 0's `rows`, in example order (one machine only)."""
+    """Every tower's rows of tower 0's `rows`, in example order (this task's)."""
     values = self._counterparts(rows)
-    if values is None or self._across is not None:
+    if values is None:
       return None
     return sharding.concat([v for v, ne in zip(values, self._shards.nonempty) if ne is not False])
 
