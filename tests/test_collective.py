@@ -307,10 +307,12 @@ def test_batch_norm_across_workers_trains_as_on_one_machine(tmp_path, sync):
   else:
     both = 2  # steps in which both workers have data
     plain = _plain_from(spec['model_dir'], 'model.ckpt-0', et.replicate_model_fn(
-        model_fn, devices=testlib.cpu_devices(4)), params, tmp_path, num_cpus=4)
+        model_fn, devices=testlib.cpu_devices(4), sync_batch_norm=False), params, tmp_path,
+        num_cpus=4)
     plain.train(_batches_input_fn(batches[:both]), steps=both)
-    plain = testlib.make_estimator(et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(2)),
-                                   2, model_dir=plain.model_dir, params=params)
+    plain = testlib.make_estimator(
+        et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(2), sync_batch_norm=False),
+        2, model_dir=plain.model_dir, params=params)
     plain.train(_batches_input_fn(batches[both:]), steps=len(batches) - both)
   expected = testlib.variables(plain)
   chief = testlib.variables(testlib.make_estimator(model_fn, model_dir=spec['model_dir']))
