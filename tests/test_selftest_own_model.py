@@ -25,6 +25,7 @@ from estimator_towers.selftest import cli
 from estimator_towers.selftest import one_start
 from estimator_towers.selftest import own_model
 from estimator_towers.selftest import user_code
+from test_selftest import _parse  # the flags' error for a command line
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -128,14 +129,6 @@ def test_the_runs_start_from_one_checkpoint(tmp_path):
                           {}, start, 1, str(tmp_path))
           for devices in (['/cpu:0'], ['/cpu:0', '/cpu:1'])]
   assert own_model.differences(runs[0], runs[1])['hidden/kernel'] <= 1e-5
-
-
-def _parse(*args: str) -> str:
-  flag_values = flags.FlagValues()
-  cli.define_flags(flag_values)
-  with pytest.raises(flags.Error) as raised:
-    flag_values(['selftest', *args])
-  return str(raised.value)
 
 
 def test_error_model_fn_without_input_fn():
