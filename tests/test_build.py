@@ -103,13 +103,24 @@ def _label_to_path(label: str) -> str:
   return label
 
 
-def transitive_srcs(rule: Rule, by_name: dict[str, Rule]) -> set[str]:
-  """Source paths of rule and its same-package deps."""
+def transitive_srcs(rule: Rule, by_name: dict[str, Rule],
+                    _seen: dict[str, set[str]] | None = None) -> set[str]:
+  """Source paths of rule and its same-package deps.
+
+  Each rule's set is computed once (_seen): the stage libraries share deps, and
+  walking every path of that diamond-shaped graph is exponential.
+  """
+  seen = {} if _seen is None else _seen
+  key = rule.attrs.get('name')
+  if key in seen:
+    return seen[key]
   srcs = {_label_to_path(s) for s in rule.attrs.get('srcs', [])}
   for dep in rule.attrs.get('deps', []):
     name = _label_to_path(dep)
     if name in by_name:
-      srcs |= transitive_srcs(by_name[name], by_name)
+      srcs |= transitive_srcs(by_name[name], by_name, seen)
+  if key is not None:
+    seen[key] = srcs
   return srcs
 
 
