@@ -9,6 +9,13 @@ its JSON gives every run, variable and slot; the planted one exits 1 naming
 the first variable and the op one tower only builds. One real command line
 in a fresh process gives the exit status and the JSON; the flags' errors are
 tried here, as is a user's module that cannot be imported.
+
+The rounding floor (`rounding_floor`): a tiny ResNet whose float32 training
+moves by more than 1e-5 with the rounding alone (ReLUs on their kink, as a
+deep ResNet has; `own_model_example.resnet_model_fn`) passes on 2 towers,
+which differ from one device by more than 1e-5 but no more than the
+reference nudged by one unit in the last place does; the same model with a
+real difference (each tower's own batch-norm statistics) still fails.
 """
 
 from __future__ import annotations
@@ -129,6 +136,33 @@ def test_the_runs_start_from_one_checkpoint(tmp_path):
                           {}, start, 1, str(tmp_path))
           for devices in (['/cpu:0'], ['/cpu:0', '/cpu:1'])]
   assert own_model.differences(runs[0], runs[1])['hidden/kernel'] <= 1e-5
+
+
+def _resnet_check(**settings):
+  sys.path.insert(0, TESTS)
+  import own_model_example  # pylint: disable=g-import-not-at-top
+  return own_model.check_model(own_model_example.resnet_model_fn, own_model_example.resnet_input_fn,
+                               ['/cpu:0', '/cpu:1'], steps=1, micro_batches=1, **settings)
+
+
+def test_a_model_whose_rounding_moves_it_beyond_1e5_passes_within_its_floor():
+  result = _resnet_check()
+  data = result.data
+  (run,) = data['runs']
+  assert data['rounding_floor'] > 1e-5, data  # the model: float32 rounding alone moves it
+  assert run['max_difference'] > 1e-5, run  # the towers too: a fixed 1e-5 failed them
+  assert run['max_difference'] <= data['tolerance'] == run['tolerance'] == 4 * data['rounding_floor']
+  assert result.status == 'PASS' and run['status'] == 'PASS', result.lines
+  assert any(line.startswith('rounding floor ') for line in result.lines), result.lines
+
+
+def test_the_floor_does_not_hide_a_real_difference():
+  """Each tower's own batch-norm statistics: a difference of the gradient's size, a FAIL."""
+  result = _resnet_check(sync_batch_norm=False)
+  (run,) = result.data['runs']
+  assert result.status == 'FAIL' and run['status'] == 'FAIL', result.lines
+  assert run['max_difference'] > 10 * result.data['rounding_floor'], run
+  assert run['first_variable'].startswith(('unit/', 'initial_bn/')), run['first_variable']
 
 
 def test_error_model_fn_without_input_fn():

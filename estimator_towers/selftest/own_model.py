@@ -6,7 +6,10 @@ its dropout draws what any topology draws, so it is the reference), and the
 candidates (N towers; 1 device x k micro-batches; N towers x k
 micro-batches) train `steps` steps of the user's input_fn from one
 initialisation (`one_start`). Every variable and slot of each candidate must
-be within `TOLERANCE` of the reference, relative to max(1, |reference|).
+be within the tolerance of the reference, relative to max(1, |reference|):
+`TOLERANCE`, or more for a model whose float32 rounding alone moves the
+reference further (`rounding_floor`: the reference rerun from its start
+nudged by one unit in the last place; the tolerance is a multiple of that).
 A candidate that is not names the first variable above it, in the order the
 graph creates them, and the op to look at: the first op of the forward pass
 that reads that variable, with its device; from there, follow the path to
@@ -34,6 +37,7 @@ from estimator_towers.reporting import work_share
 from estimator_towers.selftest import exactness
 from estimator_towers.selftest import one_start
 from estimator_towers.selftest import report
+from estimator_towers.selftest import rounding_floor
 from estimator_towers.selftest import user_code
 
 TOLERANCE = exactness.TOLERANCE
@@ -154,15 +158,16 @@ def _library_warnings():
 
 
 def _compare(label: str, devices: tuple, micro_batches: int, trained: one_start.Trained,
-             reference: one_start.Trained) -> dict:
+             reference: one_start.Trained, tolerance: float) -> dict:
   """One candidate's JSON row: its status, the worst and the first variable, the op, the work."""
   found = differences(trained, reference)
   worst = max(found, key=found.get) if found else ''
-  above = [name for name, value in found.items() if value > TOLERANCE]
+  above = [name for name, value in found.items() if value > tolerance]
   counts, share = heavy_ops(trained, devices)
   total = sum(counts.values())
   return {'label': label, 'devices': list(devices), 'micro_batches': micro_batches,
-          'steps': trained.steps, 'status': report.FAIL if above else report.PASS,
+          'steps': trained.steps, 'tolerance': tolerance,
+          'status': report.FAIL if above else report.PASS,
           'max_difference': found.get(worst, 0.0), 'variable': worst,
           'first_variable': above[0] if above else None,
           'op': (tower_only_op(trained.graph) or op_to_look_at(trained.graph, above[0])
@@ -180,7 +185,7 @@ def _lines(run: dict) -> list[str]:
            f'at {run["variable"]}',
            f'      heavy ops per device: {work}']
   if run['first_variable']:
-    lines.append(f'      first variable above {TOLERANCE:g}: {run["first_variable"]} '
+    lines.append(f'      first variable above {run["tolerance"]:.3g}: {run["first_variable"]} '
                  f'({run["first_difference"]:.2e}); op to look at: '
                  f'{run["op"] or "none found (the variable is not read in the forward pass)"}')
   return lines
@@ -199,8 +204,8 @@ def check_model(model_fn: Callable, input_fn: Callable, devices: Sequence[str],
     tf.config.experimental.enable_op_determinism()
   runs = candidates(devices, micro_batches)
   head = (f'{name}, {steps} steps from one initialisation, against {devices[0]} alone '
-          f'(replicate_model_fn); pass: every variable and slot within {TOLERANCE:g} of it, '
-          f'relative to max(1, |value|)')
+          f'(replicate_model_fn); pass: every variable and slot within max({TOLERANCE:g}, '
+          f'{rounding_floor.FACTOR:g} x the rounding floor) of it, relative to max(1, |value|)')
   determinism = ('op determinism on (GPUs)' if gpus else
                  'op determinism not needed (CPU devices only)')
   data = {'tolerance': TOLERANCE, 'steps': steps, 'reference': devices[0], 'params': params,
@@ -215,10 +220,16 @@ def check_model(model_fn: Callable, input_fn: Callable, devices: Sequence[str],
     start = one_start.initial_checkpoint(model_fn, input_fn, devices[0], params, root, settings)
     reference = one_start.train(model_fn, input_fn, devices[:1], 1, params, start, steps, root,
                                 settings)
+    floor = rounding_floor.measure(model_fn, input_fn, devices[0], params, start, steps,
+                                   reference, differences, root, settings)
+    lines.append(rounding_floor.floor_line(floor))
+    data.update(tolerance=floor.tolerance, base_tolerance=TOLERANCE, rounding_floor=floor.value,
+                rounding_floor_variable=floor.variable, rounding_floor_factor=rounding_floor.FACTOR)
     for label, run_devices, k in runs:
       try:
         run = _compare(label, run_devices, k, one_start.train(
-            model_fn, input_fn, run_devices, k, params, start, steps, root, settings), reference)
+            model_fn, input_fn, run_devices, k, params, start, steps, root, settings), reference,
+            floor.tolerance)
         lines.extend(_lines(run))
       except Exception as e:  # pylint: disable=broad-except  (one run's crash: its FAIL)
         error = f'{type(e).__name__}: {e}'.strip()
