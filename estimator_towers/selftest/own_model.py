@@ -223,8 +223,7 @@ def check_model(model_fn: Callable, input_fn: Callable, devices: Sequence[str],
     floor = rounding_floor.measure(model_fn, input_fn, devices[0], params, start, steps,
                                    reference, differences, root, settings)
     lines.append(rounding_floor.floor_line(floor))
-    data.update(tolerance=floor.tolerance, base_tolerance=TOLERANCE, rounding_floor=floor.value,
-                rounding_floor_variable=floor.variable, rounding_floor_factor=rounding_floor.FACTOR)
+    data.update(rounding_floor.fields(floor))
     for label, run_devices, k in runs:
       try:
         run = _compare(label, run_devices, k, one_start.train(

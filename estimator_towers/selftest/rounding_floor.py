@@ -9,7 +9,9 @@ model's rounding floor: the largest difference of either nudged run from the
 reference, relative to max(1, |value|). Any two correct computations of the
 same steps that round differently (another summation order: N towers add
 their shards' sums) differ by about as much. For most models the floor is
-far below `exactness.TOLERANCE` and changes nothing. A model whose gradient
+at most about `exactness.TOLERANCE` (Adam's first steps, which divide each
+gradient element by its own size, bring rounding-sized elements to about
+1e-5). A model whose gradient
 is not smooth where its training goes (a ReLU on an activation within
 rounding of 0 passes all or nothing of its gradient: a deep network with
 batch norm has some at every step, and later steps amplify them) can have a
@@ -93,6 +95,13 @@ def measure(model_fn: Callable, input_fn: Callable, device: str, params: dict, s
       if value > worst.value:
         worst = Floor(value, name)
   return worst
+
+
+def fields(floor: Floor) -> dict:
+  """The floor's entries in the check's JSON."""
+  return {'tolerance': floor.tolerance, 'base_tolerance': exactness.TOLERANCE,
+          'rounding_floor': floor.value, 'rounding_floor_variable': floor.variable,
+          'rounding_floor_factor': FACTOR}
 
 
 def floor_line(floor: Floor) -> str:
