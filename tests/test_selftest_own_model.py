@@ -74,7 +74,7 @@ def test_the_json_gives_each_variable_and_slot_and_the_work_per_device(passed):
   _, found = passed
   (check,) = [c for c in found['checks'] if c['name'] == 'own model']
   data = check['data']
-  assert data['base_tolerance'] == 1e-5 and data['rounding_floor'] < 1e-4  # Adam: about 1e-5
+  assert data['base_tolerance'] == 1e-5 and data['rounding_floor'] < 1e-4  # 2e-6 to 1e-5 here
   assert data['tolerance'] == max(1e-5, 4 * data['rounding_floor'])
   assert data['steps'] == 2 and data['params'] == {'batch_size': 10}
   assert data['reference'] == '/device:CPU:0' and data['op_determinism'] is False

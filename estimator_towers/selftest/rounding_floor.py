@@ -9,14 +9,11 @@ model's rounding floor: the largest difference of either nudged run from the
 reference, relative to max(1, |value|). Any two correct computations of the
 same steps that round differently (another summation order: N towers add
 their shards' sums) differ by about as much. For most models the floor is
-at most about `exactness.TOLERANCE` (Adam's first steps, which divide each
-gradient element by its own size, bring rounding-sized elements to about
-1e-5). A model whose gradient
-is not smooth where its training goes (a ReLU on an activation within
-rounding of 0 passes all or nothing of its gradient: a deep network with
-batch norm has some at every step, and later steps amplify them) can have a
-floor far above it, on one device alone; there a candidate passes within
-`FACTOR` x the floor. So the tolerance is `tolerance(floor)` =
+at most about `exactness.TOLERANCE`. A model whose gradient is not smooth
+where its training goes (a ReLU on an activation within rounding of 0 passes
+all or nothing of its gradient: a deep network with batch norm has some at
+every step, and later steps amplify them) can have a floor far above it, on
+one device alone; there a candidate passes within `FACTOR` x the floor. So the tolerance is `tolerance(floor)` =
 max(TOLERANCE, FACTOR x floor); a mistake (another batch's statistics, a
 loss scaled on one tower) is a difference of the gradient's own size and
 stays far above it.
