@@ -312,11 +312,27 @@ def warm_start_settings(checkpoint):
   return tf.estimator.WarmStartSettings(checkpoint, vars_to_warm_start='middle/.*')
 
 
+def recurrent_dropout_model_fn(features, labels, mode, params):
+  """A Keras LSTM with dropout and recurrent dropout over the features read as a sequence
+  (its draws inside the loop, keyed by the step, the example and the iteration)."""
+  x = tf.reshape(features['x'], [-1, testlib.NUM_FEATURES, 1])
+  hidden = tf.keras.layers.LSTM(
+      3, dropout=0.3, recurrent_dropout=0.4,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1),
+      recurrent_initializer=tf.compat.v1.glorot_uniform_initializer(seed=4))(x, training=True)
+  logits = tf.compat.v1.layers.dense(
+      hidden, testlib.NUM_CLASSES,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(loss, params))
+
+
 MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_model_fn,
           'bn': bn_model_fn, 'clip': clip_model_fn, 'top_k': top_k_model_fn,
           'clip_weighted': clip_weighted_model_fn, 'mixup': mixup_model_fn,
           'attention': attention_model_fn, 'batch_reductions': batch_reductions_model_fn,
-          'random_draws': random_draws_model_fn, 'tf1_mix': tf1_mix_model_fn,
+          'random_draws': random_draws_model_fn,
+          'recurrent_dropout': recurrent_dropout_model_fn, 'tf1_mix': tf1_mix_model_fn,
           'finetune': finetune_model_fn}
 
 

@@ -387,7 +387,7 @@ class _Build:
              for j in range(found.blocks)]
     result = tf.reshape(tf.concat(parts, 0) if len(parts) > 1 else parts[0],
                         tf.concat([shape, tail], 0))
-    self.place.reader.declare(
+    self.place.mark(
         result, rd.flat_kind(found.per, found.blocks) if found.layout == rd.FLAT
         else rd.Kind(rd.ROWS, found.blocks))
     return result
@@ -418,7 +418,7 @@ class _Build:
     if alpha_trails:
       shape = tf.concat([shape, tf.shape(alpha, out_type=shape.dtype)], 0)
     result = streams.draw(kind, shape, dtype, key, counter, **extra)
-    self.place.reader.declare(
+    self.place.mark(
         result, rd.flat_kind(found.per) if found.layout == rd.FLAT else rd.Kind(rd.ROWS))
     return result
 

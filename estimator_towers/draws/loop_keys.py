@@ -53,10 +53,19 @@ class Place:
   seed: Callable[[tf.Tensor], None] = lambda t: None
   depth: int = 0
   lists: set = dataclasses.field(default_factory=set)   # a body's lists of rows (by name)
+  frame: bool = False   # in a v1 loop's frame, in the model_fn's graph
 
   def kind(self, t: tf.Tensor) -> rd.Kind | None:
     self.seed(t)
     return self.reader.kind(t)
+
+  def mark(self, t: tf.Tensor, kind: rd.Kind) -> None:
+    """A keyed draw `t` is of `kind`: declared (every later read takes it so), but in a v1
+    loop's frame, whose values the model_fn's graph reads only through the loop's exits."""
+    if self.frame:
+      self.reader.add(t, kind)
+    else:
+      self.reader.declare(t, kind)
 
 
 class LoopPlaces:
@@ -73,6 +82,9 @@ class LoopPlaces:
                refusal: Callable[[str, str], Exception]):
     self.graph, self.rows, self.position, self._refusal = graph, rows, position, refusal
     self._main = Place(rows, position, None)
+    # The model_fn's graph as the loops read it: with the batch sizes read off transposes.
+    self._outer = Place(rows, position, None, seed=self._seed_sizes)
+    self._sized: set = set()     # ops `_seed_sizes` has looked at
     self._places: dict = {}      # a body or branch graph -> its Place
     self._positions = None       # the shard's rows' positions (built once)
     self._seeded: set = set()    # v1 ops whose outputs' kinds are seeded
@@ -83,7 +95,7 @@ class LoopPlaces:
       context = interception.while_context(graph)
       return self._main if context is None else self._v1(context)
     place = self._places.get(graph) or self._new_place(graph)
-    outer = self.place(graph.outer_graph)
+    outer = self._outer_of(graph)
     branch, body = interception.cond_branch(graph), interception.while_body(graph)
     for captured, inner in (branch or body)[1]:   # captures grow as the graph is built
       if captured.dtype not in (tf.variant, tf.resource):
@@ -100,7 +112,7 @@ class LoopPlaces:
       raise self._refusal(f'it is built inside {where} ({graph.name}), whose every call '
                           f'draws the same keyed values', 'draw it outside (a mask of the '
                           'whole sequence) and pass it in, or draw it in a tf.while_loop body')
-    outer = self.place(graph.outer_graph)
+    outer = self._outer_of(graph)
     reader = rd.GrowingRead([])
     with graph.as_default():
       if body is None:   # a tf.cond's branch: its iterations are the loop's around it
@@ -112,6 +124,46 @@ class LoopPlaces:
     place.seed = lambda t: _seed_lists(reader, t, place.lists)
     self._places[graph] = place
     return place
+
+  def _outer_of(self, graph: tf.Graph) -> Place:
+    outer = self.place(graph.outer_graph)
+    return self._outer if outer is self._main else outer
+
+  def _seed_sizes(self, t: tf.Tensor) -> None:
+    """The batch size read off a transpose of rows (`tf.shape(time_major)[1]`, what
+    `dynamic_rnn` makes its zero state of) is the batch size; a fill of a shape that starts
+    with the batch size (`tf.zeros(concat([[batch], [units]]))`, a zero state) is rows."""
+    fills = []
+    stack = [t.op]
+    while stack:
+      op = stack.pop()
+      if op.name in self._sized:
+        continue
+      self._sized.add(op.name)
+      stack.extend(x.op for x in op.inputs)
+      if op.type == 'Fill':
+        fills.append(op)
+      if op.type != 'StridedSlice' or op.inputs[0].op.type != 'Shape':
+        continue
+      moved = op.inputs[0].op.inputs[0]
+      perm = tf.get_static_value(moved.op.inputs[1]) if moved.op.type == 'Transpose' else None
+      begin, end = (tf.get_static_value(x) for x in op.inputs[1:3])
+      if (perm is None or begin is None or end is None or len(begin) != 1
+          or op.get_attr('shrink_axis_mask') != 1 or not 0 <= begin[0] < len(perm)):
+        continue
+      if perm[begin[0]] == 0 and self.rows.kind(moved.op.inputs[0]) == rd.Kind(rd.ROWS):
+        self.rows.add(op.outputs[0], rd.Kind(rd.SIZE))
+    for op in fills:
+      if self._leading_size(op.inputs[0]) and self.rows.kind(op.inputs[1]) is None:
+        self.rows.add(op.outputs[0], rd.Kind(rd.ROWS))
+
+  def _leading_size(self, dims: tf.Tensor) -> bool:
+    """Whether the shape vector `dims` starts with the batch size."""
+    while dims.op.type in ('ConcatV2', 'ExpandDims', 'Reshape', 'Pack', 'Identity'):
+      if dims.op.type == 'Pack':
+        return self.rows.kind(dims.op.inputs[0]) == rd.Kind(rd.SIZE)
+      dims = dims.op.inputs[0]
+    return dims.shape.rank == 0 and self.rows.kind(dims) == rd.Kind(rd.SIZE)
 
   def positions(self) -> tf.Tensor:
     """The shard's rows' global positions ([rows] int64, rows), built in the model_fn's graph
@@ -144,7 +196,7 @@ class LoopPlaces:
           'maximum_iterations=n) counts its iterations), or use control flow v2')
     self._deep(depth)
     return Place(self.rows, tf.reduce_sum(self.positions()[:1]), _code(outer_code, counter),
-                 seed=self._seed_v1, depth=depth + 1)
+                 seed=self._seed_v1, depth=depth + 1, frame=True)
 
   def _deep(self, depth: int) -> None:
     if depth >= _DEPTH:
@@ -175,6 +227,7 @@ class LoopPlaces:
     for op in order:
       self._seeded.add(op.name)
       if op.type in ('Enter', 'RefEnter'):
+        self._seed_sizes(op.inputs[0])
         self.rows.add(op.outputs[0], self.rows.kind(op.inputs[0]))
       elif op.type in ('Switch', 'RefSwitch') and op.inputs[1].op.type == 'LoopCond':
         kind = self.rows.kind(op.inputs[0])
