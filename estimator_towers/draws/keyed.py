@@ -373,6 +373,13 @@ class _Build:
       # Not the batch's (one value on every tower), or mixed: drawn on the whole batch once.
       whole = shape if tail is None else tf.concat([shape, tail], 0)
       return streams.draw(kind, whole, dtype, key, _counter(counter, word), **extra)
+    if self.place.iteration is not None and kind != 'gamma' and tail is None:
+      padded = loop_keys.padded_rows(kind, shape, found, dtype, key, counter,
+                                     None if counter is not None else word,
+                                     self.place.position, extra)
+      if padded is not None:   # a loop's draw of rows: few ops, each kept at every step
+        self.place.mark(padded, rd.Kind(rd.ROWS))
+        return padded
     aligned = self._aligned(kind, shape, found, dtype, key, counter, word, alpha_trails, extra)
     if aligned is not None:
       return aligned

@@ -20,6 +20,10 @@ rows are the example's: the *places* of a loop give
   body. A head that runs the loop on the whole batch (a loop the row reader
   cannot split) gathers them like any rows of the shard, so its draws are the
   whole batch's, on any worker.
+Inside a loop every op's value is kept at each iteration for the gradient (TensorFlow
+accumulates a loop's intermediates), so a draw of rows there is few ops
+(`padded_rows`): each row's elements padded to whole Philox groups, the shard's
+rows drawn at the counter of its first row, the padding sliced off.
 A stateless op inside a loop keeps its own seed (the same values every
 iteration, as without the library). Refused at graph construction: a random op
 in a `tf.function`'s body or in a loop's condition (no iteration to key it
@@ -32,12 +36,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import numpy as np
 import tensorflow as tf
 
 from estimator_towers.base import interception
+from estimator_towers.draws import streams
 from estimator_towers.rows import row_dependence as rd
 
-__all__ = ['LoopPlaces', 'Place']
+__all__ = ['LoopPlaces', 'Place', 'padded_rows']
 
 _SHIFT = 2 ** 21   # an outer loop's iteration code is shifted left by 21 bits
 _DEPTH = 3         # 3 * 21 bits of 63
@@ -244,6 +250,45 @@ class LoopPlaces:
       return False
     return any(op.type == 'TensorArrayScatterV3' and _time_major(op.inputs[2], self.rows.kind)
                for op in handle.consumers())
+
+
+def padded_rows(kind: str, shape: tf.Tensor, found: rd.Kind, dtype: tf.DType, key: tf.Tensor,
+                counter: tf.Tensor | None, word: tf.Tensor | None, position: tf.Tensor,
+                extra: dict) -> tf.Tensor | None:
+  """A draw of rows in a loop: row i of the global batch is elements [i * P, i * P + R) of
+  the draw at `counter` (R a row's elements, P: R padded to whole Philox groups), so the
+  shard asks for its rows at the counter of its first row ([steps, word] for the op's own
+  word, else `counter` advanced); None where the row's shape is not known when the graph is
+  built (or the rows are flat or stacked)."""
+  tail = _static_tail(shape)
+  if tail is None or found.blocks != 1 or found.layout == rd.FLAT:
+    return None
+  row = int(np.prod(tail, dtype=np.int64))
+  group = streams.group_size(kind, dtype)
+  padded = -(-row // group) * group
+  with tf.name_scope('keyed_draw'):
+    rows = tf.cast(shape[0], tf.int64)
+    steps = position * (padded // group * streams.group_skip(kind, dtype))
+    counter = (streams.advance(counter, steps) if word is None else
+               tf.bitcast(tf.stack([steps, word]), tf.uint64))
+    drawn = streams.draw(kind, tf.stack([rows, padded]), dtype, key, counter, **extra)
+    if padded != row:
+      drawn = drawn[:, :row]
+    return tf.reshape(drawn, tf.concat([tf.reshape(rows, [1]), tail], 0))
+
+
+def _static_tail(shape: tf.Tensor) -> list | None:
+  """The sizes after the first of a shape vector, where known when the graph is built."""
+  op = shape.op
+  while op.type in ('Cast', 'Identity'):
+    op = op.inputs[0].op
+  if op.type == 'Shape':
+    dims = op.inputs[0].shape
+    return dims[1:].as_list() if dims.rank and dims[1:].is_fully_defined() else None
+  value = tf.get_static_value(op.outputs[0], partial=True)
+  if value is None or len(value) < 1 or any(v is None for v in value[1:]):
+    return None
+  return [int(v) for v in value[1:]]
 
 
 def _time_major(t: tf.Tensor, kind_of: Callable) -> bool:
