@@ -33,8 +33,11 @@ restarts with a session). Under a graph-level seed an unseeded op's key
 leaves out the op seed the graph's counter gave it (which differs with the
 tower); an op seed the model_fn gives is kept, whatever its value.
 
-What cannot be keyed is refused at graph construction, naming the op and the
-fix: a random op inside a function body or while loop, a
+A random op inside a while loop's body is keyed by the loop's iteration too,
+its rows by what enters the loop (`loop_keys`). What cannot be keyed is
+refused at graph construction, naming the op and the fix: a random op inside
+a function body or a loop's condition (or a v1 loop that counts no
+iterations), a
 `tf.random.Generator`, flat rows whose count per example only the values
 decide (a pad remover's tokens), and Poisson, binomial or parameterised
 truncated normal draws (or gamma draws of per-example parameters) with batch
