@@ -313,15 +313,17 @@ def warm_start_settings(checkpoint):
 
 
 def recurrent_dropout_model_fn(features, labels, mode, params):
-  """A Keras LSTM with dropout and recurrent dropout over the features read as a sequence
-  (its draws inside the loop, keyed by the step, the example and the iteration)."""
+  """An LSTM cell with input, state and output dropout (`DropoutWrapper`) run by
+  `dynamic_rnn` over the features read as a sequence: its draws are inside the loop, keyed
+  by the step, the example and the iteration."""
   x = tf.reshape(features['x'], [-1, testlib.NUM_FEATURES, 1])
-  hidden = tf.keras.layers.LSTM(
-      3, dropout=0.3, recurrent_dropout=0.4,
-      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1),
-      recurrent_initializer=tf.compat.v1.glorot_uniform_initializer(seed=4))(x, training=True)
+  cell = tf.compat.v1.nn.rnn_cell.DropoutWrapper(
+      tf.compat.v1.nn.rnn_cell.LSTMCell(
+          3, initializer=tf.compat.v1.glorot_uniform_initializer(seed=1)),
+      input_keep_prob=0.7, output_keep_prob=0.8, state_keep_prob=0.6)
+  outputs, _ = tf.compat.v1.nn.dynamic_rnn(cell, x, dtype=tf.float32)
   logits = tf.compat.v1.layers.dense(
-      hidden, testlib.NUM_CLASSES,
+      outputs[:, -1], testlib.NUM_CLASSES,
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
   loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(loss, params))

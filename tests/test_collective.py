@@ -286,8 +286,8 @@ TWO_STEPS = {0: 12, 1: 12}
 
 @pytest.mark.timeout(240)
 def test_loop_draws_across_two_workers_of_two_towers(tmp_path):
-  """A Keras LSTM's dropout and recurrent dropout (draws inside its while loop, keyed by the
-  iteration too: `draws/loop_keys.py`) on 2 workers x 2 towers draw what the model_fn
+  """An LSTM's input, state and output dropout in `dynamic_rnn` (draws inside its while loop,
+  keyed by the iteration too: `draws/loop_keys.py`) on 2 workers x 2 towers draw what the model_fn
   decorated for one device draws on the global batches: every variable and slot after
   steps 1 and 2, and every worker holds the chief's."""
   data = _data(tmp_path / 'data.npz', TWO_STEPS)

@@ -29,7 +29,7 @@ own output; the models are tiny recurrent nets (batches of 10, 2 steps):
 - The refusals that stay: a random op in a `tf.function`'s body, and in a v1
   loop with no iteration counter.
 
-Across workers (2 workers x 2 towers, the Keras LSTM):
+Across workers (2 workers x 2 towers, a `DropoutWrapper` in `dynamic_rnn`):
 tests/test_collective.py::test_loop_draws_across_two_workers_of_two_towers.
 
 Control flow v1 is a process-wide switch read when a loop is built: it is

@@ -36,11 +36,9 @@ TensorFlow upgrade has one file to check.
   variable's reads before its later updates (k-means); every writer of the global step
   waits for its read (`draws.step_order`, which reads `Graph._functions` too).
 - The branches of a functional `tf.cond` (`Graph._get_function`), read by `row_dependence`.
-- Loops being built, for keyed draws inside them (`draws.loop_keys`): a functional
-  `While`'s body graph (`WhileBodyFuncGraph`), its iteration counter (its first input) and
-  its loop variables' outer values (`while_v2`'s `wrapped_body` frame, which holds them while
-  the body is traced); a v1 loop's `WhileContext` (`Graph._get_control_flow_context`) and
-  its iteration counter (the first loop variable `maximum_iterations` adds).
+- Loops being built, for keyed draws inside them (`draws.loop_keys`): a `While` body's
+  graph, counter and loop variables' outer values (`while_v2`'s frame tracing it); a v1
+  loop's `WhileContext` and the iteration counter `maximum_iterations` adds.
 - The gradient of a `tf.function` call in a graph, kept on the Python op
   (`Operation._gradient_function`): `whole_batch_head`'s copy of an opaque function of the
   batch is differentiated as the original.
@@ -73,7 +71,6 @@ import tensorflow as tf
 from estimator_towers.base import shared_patch
 from tensorflow.python.eager import backprop  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.eager import record  # pylint: disable=g-direct-tensorflow-import
-from tensorflow.python.framework import func_graph as func_graph_module  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import importer  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import op_def_registry  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import random_seed  # pylint: disable=g-direct-tensorflow-import
@@ -426,66 +423,37 @@ def cond_branch(graph: tf.Graph) -> tuple[tf.Graph, list] | None:
   return graph.outer_graph, list(graph.captures)
 
 
-_WHILE_BODY = 'wrapped_body'
 _while_inputs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # body -> pairs
 
 
 def while_body(graph: tf.Graph) -> tuple[tf.Tensor, list] | None:
   """A functional `tf.while_loop`'s body graph being built: (its iteration counter, [(outer,
-  inner)] of its loop variables and captured values); None for any other graph.
-
-  The loop variables' outer values are read, the first time, from while_v2's
-  `wrapped_body` frame that traces this body (they are its closure's `loop_vars`).
-  """
+  inner)] of its loop variables, read once from the `loop_vars` of while_v2's `wrapped_body`
+  frame tracing it, and of its captured values); None for any other graph."""
   if not isinstance(graph, control_flow_v2_func_graphs.WhileBodyFuncGraph):
     return None
-  pairs = _while_inputs.get(graph)
-  if pairs is None:
-    pairs = []
-    frame = sys._getframe(1)  # pylint: disable=protected-access
-    while frame is not None:
-      if frame.f_code.co_name == _WHILE_BODY and 'while_v2' in frame.f_code.co_filename:
-        counter = frame.f_locals.get('loop_counter')
-        if getattr(counter, 'graph', None) is graph:
-          outer = frame.f_locals['loop_vars']
-          flat = list(outer[:2]) + tf.nest.flatten(list(outer[2:]), expand_composites=True)
-          pairs = [(o, i) for o, i in zip(flat, graph.inputs) if isinstance(o, tf.Tensor)]
-          break
+  if graph not in _while_inputs:
+    frame, _while_inputs[graph] = sys._getframe(1), []  # pylint: disable=protected-access
+    while frame is not None and not (
+        frame.f_code.co_name == 'wrapped_body' and 'while_v2' in frame.f_code.co_filename
+        and getattr(frame.f_locals.get('loop_counter'), 'graph', None) is graph):
       frame = frame.f_back
-    _while_inputs[graph] = pairs
-  return graph.inputs[0], pairs + [(o, i) for o, i in graph.captures
-                                   if isinstance(o, tf.Tensor)]
+    if frame is not None:
+      outer = frame.f_locals['loop_vars']
+      flat = list(outer[:2]) + tf.nest.flatten(list(outer[2:]), expand_composites=True)
+      _while_inputs[graph] = [(o, i) for o, i in zip(flat, graph.inputs)
+                              if isinstance(o, tf.Tensor)]
+  return graph.inputs[0], _while_inputs[graph] + [
+      (o, i) for o, i in graph.captures if isinstance(o, tf.Tensor)]
 
 
-def is_function_body(graph: tf.Graph) -> bool:
-  """Whether `graph` is a function's body (a `tf.function`, a loop's body or condition)."""
-  return isinstance(graph, func_graph_module.FuncGraph)
-
-
-def while_context(graph: tf.Graph) -> Any:
-  """The innermost v1 `tf.while_loop` (its `WhileContext`) the ops built now are in, or None."""
-  context = graph._get_control_flow_context()  # pylint: disable=protected-access
+def while_context(graph: tf.Graph, inside: Any = None) -> Any:
+  """The innermost v1 `tf.while_loop` (its `WhileContext`) the ops built now are in (or, given
+  `inside`, the one that v1 loop is nested in); None outside v1 loops."""
+  context = graph._get_control_flow_context() if inside is None else inside.outer_context  # pylint: disable=protected-access
   while context is not None and not context.IsWhileContext():
     context = context.outer_context
   return context
-
-
-def outer_while_context(context: Any) -> Any:
-  """The v1 loop `context` is nested in, or None."""
-  context = context.outer_context
-  while context is not None and not context.IsWhileContext():
-    context = context.outer_context
-  return context
-
-
-def in_while_context(op: tf.Operation, context: Any) -> bool:
-  """Whether `op` was built inside the v1 loop `context` (or a cond or loop inside it)."""
-  inner = op._control_flow_context  # pylint: disable=protected-access
-  while inner is not None:
-    if inner is context:
-      return True
-    inner = inner.outer_context
-  return False
 
 
 def while_iteration(context: Any) -> tf.Tensor | None:

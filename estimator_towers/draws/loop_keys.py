@@ -190,7 +190,7 @@ class LoopPlaces:
 
   def _v1(self, context) -> Place:
     """The place of a random op in a v1 loop's frame."""
-    outer = interception.outer_while_context(context)
+    outer = interception.while_context(self.graph, context)
     outer_code = None if outer is None else self._v1(outer).iteration
     depth = 0 if outer is None else self._v1(outer).depth
     counter = interception.while_iteration(context)
