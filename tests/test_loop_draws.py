@@ -12,7 +12,7 @@ own output; the models are tiny recurrent nets (batches of 10, 2 steps):
   control flow v2 (a functional `While`, TF2 behaviour), and on 3 towers
   under v1 (`disable_control_flow_v2()`, a loop's frame in the graph); one
   with `variational_recurrent=True` (v2 and v1); a Keras `LSTM` with
-  `dropout` and `recurrent_dropout` on 2 towers and 2 x 2, a Keras `GRU` on
+  `dropout` and `recurrent_dropout` on 2 towers and 1 x 2, a Keras `GRU` on
   2 towers (the costliest graphs here: Keras builds them slowly); a decoder loop
   that samples `tf.random.categorical` at each step (v2, and v1 with
   `maximum_iterations`). Whichever part of the model runs where, the update
@@ -184,7 +184,7 @@ def _trained(encoder, version, layout=None):
     ('dropout_wrapper', 'v2', '2_towers'), ('dropout_wrapper', 'v2', '3_towers'),
     ('dropout_wrapper', 'v2', '1x2'), ('dropout_wrapper', 'v2', '2x2'),
     ('dropout_wrapper', 'v1', '3_towers'),
-    ('keras_lstm', 'v2', '2_towers'), ('keras_lstm', 'v2', '2x2'),
+    ('keras_lstm', 'v2', '2_towers'), ('keras_lstm', 'v2', '1x2'),
     ('keras_gru', 'v2', '2_towers'),
     ('variational', 'v2', '2_towers'), ('variational', 'v1', '2_towers'),
     ('decoder', 'v2', '3_towers'), ('decoder', 'v2', '2x2'), ('decoder', 'v1', '2_towers')])
