@@ -312,11 +312,29 @@ def warm_start_settings(checkpoint):
   return tf.estimator.WarmStartSettings(checkpoint, vars_to_warm_start='middle/.*')
 
 
+def recurrent_dropout_model_fn(features, labels, mode, params):
+  """An LSTM cell with input, state and output dropout (`DropoutWrapper`) run by
+  `dynamic_rnn` over the features read as a sequence: its draws are inside the loop, keyed
+  by the step, the example and the iteration."""
+  x = tf.reshape(features['x'], [-1, testlib.NUM_FEATURES, 1])
+  cell = tf.compat.v1.nn.rnn_cell.DropoutWrapper(
+      tf.compat.v1.nn.rnn_cell.LSTMCell(
+          3, initializer=tf.compat.v1.glorot_uniform_initializer(seed=1)),
+      input_keep_prob=0.7, output_keep_prob=0.8, state_keep_prob=0.6)
+  outputs, _ = tf.compat.v1.nn.dynamic_rnn(cell, x, dtype=tf.float32)
+  logits = tf.compat.v1.layers.dense(
+      outputs[:, -1], testlib.NUM_CLASSES,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=2))
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(loss, params))
+
+
 MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_model_fn,
           'bn': bn_model_fn, 'clip': clip_model_fn, 'top_k': top_k_model_fn,
           'clip_weighted': clip_weighted_model_fn, 'mixup': mixup_model_fn,
           'attention': attention_model_fn, 'batch_reductions': batch_reductions_model_fn,
-          'random_draws': random_draws_model_fn, 'tf1_mix': tf1_mix_model_fn,
+          'random_draws': random_draws_model_fn,
+          'recurrent_dropout': recurrent_dropout_model_fn, 'tf1_mix': tf1_mix_model_fn,
           'finetune': finetune_model_fn}
 
 

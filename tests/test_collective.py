@@ -280,6 +280,36 @@ def test_random_draws_across_two_workers_of_two_towers_equal_one_device(tmp_path
   _assert_workers_equal_the_chief(tmp_path, chief, CHIEF_ENDS_FIRST)
 
 
+# Two global batches of 12: each worker's 6, then 6.
+TWO_STEPS = {0: 12, 1: 12}
+
+
+@pytest.mark.timeout(240)
+def test_loop_draws_across_two_workers_of_two_towers(tmp_path):
+  """An LSTM's input, state and output dropout in `dynamic_rnn` (draws inside its while loop,
+  keyed by the iteration too: `draws/loop_keys.py`) on 2 workers x 2 towers draw what the model_fn
+  decorated for one device draws on the global batches: every variable and slot after
+  steps 1 and 2, and every worker holds the chief's."""
+  data = _data(tmp_path / 'data.npz', TWO_STEPS)
+  batches = _global_batches(data, TWO_STEPS)
+  spec = _spec(tmp_path, 'recurrent_dropout', 2, save_every=1, keep=0)
+  Cluster(tmp_path, spec).run()
+  model_fn = collective_task.recurrent_dropout_model_fn
+  reference = _plain_from(spec['model_dir'], 'model.ckpt-0',
+                          et.replicate_model_fn(model_fn, devices=['/cpu:0']),
+                          {'learning_rate': 0.1}, tmp_path, save_checkpoints_steps=1,
+                          keep_checkpoint_max=0)
+  reference.train(_batches_input_fn(batches), steps=len(batches))
+  for step in (1, len(batches)):
+    checkpoint = f'model.ckpt-{step}'
+    testlib.assert_variables_close(
+        testlib.checkpoint_variables(os.path.join(spec['model_dir'], checkpoint)),
+        testlib.checkpoint_variables(os.path.join(reference.model_dir, checkpoint)))
+  chief = testlib.variables(testlib.make_estimator(model_fn, model_dir=spec['model_dir']))
+  assert chief['global_step'] == len(batches) == 2
+  _assert_workers_equal_the_chief(tmp_path, chief, TWO_STEPS)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize('sync', [True, False])
 def test_batch_norm_across_workers_trains_as_on_one_machine(tmp_path, sync):

@@ -36,6 +36,9 @@ TensorFlow upgrade has one file to check.
   variable's reads before its later updates (k-means); every writer of the global step
   waits for its read (`draws.step_order`, which reads `Graph._functions` too).
 - The branches of a functional `tf.cond` (`Graph._get_function`), read by `row_dependence`.
+- Loops being built, for keyed draws inside them (`draws.loop_keys`): a `While` body's
+  graph, counter and loop variables' outer values (`while_v2`'s frame tracing it); a v1
+  loop's `WhileContext` and the iteration counter `maximum_iterations` adds.
 - The gradient of a `tf.function` call in a graph, kept on the Python op
   (`Operation._gradient_function`): `whole_batch_head`'s copy of an opaque function of the
   batch is differentiated as the original.
@@ -418,6 +421,53 @@ def cond_branch(graph: tf.Graph) -> tuple[tf.Graph, list] | None:
   if not isinstance(graph, control_flow_v2_func_graphs.CondBranchFuncGraph):
     return None
   return graph.outer_graph, list(graph.captures)
+
+
+_while_inputs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # body -> pairs
+
+
+def while_body(graph: tf.Graph) -> tuple[tf.Tensor, list] | None:
+  """A functional `tf.while_loop`'s body graph being built: (its iteration counter, [(outer,
+  inner)] of its loop variables, read once from the `loop_vars` of while_v2's `wrapped_body`
+  frame tracing it, and of its captured values); None for any other graph."""
+  if not isinstance(graph, control_flow_v2_func_graphs.WhileBodyFuncGraph):
+    return None
+  if graph not in _while_inputs:
+    frame, _while_inputs[graph] = sys._getframe(1), []  # pylint: disable=protected-access
+    while frame is not None and not (
+        frame.f_code.co_name == 'wrapped_body' and 'while_v2' in frame.f_code.co_filename
+        and getattr(frame.f_locals.get('loop_counter'), 'graph', None) is graph):
+      frame = frame.f_back
+    if frame is not None:
+      outer = frame.f_locals['loop_vars']
+      flat = list(outer[:2]) + tf.nest.flatten(list(outer[2:]), expand_composites=True)
+      _while_inputs[graph] = [(o, i) for o, i in zip(flat, graph.inputs)
+                              if isinstance(o, tf.Tensor)]
+  return graph.inputs[0], _while_inputs[graph] + [
+      (o, i) for o, i in graph.captures if isinstance(o, tf.Tensor)]
+
+
+def while_context(graph: tf.Graph, inside: Any = None) -> Any:
+  """The innermost v1 `tf.while_loop` (its `WhileContext`) the ops built now are in (or, given
+  `inside`, the one that v1 loop is nested in); None outside v1 loops."""
+  context = graph._get_control_flow_context() if inside is None else inside.outer_context  # pylint: disable=protected-access
+  while context is not None and not context.IsWhileContext():
+    context = context.outer_context
+  return context
+
+
+def while_iteration(context: Any) -> tf.Tensor | None:
+  """A v1 loop's iteration counter as its body reads it (0, 1, ...), where the loop has one:
+  `tf.while_loop(..., maximum_iterations=n)` makes it its first loop variable (Enter, Merge,
+  Switch, Identity of `iteration_counter`); None for a loop without one."""
+  enters = context.loop_enters
+  if not enters or not enters[0].op.inputs[0].op.name.split('/')[-1].startswith(
+      'iteration_counter'):
+    return None
+  merges = [op for op in enters[0].consumers() if op.type == 'Merge']
+  switches = [op for m in merges for op in m.outputs[0].consumers() if op.type == 'Switch']
+  bodies = [op for s in switches for op in s.outputs[1].consumers() if op.type == 'Identity']
+  return bodies[0].outputs[0] if bodies else None
 
 
 def op_seed_count(graph: tf.Graph) -> int:

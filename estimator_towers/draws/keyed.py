@@ -33,8 +33,11 @@ restarts with a session). Under a graph-level seed an unseeded op's key
 leaves out the op seed the graph's counter gave it (which differs with the
 tower); an op seed the model_fn gives is kept, whatever its value.
 
-What cannot be keyed is refused at graph construction, naming the op and the
-fix: a random op inside a function body or while loop, a
+A random op inside a while loop's body is keyed by the loop's iteration too,
+its rows by what enters the loop (`loop_keys`). What cannot be keyed is
+refused at graph construction, naming the op and the fix: a random op inside
+a function body or a loop's condition (or a v1 loop that counts no
+iterations), a
 `tf.random.Generator`, flat rows whose count per example only the values
 decide (a pad remover's tokens), and Poisson, binomial or parameterised
 truncated normal draws (or gamma draws of per-example parameters) with batch
@@ -55,6 +58,7 @@ import tensorflow as tf
 
 from estimator_towers.base import interception
 from estimator_towers.base import logs
+from estimator_towers.draws import loop_keys
 from estimator_towers.draws import step_order
 from estimator_towers.draws import streams
 from estimator_towers.inputs import sharding
@@ -258,8 +262,12 @@ class _Build:
     self.position = position
     self.towered_predict = towered_predict   # no head on the whole batch draws a mixed shape
     self.rows = rd.GrowingRead(tf.nest.flatten((features, labels), expand_composites=True))
-    self._branches: dict = {}   # a tf.cond branch's graph -> its reader
     self.ordinal = 0
+    self.what = ''   # the random op being handled, for refusals
+    # Where each random op is built: the model_fn's graph, a tf.cond's branch, a loop's body.
+    self.loops = loop_keys.LoopPlaces(draws.graph, self.rows, position,
+                                      lambda why, fix: refusal(self.what, why, fix))
+    self.place = self.loops.place(draws.graph)
 
   # -- The call ----------------------------------------------------------------
 
@@ -267,12 +275,8 @@ class _Build:
     graph = tf.compat.v1.get_default_graph()
     if not (name in _DRAWS or module == 'stateful' or name.endswith('_candidate_sampler')):
       return original(*args, **kwargs)
-    what = f'the random op {name} ({kwargs.get("name") or "unnamed"})'
-    if self._reader_of(graph) is None:
-      raise refusal(what, f'it is built inside a function body or while loop ({graph.name}), '
-                          f'whose every call or iteration would draw the same keyed values',
-                    'draw it outside the function or loop (a mask of the whole sequence) and '
-                    'pass it in')
+    what = self.what = f'the random op {name} ({kwargs.get("name") or "unnamed"})'
+    self.place = self.loops.place(graph)   # raises where a loop or function cannot key it
     if module == 'stateful':
       raise refusal(what, 'a tf.random.Generator draws from the state of a variable, which '
                           'every tower advances on its own', 'draw with tf.random.uniform / '
@@ -297,10 +301,10 @@ class _Build:
                           '\'auto_select\' (TensorFlow\'s choice on CPUs and GPUs)')
     key, counter = self._key_counter(call)
     if name in ('multinomial', 'stateless_multinomial'):
-      return self._categorical(call, key, counter)
+      return self._categorical(call, key, _counter(counter, call.word))
     if name in ('random_shuffle',):   # no gradient, as RandomShuffle (StatelessShuffle has none)
       return tf.stop_gradient(interception.RANDOM_MODULES['stateless_v2'].stateless_shuffle(
-          call.args['value'], key, counter, _PHILOX, name=call.args.get('name')))
+          call.args['value'], key, _counter(counter, call.word), _PHILOX, name=call.args.get('name')))
     kind = _STATEFUL.get(name) or _SEEDED.get(name) or _KEYED.get(name) or 'gamma'
     trails = kind == 'gamma' and call.module == 'random'   # RandomGamma: shape + alpha's shape
     if trails and self._kind(call.args['alpha']) is not None:
@@ -320,6 +324,9 @@ class _Build:
     if call.module == 'stateless':
       return v2.stateless_random_get_key_counter(call.args['seed'])
     call.word = self._op_key(call)
+    if self.place.iteration is not None:   # in a loop: the op's word XOR its iterations' code
+      call.word = tf.bitwise.bitwise_xor(tf.constant(call.word, tf.int64), self.place.iteration)
+      return self.draws.key, None   # made where it is read (every op in a loop is kept per step)
     return self.draws.key, tf.bitcast(tf.constant([0, call.word], tf.int64), tf.uint64)
 
   def _op_key(self, call: '_Call') -> int:
@@ -330,26 +337,14 @@ class _Build:
     return _mix(seed, seed2, self.ordinal)
 
   def _kind(self, t: Any) -> rd.Kind | None:
-    return self._reader_of(t.graph).kind(t) if isinstance(t, tf.Tensor) else None
-
-  def _reader_of(self, graph: tf.Graph) -> rd.GrowingRead | None:
-    """The rows of `graph`: the model_fn's, or a `tf.cond` branch's in it (dropout's with a
-    `training` tensor); None for a while loop's body or a function's."""
-    if graph is self.draws.graph:
-      return self.rows
-    branch = interception.cond_branch(graph)
-    outer = None if branch is None else self._reader_of(branch[0])
-    if outer is None:
-      return None
-    reader = self._branches.setdefault(graph, rd.GrowingRead([]))
-    for captured, inner in branch[1]:   # a branch's inputs are the values it captures
-      reader.add(inner, outer.kind(captured))
-    return reader
+    """`t`'s kind where the random op is built (`loop_keys`: the model_fn's graph, a
+    `tf.cond` branch's, a loop's body)."""
+    return self.place.kind(t) if isinstance(t, tf.Tensor) else None
 
   # -- Draws ---------------------------------------------------------------------
 
   def keyed(self, kind: str, shape: Any, dtype: tf.DType, key: tf.Tensor, counter: tf.Tensor,
-            what: str, alpha: Any = None, alpha_trails: bool = False, word: int | None = None,
+            what: str, alpha: Any = None, alpha_trails: bool = False, word: Any = None,
             **extra) -> tf.Tensor:
     """The keyed draw of `shape`: rows by their global position, else one value everywhere.
 
@@ -380,7 +375,14 @@ class _Build:
     if found is None or found.tag not in (rd.SHAPE, rd.LIFTED_SHAPE):
       # Not the batch's (one value on every tower), or mixed: drawn on the whole batch once.
       whole = shape if tail is None else tf.concat([shape, tail], 0)
-      return streams.draw(kind, whole, dtype, key, counter, **extra)
+      return streams.draw(kind, whole, dtype, key, _counter(counter, word), **extra)
+    if self.place.iteration is not None and kind != 'gamma' and tail is None:
+      padded = loop_keys.padded_rows(kind, shape, found, dtype, key, counter,
+                                     None if counter is not None else word,
+                                     self.place.position, extra)
+      if padded is not None:   # a loop's draw of rows: few ops, each kept at every step
+        self.place.mark(padded, rd.Kind(rd.ROWS))
+        return padded
     aligned = self._aligned(kind, shape, found, dtype, key, counter, word, alpha_trails, extra)
     if aligned is not None:
       return aligned
@@ -388,19 +390,20 @@ class _Build:
     tail = shape[:0] if tail is None else tf.cast(tail, tf.int64)
     examples, per = self._examples(found, shape, what)
     row = tf.concat([tf.reshape(per, [1]), shape[1:], tail], 0)
+    counter = _counter(counter, word)
     parts = [streams.draw_rows(kind, examples, row, dtype, key, counter,
-                               self.position + j * self.draws.batch,
+                               self.place.position + j * self.draws.batch,
                                batch=self.draws.batch * found.blocks, **extra)
              for j in range(found.blocks)]
     result = tf.reshape(tf.concat(parts, 0) if len(parts) > 1 else parts[0],
                         tf.concat([shape, tail], 0))
-    self._reader_of(result.graph).declare(
+    self.place.mark(
         result, rd.flat_kind(found.per, found.blocks) if found.layout == rd.FLAT
         else rd.Kind(rd.ROWS, found.blocks))
     return result
 
   def _aligned(self, kind: str, shape: tf.Tensor, found: rd.Kind, dtype: tf.DType,
-               key: tf.Tensor, counter: tf.Tensor, word: int | None, alpha_trails: bool,
+               key: tf.Tensor, counter: tf.Tensor | None, word: Any, alpha_trails: bool,
                extra: dict) -> tf.Tensor | None:
     """The draw of rows whose elements (known when built) fill whole Philox groups: the op
     asked for the shard's shape itself at the counter of its first row; else None."""
@@ -419,13 +422,13 @@ class _Build:
     group = streams.group_size(kind, dtype)
     if elements % group:
       return None
-    steps = self.position * (elements // group * streams.group_skip(kind, dtype))
-    counter = (tf.bitcast(tf.stack([steps, tf.constant(word, tf.int64)]), tf.uint64)
+    steps = self.place.position * (elements // group * streams.group_skip(kind, dtype))
+    counter = (tf.bitcast(tf.stack([steps, tf.convert_to_tensor(word, tf.int64)]), tf.uint64)
                if word is not None else streams.advance(counter, steps))
     if alpha_trails:
       shape = tf.concat([shape, tf.shape(alpha, out_type=shape.dtype)], 0)
     result = streams.draw(kind, shape, dtype, key, counter, **extra)
-    self._reader_of(result.graph).declare(
+    self.place.mark(
         result, rd.flat_kind(found.per) if found.layout == rd.FLAT else rd.Kind(rd.ROWS))
     return result
 
@@ -470,6 +473,8 @@ class _Build:
     if call.module != 'random':
       return call.original(**call.args)   # seeded by the model_fn: the same everywhere
     seed = self.draws.seed + tf.constant([self._op_key(call), 0], tf.int64)
+    if self.place.iteration is not None:   # in a loop: by its iterations too
+      seed = tf.stack([tf.bitwise.bitwise_xor(seed[0], self.place.iteration), seed[1]])
     stateless, args = interception.RANDOM_MODULES['stateless'], call.args
     if 'poisson' in call.name:
       return stateless.stateless_random_poisson(args['shape'], seed, args['rate'],
@@ -505,6 +510,13 @@ class _Call:
       if self.args.get(key) is not None:
         return tf.convert_to_tensor(self.args[key]).dtype
     return tf.float32
+
+
+def _counter(counter: tf.Tensor | None, word: Any) -> tf.Tensor:
+  """`counter`, or [0, word] where a draw in a loop left it to be made where it is read."""
+  if counter is not None:
+    return counter
+  return tf.bitcast(tf.stack([tf.constant(0, tf.int64), word]), tf.uint64)
 
 
 def _arguments(original: Callable, args: tuple, kwargs: dict) -> dict:

@@ -38,7 +38,7 @@ def every_tower(losses: Sequence[tf.Tensor]) -> Callable:
   return every
 
 
-def path(start: tf.Tensor, target: tf.Tensor, limit: int = 512) -> tuple[int, ...] | None:
+def path(start: tf.Tensor, target: tf.Tensor, limit: int = 4096) -> tuple[int, ...] | None:
   """Input indices leading from `start` back to `target`, breadth first."""
   if not isinstance(start, tf.Tensor) or not isinstance(target, tf.Tensor):
     return None
