@@ -520,6 +520,26 @@ def branch_graphs(op: tf.Operation) -> list | None:
   return graphs
 
 
+def function_graphs(op: tf.Operation, attrs: tuple) -> list | None:
+  """The FuncGraphs of the functions `op` names in `attrs` (a `While`'s 'cond' and 'body', a
+  call's 'f'), or None: found by name in the graph's function library (`Graph._get_function`,
+  in the graph of `op` or the graphs it is inside), for `row_dependence`."""
+  graphs = []
+  for attr in attrs:
+    try:
+      name = op.get_attr(attr).name
+    except ValueError:
+      return None
+    graph, function = op.graph, None
+    while graph is not None and function is None:
+      function = graph._get_function(name)  # pylint: disable=protected-access
+      graph = getattr(graph, 'outer_graph', None)
+    if getattr(function, 'graph', None) is None:
+      return None
+    graphs.append(function.graph)
+  return graphs
+
+
 # Graph-mode building blocks TensorFlow 2.15 keeps private, used as they are.
 fn_args = function_utils.fn_args            # a model_fn's / input_fn's argument names
 all_reduce = collective_ops.all_reduce      # v1 all-reduce with group and instance keys

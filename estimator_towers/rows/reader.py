@@ -30,6 +30,7 @@ from estimator_towers.base import interception
 from estimator_towers.rows import einsum
 from estimator_towers.rows import elementwise
 from estimator_towers.rows import flat
+from estimator_towers.rows import loops
 from estimator_towers.rows import sizes
 from estimator_towers.rows import stacked
 from estimator_towers.rows import statistics
@@ -138,6 +139,11 @@ class Reader:
   def kind(self, t: tf.Tensor) -> Kind | None:
     return self.kinds.get(t.name)
 
+  def inner(self, outputs: Sequence[tf.Tensor], given: dict) -> 'Reader':
+    """The reader of a function's graph (a loop's body, a called function), from its inputs
+    of the `given` kinds (by name) to `outputs`."""
+    return read(outputs, given, self.examples, self.declared)
+
   def visit(self, op: tf.Operation) -> None:
     if not op.outputs or all(o.name in self.kinds for o in op.outputs):
       return
@@ -178,6 +184,8 @@ class Reader:
 def _rule(reader: Reader, op: tf.Operation, kinds: list):
   """The kinds of `op`'s outputs: a Kind, a list of Kinds (per output), or a str (mixing: why)."""
   t = op.type
+  if loops.applies(op, kinds):   # loops, lists, function calls and what they give
+    return loops.rule(reader, op, kinds)
   present = [k for k in kinds if k is not None]
   if t in ('Mul', 'Add', 'AddV2') or any(k.tag in (OFFSETS, INDICES) for k in present):
     found = flat.indexing(reader, op, kinds)
