@@ -540,6 +540,22 @@ def function_graphs(op: tf.Operation, attrs: tuple) -> list | None:
   return graphs
 
 
+def keep_loop(op: tf.Operation) -> None:
+  """`op` (a While loop) runs as a loop of its own, its body not inlined into the graph (its
+  attribute `_lower_using_switch_merge`): two inlined copies of a body would share its ops'
+  colocation groups, which name ops inside it, across devices."""
+  op._set_attr('_lower_using_switch_merge', tf.compat.v1.AttrValue(b=False))  # pylint: disable=protected-access
+
+
+def place_alone(op: tf.Operation, device: str) -> None:
+  """`op` (an op already built) runs on `device`, in no other op's colocation group
+  (`Operation._set_device`, its '_class' attribute): a gradient loop built colocated with a
+  forward loop left unpinned."""
+  op._set_device(device)  # pylint: disable=protected-access
+  op._set_attr('_class', tf.compat.v1.AttrValue(  # pylint: disable=protected-access
+      list=tf.compat.v1.AttrValue.ListValue(s=[b'loc:@' + op.name.encode()])))
+
+
 # Graph-mode building blocks TensorFlow 2.15 keeps private, used as they are.
 fn_args = function_utils.fn_args            # a model_fn's / input_fn's argument names
 all_reduce = collective_ops.all_reduce      # v1 all-reduce with group and instance keys

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from typing import Sequence
+import weakref
 
 import tensorflow as tf
 
@@ -160,9 +161,12 @@ def tower_device(device: str, pinned: set | None = None):
   """
   def device_fn(op: tf.Operation) -> str:
     chosen = device
+    if op.type in LOOP_OPS:
+      _loop_devices.setdefault(op.graph, {})[op.name] = device
+      interception.keep_loop(op)
     for tensor in op.inputs:
       if tensor.dtype == tf.resource:
-        chosen = '' if op.type in CALL_OPS else (
+        chosen = device if op.type in LOOP_OPS else '' if op.type in CALL_OPS else (
             interception.resource_device(tensor) or device)
         break
     if op.device:  # set by a device scope inside the tower: it takes precedence
@@ -172,6 +176,30 @@ def tower_device(device: str, pinned: set | None = None):
               .make_merged_spec(tf.DeviceSpec.from_string(op.device)).to_string())
     return chosen
   return device_fn
+
+
+# Loops stay on their tower's device with a variable's handle among their inputs (the
+# steps, and their gradients' colocated with them, are the tower's work); but what the
+# gradient builds colocated with such a loop that reads a handle (the zeros of a variable's
+# shape, `VariableShape`) must be where the variable is: `place_gradient_loops`.
+LOOP_OPS = ('While', 'StatelessWhile')
+# graph -> {name of a tower's loop that takes a variable's handle: the tower's device}
+_loop_devices: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def place_gradient_loops(ops: Sequence[tf.Operation]) -> None:
+  """The ops among `ops` (a gradient's) colocated with a tower's loop that read a variable's
+  handle: out of the loop's colocation group, where the variable is."""
+  towers = _loop_devices.get(ops[0].graph, {}) if ops else {}
+  for op in ops:
+    if op.type in LOOP_OPS and any(group.decode()[len('loc:@'):] in towers
+                                   for group in op.colocation_groups()):
+      interception.keep_loop(op)
+    if not any(t.dtype == tf.resource for t in op.inputs) or op.type in CALL_OPS:
+      continue
+    if any(group.decode()[len('loc:@'):] in towers for group in op.colocation_groups()):
+      resource = [t for t in op.inputs if t.dtype == tf.resource][0]
+      interception.place_alone(op, interception.resource_device(resource) or '')
 
 
 # Ops that call a function (the lowered form of tf.cond and tf.while_loop).
