@@ -101,7 +101,7 @@ from estimator_towers.base import shapes
 from estimator_towers.rows import messages
 from estimator_towers.rows.einsum import subscripts as einsum_subscripts
 from estimator_towers.rows.flat import input_kinds
-from estimator_towers.rows.kinds import (COLS, FLAT, INDICES, LIFTED, LIFTED_SHAPE, MIXED, OFFSETS,
+from estimator_towers.rows.kinds import (BOUND, COLS, FLAT, INDICES, LIFTED, LIFTED_SHAPE, MIXED, OFFSETS,
                                          POSITIONS, ROWS, ROWS_KIND, SHAPE, SIZE, SPLITS, STAT,
                                          UNIQUE, Kind, Mixing, RowDependence, flat_kind,
                                          same_for_each)
@@ -110,7 +110,7 @@ from estimator_towers.rows.reader import Reader, declare_kind, declared_kinds, e
 
 # The names the other stages read as `row_dependence.<name>` (the kinds and the op table
 # re-exported from `kinds` and `op_tables`).
-__all__ = ['ARITHMETIC', 'COLS', 'FLAT', 'INDICES', 'LIFTED', 'LIFTED_SHAPE', 'MIXED', 'OFFSETS',
+__all__ = ['ARITHMETIC', 'BOUND', 'COLS', 'FLAT', 'INDICES', 'LIFTED', 'LIFTED_SHAPE', 'MIXED', 'OFFSETS',
            'POSITIONS', 'ROWS', 'SHAPE', 'SIZE', 'SPLITS', 'STAT', 'UNIQUE', 'Kind', 'Mixing',
            'RowDependence', 'add_rows', 'check', 'classify', 'cut_rows', 'declare_kind',
            'declared_kind', 'einsum_subscripts', 'flat_kind', 'GrowingRead', 'same_for_each', 'in_eval_spec']
