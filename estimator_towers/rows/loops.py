@@ -26,7 +26,7 @@ of as many elements as examples is such a list. `ReverseSequence` of rows along
 another axis reverses each example's own steps (`bidirectional_dynamic_rnn`).
 
 Control flow v1 (`Enter`, `Merge`, `Switch`, `NextIteration`, `Exit`, `TensorArrayV3`):
-`frames`. Function calls: `functions`.
+`frames`.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def _from_tensor(reader, op, kinds):
 def _reserve(reader, op, kinds):
   shape, count = kinds[0], kinds[1] if len(kinds) > 1 else None
   if count is not None:
-    if count.tag == SIZE and shape is None and _batch_size(reader, op.inputs[1]):
+    if count.tag == SIZE and shape is None and batch_size(reader, op.inputs[1]):
       return list_of(Kind(EXAMPLE))   # as many elements as examples
     return 'a list of a number of elements computed from the batch'
   if shape is None:
@@ -166,7 +166,8 @@ def _reserve(reader, op, kinds):
   return 'a list of elements shaped by the batch other than as rows'
 
 
-def _batch_size(reader, t) -> bool:
+def batch_size(reader, t) -> bool:
+  """Whether `t` is the shard's number of examples."""
   return batch_multiple(reader, t) == 1
 
 
@@ -381,7 +382,7 @@ def _bounded(op, body, carried, changed, bound):
       while o.op.type == 'Identity':
         o = o.op.inputs[0]
       if o.op.type != 'TensorListSetItem' or not _copied_through(
-          o.op.inputs[2], lengths, lambda t: _zeros(outer.get(t.name, t))):
+          o.op.inputs[2], lengths, lambda t: zeros(outer.get(t.name, t))):
         return why
     elif kind.tag not in (ROWS, LIST):
       return why
@@ -399,7 +400,8 @@ def _copied_through(t, lengths, old) -> bool:
           and old(_source(then)))
 
 
-def _zeros(t) -> bool:
+def zeros(t) -> bool:
+  """Whether every element of `t` is zero by construction."""
   value = static_value(t)
   if value is not None:
     return not np.any(value)

@@ -30,6 +30,7 @@ from estimator_towers.base import interception
 from estimator_towers.rows import einsum
 from estimator_towers.rows import elementwise
 from estimator_towers.rows import flat
+from estimator_towers.rows import frames
 from estimator_towers.rows import loops
 from estimator_towers.rows import sizes
 from estimator_towers.rows import stacked
@@ -122,7 +123,29 @@ def _ops_before(pending: list, stop: Callable[[tf.Tensor], bool]) -> list:
   if ops:
     order = {op.name: i for i, op in enumerate(ops[0].graph.get_operations())}
     ops.sort(key=lambda op: order.get(op.name, -1))
-  return ops
+  return _inputs_first(ops)
+
+
+def _inputs_first(ops: list) -> list:
+  """`ops` (in graph order) each after those of them it reads: a v1 loop's `Enter` is made
+  after the op that reads it; a `Merge`'s back edge (`NextIteration`) is no such read."""
+  among, done, result = {op.name for op in ops}, set(), []
+  for start in ops:
+    stack = [(start, False)]
+    while stack:
+      op, ready = stack.pop()
+      if op.name in done:
+        continue
+      if ready:
+        done.add(op.name)
+        result.append(op)
+        continue
+      stack.append((op, True))
+      for t in reversed(op.inputs):
+        if t.op.name in among and t.op.name not in done and not (
+            op.type in ('Merge', 'RefMerge') and 'NextIteration' in t.op.type):
+          stack.append((t.op, False))
+  return result
 
 
 class Reader:
@@ -135,6 +158,13 @@ class Reader:
     self.mixing: list = []
     self.frontier: list = []
     self._frontier_names: set = set()
+    self.loops: dict = {}   # what `frames` keeps of each v1 loop's Merge while it reads it
+    self.order: list = []   # the ops visited, in order
+
+  def forget_frontier(self, t: tf.Tensor) -> None:
+    """`t` is no longer on the frontier (a v1 loop's frame read again: `frames`)."""
+    self.frontier = [f for f in self.frontier if f.name != t.name]
+    self._frontier_names.discard(t.name)
 
   def kind(self, t: tf.Tensor) -> Kind | None:
     return self.kinds.get(t.name)
@@ -145,6 +175,7 @@ class Reader:
     return read(outputs, given, self.examples, self.declared)
 
   def visit(self, op: tf.Operation) -> None:
+    self.order.append(op)
     if not op.outputs or all(o.name in self.kinds for o in op.outputs):
       return
     kinds = [self.kind(t) for t in op.inputs]
@@ -184,7 +215,9 @@ class Reader:
 def _rule(reader: Reader, op: tf.Operation, kinds: list):
   """The kinds of `op`'s outputs: a Kind, a list of Kinds (per output), or a str (mixing: why)."""
   t = op.type
-  if loops.applies(op, kinds):   # loops, lists, function calls and what they give
+  if frames.applies(op):   # control flow v1's loops, TensorArrays
+    return frames.rule(reader, op, kinds)
+  if loops.applies(op, kinds):   # While loops, lists and what they give
     return loops.rule(reader, op, kinds)
   present = [k for k in kinds if k is not None]
   if t in ('Mul', 'Add', 'AddV2') or any(k.tag in (OFFSETS, INDICES) for k in present):
