@@ -54,6 +54,13 @@ target (the loss), and gives each tensor in between one *kind*:
 - **row splits**: a RaggedTensor's `row_splits` (its `flat_values` are
   flat); their differences are rows (each example's length), and the
   segment ids made from them (`RaggedSplitsToSegmentIds`) flat.
+- **columns**: the batch on axis 1 (a transpose of [n, d], a time-major
+  [T, n, ...] sequence: a step of it is rows); its shape a `columns shape`.
+- **list**, **one example**, **longest length** (`loops`, `frames`): a
+  TensorList or TensorArray of elements of a kind; one example's values, read
+  by a loop's step from the list of the batch's examples (`tf.map_fn`); the
+  batch's longest length, a max over the batch that only bounds a loop whose
+  body copies each example's values through past its own length.
 - **mixed**: a row depends on other examples of the batch. The first op that
   makes a mixed tensor out of none is a *mixing op*: a matrix product of two
   batch operands, a transpose, top-k, reverse, gather or slice across the
@@ -62,7 +69,7 @@ target (the loss), and gives each tensor in between one *kind*:
   a concat on the batch axis of rows with other values, rows
   combined with a statistic that is not a batch norm's or with a batch-size
   value, and any op the reader does not know (a function call, a
-  `py_func`, a functional `If`/`While`) fed by the batch: an op that cannot
+  `py_func`, a functional `Case`) fed by the batch: an op that cannot
   be classified counts as mixing, never as per-example.
 
 Tensors that depend on no input of the shard (variables, constants,
