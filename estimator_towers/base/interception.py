@@ -547,6 +547,12 @@ def keep_loop(op: tf.Operation) -> None:
   op._set_attr('_lower_using_switch_merge', tf.compat.v1.AttrValue(b=False))  # pylint: disable=protected-access
 
 
+def colocate_only(op: tf.Operation, groups: list) -> None:
+  """`op` (an op already built) in the colocation `groups` (b'loc:@name') only."""
+  op._set_attr('_class', tf.compat.v1.AttrValue(  # pylint: disable=protected-access
+      list=tf.compat.v1.AttrValue.ListValue(s=list(groups))))
+
+
 def place_alone(op: tf.Operation, device: str) -> None:
   """`op` (an op already built) runs on `device`, in no other op's colocation group
   (`Operation._set_device`, its '_class' attribute): a gradient loop built colocated with a

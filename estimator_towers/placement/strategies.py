@@ -192,6 +192,7 @@ def place_gradient_loops(ops: Sequence[tf.Operation]) -> None:
   handle: out of the loop's colocation group, where the variable is."""
   towers = _loop_devices.get(ops[0].graph, {}) if ops else {}
   for op in ops:
+    _placed_groups_only(op)
     if op.type in LOOP_OPS and any(group.decode()[len('loc:@'):] in towers
                                    for group in op.colocation_groups()):
       interception.keep_loop(op)
@@ -200,6 +201,26 @@ def place_gradient_loops(ops: Sequence[tf.Operation]) -> None:
     if any(group.decode()[len('loc:@'):] in towers for group in op.colocation_groups()):
       resource = [t for t in op.inputs if t.dtype == tf.resource][0]
       interception.place_alone(op, interception.resource_device(resource) or '')
+
+
+def _placed_groups_only(op: tf.Operation) -> None:
+  """`op` (a v1 loop's gradient accumulator, colocated with the forward op and with the value
+  it keeps) out of the groups of ops placed by a resource they read (a variable's read, a
+  TensorArray's, inside the loop: where the session puts the resource), while the forward op
+  is on the tower's device."""
+  groups = op.colocation_groups()
+  if len(groups) < 2 or not interception.in_control_flow(op):
+    return
+  placed = []
+  for group in groups:
+    try:
+      other = op.graph.get_operation_by_name(group.decode()[len('loc:@'):])
+    except KeyError:
+      return
+    if other.device and not any(t.dtype == tf.resource for t in other.inputs):
+      placed.append(group)   # not where a resource it reads puts it
+  if placed and len(placed) < len(groups):
+    interception.colocate_only(op, placed)
 
 
 # Ops that call a function (the lowered form of tf.cond and tf.while_loop).
