@@ -209,13 +209,15 @@ def _placed_groups_only(op: tf.Operation) -> None:
   TensorArray's, inside the loop: where the session puts the resource), while the forward op
   is on the tower's device."""
   groups = op.colocation_groups()
-  if len(groups) < 2 or not interception.in_control_flow(op):
+  if len(groups) < 2:
     return
   placed = []
   for group in groups:
     try:
       other = op.graph.get_operation_by_name(group.decode()[len('loc:@'):])
     except KeyError:
+      return
+    if not interception.in_control_flow(other):
       return
     if other.device and not any(t.dtype == tf.resource for t in other.inputs):
       placed.append(group)   # not where a resource it reads puts it
