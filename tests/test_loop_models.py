@@ -135,3 +135,35 @@ def test_towers_train_equal_to_plain_on_every_device(name, layout):
   plain = sum(plain_counts.values())
   least = min(counts.get(f'CPU:{i}', 0) for i in range(num_devices)) / plain
   assert least >= 0.9, (least, dict(counts), plain)
+
+
+def _mixing_loop_model_fn(features, labels, mode, params=None, config=None):
+  """A loop whose body mixes the batch (a max over the examples each step), its matrix
+  products inside the loop only: the head on the whole batch holds no heavy op of the graph."""
+  del labels, params, config
+  x = features['x']
+  w = tf.compat.v1.get_variable('w', [loop_models.D, loop_models.D],
+                                initializer=tf.compat.v1.glorot_uniform_initializer(seed=1))
+  _, h = tf.while_loop(
+      lambda i, h: i < loop_models.T,
+      lambda i, h: (i + 1, tf.tanh(tf.matmul(h, w) + tf.reduce_max(h, 0) + x[:, i])),
+      [0, tf.zeros_like(x[:, 0])])
+  loss = tf.reduce_mean(tf.square(h))
+  return loop_models._spec(mode, loss)  # pylint: disable=protected-access
+
+
+def test_a_loop_that_mixes_runs_once_and_says_so():
+  """Its steps run once, on the whole batch, on the first device: the warning names the loop
+  and gives the share (before: a loop's matrix products were not counted, so such a head held
+  no heavy op and ran on one device in silence)."""
+  features, labels, _ = loop_models.data()
+  with _warnings() as warned:
+    graph = heavy_ops.train_graph(
+        et.replicate_model_fn(_mixing_loop_model_fn, devices=testlib.cpu_devices(2)),
+        features, labels)
+  counts = heavy(graph)
+  assert counts['CPU:0'] > counts['CPU:1'], counts
+  said = [w for w in warned if 'runs once' in w]
+  assert len(said) == 1 and re.search(r"(Stateless)?While op '[^']*while' \(a while loop whose "
+                                      r"body has Max op", said[0]), warned
+  assert re.search(r'so \d+% of the step\'s heavy work runs on one device', said[0]), said
