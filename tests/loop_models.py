@@ -16,6 +16,8 @@ initializers (`MODELS[name](features, labels, mode, params)`). What each holds:
 - `while_loop`: a user's `tf.while_loop` over time, `x[:, i]` read each step.
 - `keras_lstm`, `keras_gru`, `keras_simple_rnn`, `keras_bidirectional`: Keras' recurrent
   layers (under TF2 behaviour the LSTM and GRU call a function picked by backend).
+- `function_call`: a recurrence step as a `tf.function` called at each step (a
+  `StatefulPartitionedCall` per step).
 - `seq2seq`: a GRU encoder, a decoding loop with Luong attention over the encoder's outputs
   and teacher forcing (`tf.while_loop`, TensorArrays), a cross-entropy per step.
 """
@@ -185,3 +187,24 @@ def seq2seq(features, labels, mode, params=None):
 MODELS = {f.__name__: f for f in (
     dynamic_rnn, bidirectional, static_rnn, scan, map_fn, while_loop, keras_lstm, keras_gru,
     keras_simple_rnn, keras_bidirectional, seq2seq)}
+
+
+def function_call(features, labels, mode, params=None):
+  """A recurrence step as a `tf.function` called in graph mode (a PartitionedCall), in a
+  `tf.while_loop` over time."""
+  with tf.compat.v1.variable_scope('rnn_model', initializer=_init(16)):
+    x = features['x']
+    w = tf.compat.v1.get_variable('w', [D, H])
+    u = tf.compat.v1.get_variable('u', [H, H])
+
+    @tf.function
+    def step(x_t, h):
+      return tf.tanh(tf.matmul(x_t, w) + tf.matmul(h, u))
+
+    h = tf.zeros([tf.shape(x)[0], H])
+    for t in range(T):
+      h = step(x[:, t], h)
+  return _head(h, labels, mode)
+
+
+MODELS['function_call'] = function_call

@@ -161,12 +161,13 @@ def tower_device(device: str, pinned: set | None = None):
   """
   def device_fn(op: tf.Operation) -> str:
     chosen = device
-    if op.type in LOOP_OPS:
+    if op.type in LOOP_OPS + FUNCTION_CALLS:
       _loop_devices.setdefault(op.graph, {})[op.name] = device
+    if op.type in LOOP_OPS:
       interception.keep_loop(op)
     for tensor in op.inputs:
       if tensor.dtype == tf.resource:
-        chosen = device if op.type in LOOP_OPS else '' if op.type in CALL_OPS else (
+        chosen = device if op.type in LOOP_OPS + FUNCTION_CALLS else '' if op.type in CALL_OPS else (
             interception.resource_device(tensor) or device)
         break
     if op.device:  # set by a device scope inside the tower: it takes precedence
@@ -183,6 +184,8 @@ def tower_device(device: str, pinned: set | None = None):
 # gradient builds colocated with such a loop that reads a handle (the zeros of a variable's
 # shape, `VariableShape`) must be where the variable is: `place_gradient_loops`.
 LOOP_OPS = ('While', 'StatelessWhile')
+# Calls of a `tf.function` stay on the tower's device too: their body is the tower's work.
+FUNCTION_CALLS = ('PartitionedCall', 'StatefulPartitionedCall')
 # graph -> {name of a tower's loop that takes a variable's handle: the tower's device}
 _loop_devices: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

@@ -25,6 +25,8 @@ they combined with the batch's other values, or carried to the next step, mix. A
 of as many elements as examples is such a list. `ReverseSequence` of rows along
 another axis reverses each example's own steps (`bidirectional_dynamic_rnn`).
 
+A function call (`PartitionedCall`, `StatefulPartitionedCall`: a `tf.function` called in
+graph mode) is its function's graph read like the rest, with the call's inputs' kinds.
 Control flow v1 (`Enter`, `Merge`, `Switch`, `NextIteration`, `Exit`, `TensorArrayV3`):
 `frames`.
 """
@@ -411,6 +413,19 @@ def zeros(t) -> bool:
   return t.op.type == 'ZerosLike'
 
 
+def _call(reader, op, kinds):
+  """A function call (`tf.function` in graph mode): its body read like the rest."""
+  graphs = interception.function_graphs(op, ('f',))
+  if graphs is None or len(graphs[0].inputs) != len(op.inputs) or (
+      len(graphs[0].outputs) != len(op.outputs)):
+    return 'a function call the library cannot see inside, fed by the batch\'s rows'
+  body = graphs[0]
+  inner = _read_graph(reader, body, kinds, [t for t in body.outputs if t is not None])
+  if isinstance(inner, str):
+    return f'a function call whose body has {inner}'
+  return [None if t is None else inner.kind(t) for t in body.outputs]
+
+
 # Op type -> the reader of its kinds (reader, op, kinds): `rule`'s dispatch.
 RULES = {'TensorListFromTensor': _from_tensor, 'TensorListReserve': _reserve,
          'EmptyTensorList': _reserve, 'TensorListGetItem': _get_item,
@@ -418,4 +433,5 @@ RULES = {'TensorListFromTensor': _from_tensor, 'TensorListReserve': _reserve,
          'TensorListPopBack': _pop_back, 'TensorListStack': _stack,
          'TensorListGather': _stack, 'TensorListLength': _length,
          'TensorListElementShape': _element_shape, 'ReverseSequence': _reverse_sequence,
-         'While': _while, 'StatelessWhile': _while}
+         'While': _while, 'StatelessWhile': _while,
+         'PartitionedCall': _call, 'StatefulPartitionedCall': _call}
