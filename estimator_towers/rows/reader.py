@@ -7,9 +7,9 @@ that depends on no input of the shard gives no kind; one fed by a mixed
 tensor is mixed; otherwise its op type picks the family that reads it
 (`sizes`, `elementwise`, `statistics`, `einsum`, `flat`, `stacked`; a
 tf.cond's branches are read like the rest when the choice is not the
-batch's, its functional `If` or control flow v1's `Switch` and `Merge`), and an op
-no family knows, a function call, a `py_func` or
-functional control flow fed by the batch mixes its rows: never
+batch's, its functional `If` or control flow v1's `Switch` and `Merge`; loops, lists
+and function calls by `loops` and `frames`, before the families), and an op
+no family knows, a `py_func` or a functional `Case` fed by the batch mixes its rows: never
 per-example by default, and so does an op not named in `_LIFTED_OPS` on
 entries lifted onto axis 1, or one not named in `_POSITION_OPS` on
 `tf.where`'s positions. Offsets and indices of each example's own rows

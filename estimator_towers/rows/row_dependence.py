@@ -68,8 +68,8 @@ target (the loss), and gives each tensor in between one *kind*:
   gives (a max, a min, an arg-max, a product, `reduce_all` / `reduce_any`),
   a concat on the batch axis of rows with other values, rows
   combined with a statistic that is not a batch norm's or with a batch-size
-  value, and any op the reader does not know (a function call, a
-  `py_func`, a functional `Case`) fed by the batch: an op that cannot
+  value, and any op the reader does not know (a `py_func`, a functional
+  `Case`) fed by the batch: an op that cannot
   be classified counts as mixing, never as per-example.
 
 Tensors that depend on no input of the shard (variables, constants,
