@@ -155,6 +155,12 @@ def _from_tensor(reader, op, kinds):
   return f'a list of the elements of values that are not rows ({x.tag})'
 
 
+def _empty(reader, op, kinds):
+  """An empty list holds no value of the batch, whatever its elements' shape: its kind is
+  what is pushed onto it (a gradient's record of a loop's steps, as long as its steps)."""
+  return None
+
+
 def _reserve(reader, op, kinds):
   shape, count = kinds[0], kinds[1] if len(kinds) > 1 else None
   if count is not None:
@@ -428,7 +434,7 @@ def _call(reader, op, kinds):
 
 # Op type -> the reader of its kinds (reader, op, kinds): `rule`'s dispatch.
 RULES = {'TensorListFromTensor': _from_tensor, 'TensorListReserve': _reserve,
-         'EmptyTensorList': _reserve, 'TensorListGetItem': _get_item,
+         'EmptyTensorList': _empty, 'TensorListGetItem': _get_item,
          'TensorListSetItem': _set_item, 'TensorListPushBack': _push_back,
          'TensorListPopBack': _pop_back, 'TensorListStack': _stack,
          'TensorListGather': _stack, 'TensorListLength': _length,
