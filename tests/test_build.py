@@ -347,8 +347,8 @@ def test_a_stage_library_missing_an_import_fails(tmp_path):
   shutil.copytree(os.path.join(ROOT, 'estimator_towers'), os.path.join(root, 'estimator_towers'),
                   ignore=shutil.ignore_patterns('__pycache__'))
   assert stage_library_problems(root) == []
-  edit_build(root, '"gradients": ["base", "towers", "heads", "loss"]',
-             '"gradients": ["base", "towers", "heads"]')
+  edit_build(root, '"gradients": ["base", "placement", "towers", "heads", "loss"]',
+             '"gradients": ["base", "placement", "towers", "heads"]')
   assert stage_library_problems(root) == [
-      "BUILD: estimator_towers_gradients deps ['base', 'heads', 'towers'], but its modules "
-      "import the stages ['base', 'heads', 'loss', 'towers']."]
+      "BUILD: estimator_towers_gradients deps ['base', 'heads', 'placement', 'towers'], but its "
+      "modules import the stages ['base', 'heads', 'loss', 'placement', 'towers']."]

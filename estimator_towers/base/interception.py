@@ -570,6 +570,48 @@ def branch_graphs(op: tf.Operation) -> list | None:
   return graphs
 
 
+def function_graphs(op: tf.Operation, attrs: tuple) -> list | None:
+  """The FuncGraphs of the functions `op` names in `attrs` (a `While`'s 'cond' and 'body', a
+  call's 'f'), or None: found by name in the graph's function library (`Graph._get_function`,
+  in the graph of `op` or the graphs it is inside), for `row_dependence`."""
+  graphs = []
+  for attr in attrs:
+    try:
+      name = op.get_attr(attr).name
+    except ValueError:
+      return None
+    graph, function = op.graph, None
+    while graph is not None and function is None:
+      function = graph._get_function(name)  # pylint: disable=protected-access
+      graph = getattr(graph, 'outer_graph', None)
+    if getattr(function, 'graph', None) is None:
+      return None
+    graphs.append(function.graph)
+  return graphs
+
+
+def keep_loop(op: tf.Operation) -> None:
+  """`op` (a While loop) runs as a loop of its own, its body not inlined into the graph (its
+  attribute `_lower_using_switch_merge`): two inlined copies of a body would share its ops'
+  colocation groups, which name ops inside it, across devices."""
+  op._set_attr('_lower_using_switch_merge', tf.compat.v1.AttrValue(b=False))  # pylint: disable=protected-access
+
+
+def colocate_only(op: tf.Operation, groups: list) -> None:
+  """`op` (an op already built) in the colocation `groups` (b'loc:@name') only."""
+  op._set_attr('_class', tf.compat.v1.AttrValue(  # pylint: disable=protected-access
+      list=tf.compat.v1.AttrValue.ListValue(s=list(groups))))
+
+
+def place_alone(op: tf.Operation, device: str) -> None:
+  """`op` (an op already built) runs on `device`, in no other op's colocation group
+  (`Operation._set_device`, its '_class' attribute): a gradient loop built colocated with a
+  forward loop left unpinned."""
+  op._set_device(device)  # pylint: disable=protected-access
+  op._set_attr('_class', tf.compat.v1.AttrValue(  # pylint: disable=protected-access
+      list=tf.compat.v1.AttrValue.ListValue(s=[b'loc:@' + op.name.encode()])))
+
+
 # Graph-mode building blocks TensorFlow 2.15 keeps private, used as they are.
 fn_args = function_utils.fn_args            # a model_fn's / input_fn's argument names
 all_reduce = collective_ops.all_reduce      # v1 all-reduce with group and instance keys

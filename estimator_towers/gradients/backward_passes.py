@@ -39,7 +39,17 @@ from estimator_towers.base import interception
 from estimator_towers.gradients import gradient_sync
 from estimator_towers.gradients.request import is_ref_variable
 from estimator_towers.gradients.request import Request
+from estimator_towers.placement import strategies
 from estimator_towers.towers import tower_copies
+
+
+def _graph_gradients(*args, **kwargs) -> list:
+  """`tf.gradients`, what it builds by a tower's loop placed (`place_gradient_loops`)."""
+  graph = tf.compat.v1.get_default_graph()
+  first = len(graph.get_operations())
+  grads = interception.graph_gradients(*args, **kwargs)
+  strategies.place_gradient_loops(graph.get_operations()[first:])
+  return grads
 
 
 def _options(primary: Request, stops: list, gates: bool = False) -> dict:
@@ -140,7 +150,7 @@ class BackwardPasses:
       grad_ys.extend(tower_grad_ys)
       stops.extend(request.stops)
     xs, members, reads = self._xs_and_members(primary, towers)
-    grads = interception.graph_gradients(ys, xs, grad_ys, **_options(primary, stops + reads))
+    grads = _graph_gradients(ys, xs, grad_ys, **_options(primary, stops + reads))
     return [[grads[j] for j in positions] for positions in members]
 
   def _copied_passes(self, towers: Sequence[int], requests: Sequence[Request],
@@ -161,13 +171,13 @@ class BackwardPasses:
     xs = list(primary.xs)
     ys0, seeds0 = shards[0]
     with copies.recording() as recording:
-      first = interception.graph_gradients(ys0, xs, seeds0, **_options(primary, primary.stops))
+      first = _graph_gradients(ys0, xs, seeds0, **_options(primary, primary.stops))
     parts = [[g] for g in first]
     for k, request, (ys, seeds) in zip(towers[1:], requests[1:], shards[1:]):
       grads = self._copied_pass(k, recording, first, ys0, seeds0, ys, seeds)
       if grads is None:  # a built tower: with respect to its own copies, if it has them
         mine = [x if self._copy_of(x, k) is None else self._copy_of(x, k) for x in xs]
-        grads = (interception.graph_gradients(ys, mine, seeds, **_options(primary, request.stops))
+        grads = (_graph_gradients(ys, mine, seeds, **_options(primary, request.stops))
                  if ys else [None] * len(xs))
       for part, grad in zip(parts, grads):
         part.append(grad)
@@ -214,7 +224,7 @@ class BackwardPasses:
     if not ys:  # a shard whose seeds are all zero
       return [None] * len(primary.xs)
     xs, members, reads = self._xs_and_members(primary, shards)
-    grads = interception.graph_gradients(
+    grads = _graph_gradients(
         ys, xs, grad_ys, **_options(primary, stops + reads, gates=self.per_shard))
     device = self._device_of(shards[0]) if self.per_shard else None
     with tf.device(device), tf.name_scope('shard_gradients'):

@@ -490,7 +490,8 @@ def read_quietly(value: Any, inputs: Sequence[tf.Tensor],
 def _batch_norms(rows: row_dependence.RowDependence, t: tf.Tensor) -> bool:
   """True for a batch norm's statistic (the row reader's reading of `t`)."""
   kind = rows.kind(t)
-  return kind is not None and kind.tag == row_dependence.STAT and kind.norm
+  return kind is not None and (kind.tag == row_dependence.STAT and kind.norm or (
+      kind.tag == row_dependence.BOUND))   # or a loop's bound: rows do not depend on it
 
 
 def _form(expression: Expression, t: tf.Tensor) -> str | None:

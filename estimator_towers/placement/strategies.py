@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from typing import Sequence
+import weakref
 
 import tensorflow as tf
 
@@ -160,9 +161,13 @@ def tower_device(device: str, pinned: set | None = None):
   """
   def device_fn(op: tf.Operation) -> str:
     chosen = device
+    if op.type in LOOP_OPS + FUNCTION_CALLS:
+      _loop_devices.setdefault(op.graph, {})[op.name] = device
+    if op.type in LOOP_OPS:
+      interception.keep_loop(op)
     for tensor in op.inputs:
       if tensor.dtype == tf.resource:
-        chosen = '' if op.type in CALL_OPS else (
+        chosen = device if op.type in LOOP_OPS + FUNCTION_CALLS else '' if op.type in CALL_OPS else (
             interception.resource_device(tensor) or device)
         break
     if op.device:  # set by a device scope inside the tower: it takes precedence
@@ -172,6 +177,55 @@ def tower_device(device: str, pinned: set | None = None):
               .make_merged_spec(tf.DeviceSpec.from_string(op.device)).to_string())
     return chosen
   return device_fn
+
+
+# Loops stay on their tower's device with a variable's handle among their inputs (the
+# steps, and their gradients' colocated with them, are the tower's work); but what the
+# gradient builds colocated with such a loop that reads a handle (the zeros of a variable's
+# shape, `VariableShape`) must be where the variable is: `place_gradient_loops`.
+LOOP_OPS = ('While', 'StatelessWhile')
+# Calls of a `tf.function` stay on the tower's device too: their body is the tower's work.
+FUNCTION_CALLS = ('PartitionedCall', 'StatefulPartitionedCall')
+# graph -> {name of a tower's loop that takes a variable's handle: the tower's device}
+_loop_devices: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def place_gradient_loops(ops: Sequence[tf.Operation]) -> None:
+  """The ops among `ops` (a gradient's) colocated with a tower's loop that read a variable's
+  handle: out of the loop's colocation group, where the variable is."""
+  towers = _loop_devices.get(ops[0].graph, {}) if ops else {}
+  for op in ops:
+    _placed_groups_only(op)
+    if op.type in LOOP_OPS and any(group.decode()[len('loc:@'):] in towers
+                                   for group in op.colocation_groups()):
+      interception.keep_loop(op)
+    if not any(t.dtype == tf.resource for t in op.inputs) or op.type in CALL_OPS:
+      continue
+    if any(group.decode()[len('loc:@'):] in towers for group in op.colocation_groups()):
+      resource = [t for t in op.inputs if t.dtype == tf.resource][0]
+      interception.place_alone(op, interception.resource_device(resource) or '')
+
+
+def _placed_groups_only(op: tf.Operation) -> None:
+  """`op` (a v1 loop's gradient accumulator, colocated with the forward op and with the value
+  it keeps) out of the groups of ops placed by a resource they read (a variable's read, a
+  TensorArray's, inside the loop: where the session puts the resource), while the forward op
+  is on the tower's device."""
+  groups = op.colocation_groups()
+  if len(groups) < 2:
+    return
+  placed = []
+  for group in groups:
+    try:
+      other = op.graph.get_operation_by_name(group.decode()[len('loc:@'):])
+    except KeyError:
+      return
+    if not interception.in_control_flow(other):
+      return
+    if other.device and not any(t.dtype == tf.resource for t in other.inputs):
+      placed.append(group)   # not where a resource it reads puts it
+  if placed and len(placed) < len(groups):
+    interception.colocate_only(op, placed)
 
 
 # Ops that call a function (the lowered form of tf.cond and tf.while_loop).

@@ -26,6 +26,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from estimator_towers.base import interception
 from estimator_towers.base import logs
 from estimator_towers.base import spelling
 from estimator_towers.heads import whole_batch_head
@@ -39,9 +40,23 @@ def heavy_ops(graph: tf.Graph, tower_devices: Sequence[str]) -> dict:
   canonical = [devices_lib.canonical(d) for d in tower_devices]
   counts = collections.Counter()
   for op in graph.get_operations():
-    if op.type in HEAVY:
-      counts[_tower_of(op.device, canonical)] += 1
+    if op.type in HEAVY or op.type in _LOOPS:
+      counts[_tower_of(op.device, canonical)] += heavy_count(op)
   return {d: counts.get(d, 0) for d in canonical}
+
+
+_LOOPS = ('While', 'StatelessWhile')
+
+
+def heavy_count(op: tf.Operation, depth: int = 0) -> int:
+  """`op`'s heavy ops: 1 for a heavy op; for a While loop, 1 and its body's heavy ops (the
+  steps of a recurrent network, on the loop's device), loops inside it included."""
+  if op.type in HEAVY:
+    return 1
+  if op.type not in _LOOPS or depth > 8:
+    return 0
+  graphs = interception.function_graphs(op, ('body',)) or []
+  return 1 + sum(heavy_count(o, depth + 1) for g in graphs for o in g.get_operations())
 
 
 def _tower_of(device: str, towers: list) -> str:
@@ -75,8 +90,8 @@ def report(graph: tf.Graph, tower_devices: Sequence[str]) -> None:
 
 def _in_heads(graph: tf.Graph) -> int:
   """The heavy ops of the heads built on the whole batch (their name scope's)."""
-  return sum(1 for op in graph.get_operations()
-             if op.type in HEAVY and op.name.startswith(_HEAD_SCOPE))
+  return sum(heavy_count(op) for op in graph.get_operations()
+             if op.name.startswith(_HEAD_SCOPE))
 
 
 _HEAD_SCOPE = 'whole_batch_head'

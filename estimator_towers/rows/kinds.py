@@ -31,6 +31,13 @@ POSITIONS = 'positions'
 # Rows or flat rows behind a new leading axis of 1 ([1, n, ...]: the batch on axis 1, each
 # entry still its example's), and the shape of such a tensor ([1, n, ...]).
 LIFTED, LIFTED_SHAPE = 'lifted', 'lifted shape'
+# Loops (`loops`): a TensorList or TensorArray of elements of a kind (`of`, `blocks`, `per`
+# the element's); one example's values, read from a list of the batch's examples by a loop's
+# step (`index`: the step's index tensor); the batch's longest length (a max over the batch
+# of each example's own length, `index` that length's tensor), only as a loop's bound.
+LIST, EXAMPLE, BOUND = 'list', 'one example', 'longest length'
+# The shape of values with the batch on axis 1 (`COLS`: a time-major [T, n, ...]).
+COLS_SHAPE = 'columns shape'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +82,7 @@ SIZE_KIND, SHAPE_KIND, UNIQUE_KIND, MIXED_KIND = Kind(SIZE), Kind(SHAPE), Kind(U
 SPLITS_KIND = Kind(SPLITS)
 STAT_KIND, NORM_KIND = Kind(STAT), Kind(STAT, norm=True)
 LIFTED_SHAPE_KIND = Kind(LIFTED_SHAPE)
+COLS_SHAPE_KIND = Kind(COLS_SHAPE)
 
 
 def lifted(kind: Kind) -> Kind:

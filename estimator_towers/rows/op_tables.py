@@ -64,7 +64,7 @@ SHAPED = {'Fill': 0, 'RandomUniform': 0, 'RandomStandardNormal': 0, 'TruncatedNo
           'StatelessTruncatedNormal': 0, 'StatelessTruncatedNormalV2': 0,
           'StatelessRandomUniformIntV2': 0, 'BroadcastTo': 1, 'Zeros': 0}
 # Function calls and functional control flow: the reader cannot see inside (but a tf.cond's
-# branches: `reader`).
+# branches: `reader`; loops and function calls: `loops`).
 FUNCTIONS = frozenset(('PartitionedCall', 'StatefulPartitionedCall', 'If', 'StatelessIf',
                        'While', 'StatelessWhile', 'Case', 'StatelessCase', 'PyFunc',
                        'PyFuncStateless', 'EagerPyFunc'))

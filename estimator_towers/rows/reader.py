@@ -7,9 +7,9 @@ that depends on no input of the shard gives no kind; one fed by a mixed
 tensor is mixed; otherwise its op type picks the family that reads it
 (`sizes`, `elementwise`, `statistics`, `einsum`, `flat`, `stacked`; a
 tf.cond's branches are read like the rest when the choice is not the
-batch's, its functional `If` or control flow v1's `Switch` and `Merge`), and an op
-no family knows, a function call, a `py_func` or
-functional control flow fed by the batch mixes its rows: never
+batch's, its functional `If` or control flow v1's `Switch` and `Merge`; loops, lists
+and function calls by `loops` and `frames`, before the families), and an op
+no family knows, a `py_func` or a functional `Case` fed by the batch mixes its rows: never
 per-example by default, and so does an op not named in `_LIFTED_OPS` on
 entries lifted onto axis 1, or one not named in `_POSITION_OPS` on
 `tf.where`'s positions. Offsets and indices of each example's own rows
@@ -30,6 +30,8 @@ from estimator_towers.base import interception
 from estimator_towers.rows import einsum
 from estimator_towers.rows import elementwise
 from estimator_towers.rows import flat
+from estimator_towers.rows import frames
+from estimator_towers.rows import loops
 from estimator_towers.rows import sizes
 from estimator_towers.rows import stacked
 from estimator_towers.rows import statistics
@@ -121,7 +123,29 @@ def _ops_before(pending: list, stop: Callable[[tf.Tensor], bool]) -> list:
   if ops:
     order = {op.name: i for i, op in enumerate(ops[0].graph.get_operations())}
     ops.sort(key=lambda op: order.get(op.name, -1))
-  return ops
+  return _inputs_first(ops)
+
+
+def _inputs_first(ops: list) -> list:
+  """`ops` (in graph order) each after those of them it reads: a v1 loop's `Enter` is made
+  after the op that reads it; a `Merge`'s back edge (`NextIteration`) is no such read."""
+  among, done, result = {op.name for op in ops}, set(), []
+  for start in ops:
+    stack = [(start, False)]
+    while stack:
+      op, ready = stack.pop()
+      if op.name in done:
+        continue
+      if ready:
+        done.add(op.name)
+        result.append(op)
+        continue
+      stack.append((op, True))
+      for t in reversed(op.inputs):
+        if t.op.name in among and t.op.name not in done and not (
+            op.type in ('Merge', 'RefMerge') and 'NextIteration' in t.op.type):
+          stack.append((t.op, False))
+  return result
 
 
 class Reader:
@@ -134,11 +158,24 @@ class Reader:
     self.mixing: list = []
     self.frontier: list = []
     self._frontier_names: set = set()
+    self.loops: dict = {}   # what `frames` keeps of each v1 loop's Merge while it reads it
+    self.order: list = []   # the ops visited, in order
+
+  def forget_frontier(self, t: tf.Tensor) -> None:
+    """`t` is no longer on the frontier (a v1 loop's frame read again: `frames`)."""
+    self.frontier = [f for f in self.frontier if f.name != t.name]
+    self._frontier_names.discard(t.name)
 
   def kind(self, t: tf.Tensor) -> Kind | None:
     return self.kinds.get(t.name)
 
+  def inner(self, outputs: Sequence[tf.Tensor], given: dict) -> 'Reader':
+    """The reader of a function's graph (a loop's body, a called function), from its inputs
+    of the `given` kinds (by name) to `outputs`."""
+    return read(outputs, given, self.examples, self.declared)
+
   def visit(self, op: tf.Operation) -> None:
+    self.order.append(op)
     if not op.outputs or all(o.name in self.kinds for o in op.outputs):
       return
     kinds = [self.kind(t) for t in op.inputs]
@@ -178,6 +215,10 @@ class Reader:
 def _rule(reader: Reader, op: tf.Operation, kinds: list):
   """The kinds of `op`'s outputs: a Kind, a list of Kinds (per output), or a str (mixing: why)."""
   t = op.type
+  if frames.applies(op):   # control flow v1's loops, TensorArrays
+    return frames.rule(reader, op, kinds)
+  if loops.applies(op, kinds):   # While loops, lists and what they give
+    return loops.rule(reader, op, kinds)
   present = [k for k in kinds if k is not None]
   if t in ('Mul', 'Add', 'AddV2') or any(k.tag in (OFFSETS, INDICES) for k in present):
     found = flat.indexing(reader, op, kinds)

@@ -54,6 +54,13 @@ target (the loss), and gives each tensor in between one *kind*:
 - **row splits**: a RaggedTensor's `row_splits` (its `flat_values` are
   flat); their differences are rows (each example's length), and the
   segment ids made from them (`RaggedSplitsToSegmentIds`) flat.
+- **columns**: the batch on axis 1 (a transpose of [n, d], a time-major
+  [T, n, ...] sequence: a step of it is rows); its shape a `columns shape`.
+- **list**, **one example**, **longest length** (`loops`, `frames`): a
+  TensorList or TensorArray of elements of a kind; one example's values, read
+  by a loop's step from the list of the batch's examples (`tf.map_fn`); the
+  batch's longest length, a max over the batch that only bounds a loop whose
+  body copies each example's values through past its own length.
 - **mixed**: a row depends on other examples of the batch. The first op that
   makes a mixed tensor out of none is a *mixing op*: a matrix product of two
   batch operands, a transpose, top-k, reverse, gather or slice across the
@@ -61,8 +68,8 @@ target (the loss), and gives each tensor in between one *kind*:
   gives (a max, a min, an arg-max, a product, `reduce_all` / `reduce_any`),
   a concat on the batch axis of rows with other values, rows
   combined with a statistic that is not a batch norm's or with a batch-size
-  value, and any op the reader does not know (a function call, a
-  `py_func`, a functional `If`/`While`) fed by the batch: an op that cannot
+  value, and any op the reader does not know (a `py_func`, a functional
+  `Case`) fed by the batch: an op that cannot
   be classified counts as mixing, never as per-example.
 
 Tensors that depend on no input of the shard (variables, constants,
@@ -101,7 +108,7 @@ from estimator_towers.base import shapes
 from estimator_towers.rows import messages
 from estimator_towers.rows.einsum import subscripts as einsum_subscripts
 from estimator_towers.rows.flat import input_kinds
-from estimator_towers.rows.kinds import (COLS, FLAT, INDICES, LIFTED, LIFTED_SHAPE, MIXED, OFFSETS,
+from estimator_towers.rows.kinds import (BOUND, COLS, FLAT, INDICES, LIFTED, LIFTED_SHAPE, MIXED, OFFSETS,
                                          POSITIONS, ROWS, ROWS_KIND, SHAPE, SIZE, SPLITS, STAT,
                                          UNIQUE, Kind, Mixing, RowDependence, flat_kind,
                                          same_for_each)
@@ -110,7 +117,7 @@ from estimator_towers.rows.reader import Reader, declare_kind, declared_kinds, e
 
 # The names the other stages read as `row_dependence.<name>` (the kinds and the op table
 # re-exported from `kinds` and `op_tables`).
-__all__ = ['ARITHMETIC', 'COLS', 'FLAT', 'INDICES', 'LIFTED', 'LIFTED_SHAPE', 'MIXED', 'OFFSETS',
+__all__ = ['ARITHMETIC', 'BOUND', 'COLS', 'FLAT', 'INDICES', 'LIFTED', 'LIFTED_SHAPE', 'MIXED', 'OFFSETS',
            'POSITIONS', 'ROWS', 'SHAPE', 'SIZE', 'SPLITS', 'STAT', 'UNIQUE', 'Kind', 'Mixing',
            'RowDependence', 'add_rows', 'check', 'classify', 'cut_rows', 'declare_kind',
            'declared_kind', 'einsum_subscripts', 'flat_kind', 'GrowingRead', 'same_for_each', 'in_eval_spec']

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from estimator_towers.base import shapes
-from estimator_towers.rows.kinds import (FLAT, LIFTED, LIFTED_SHAPE, LIFTED_SHAPE_KIND, POSITIONS,
+from estimator_towers.rows.kinds import (COLS, COLS_SHAPE_KIND, FLAT, LIFTED, LIFTED_SHAPE, LIFTED_SHAPE_KIND, POSITIONS,
                                          ROWS, ROWS_KIND, SHAPE, SHAPE_KIND, SIZE, SIZE_KIND, STAT,
                                          UNIQUE, UNIQUE_KIND, Kind, flat_kind, rows_per_example,
                                          stat_of)
@@ -50,6 +50,8 @@ def shape_of(kind: Kind | None) -> Kind | None:
     return SHAPE_KIND
   if kind.tag in (LIFTED, LIFTED_SHAPE):
     return LIFTED_SHAPE_KIND if kind.tag == LIFTED else SIZE_KIND   # [1, n, ...]; [rank]
+  if kind.tag == COLS and kind.blocks == 1:
+    return COLS_SHAPE_KIND   # [T, n, ...]: the batch size second (`loops`)
   return kind   # a statistic's shape does not depend on the batch (or is mixed)
 
 
@@ -139,6 +141,10 @@ def batch_multiple(reader, t, depth: int = 0):
       a, b = b, a
     return times(batch_multiple(reader, a, depth + 1), size_symbol(b)) if (
         reader.kind(b) is None) else None
+  if op.type == 'StridedSlice' and op.get_attr('shrink_axis_mask') == 1 and (
+      op.inputs[0].op.type == 'Shape') and reader.kind(op.inputs[0]) == COLS_SHAPE_KIND:
+    begin = static_value(op.inputs[1])   # tf.shape(time_major)[1]
+    return 1 if begin is not None and begin.size == 1 and int(begin[0]) == 1 else None
   if op.type == 'StridedSlice' and op.get_attr('shrink_axis_mask') == 1 and (
       not op.get_attr('ellipsis_mask')):
     begin = static_value(op.inputs[1])

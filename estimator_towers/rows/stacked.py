@@ -213,14 +213,20 @@ def _transpose(reader, op, kinds):
         'a transpose that moves the batch axis of entries lifted onto axis 1')
   if perm is None and value is not None and (len(value) == 0 or value[0] == 0):
     return x if x.tag != SHAPE else SIZE_KIND
-  if perm is None and value is not None and list(value) == [1, 0] and x.tag in (ROWS, COLS):
-    return COLS_KIND if x.tag == ROWS else ROWS_KIND
+  if perm is None and value is not None and x.tag in (ROWS, COLS) and (
+      x.tag == COLS or x.blocks == 1) and len(value) >= 2:
+    axis = list(value).index(0 if x.tag == ROWS else 1)   # where the batch axis goes
+    if axis < 2:   # [n, T, d] <-> [T, n, d]: time-major, the batch on axis 1
+      return (ROWS_KIND, COLS_KIND)[axis]
   return 'a transpose that moves the batch axis'
 
 
 def _expand_dims(reader, op, kinds):
   x, axis = kinds
   value = static_value(op.inputs[1])
+  if axis is None and x.tag == SIZE and value is not None and int(np.reshape(value, [-1])[0]) in (
+      0, -1) and op.inputs[0].shape.rank == 0 and batch_multiple(reader, op.inputs[0]) == 1:
+    return SHAPE_KIND   # [n]: a shape whose first size is the batch's (a zero state's)
   if axis is None and x.tag in (STAT, SIZE):
     return x
   if axis is None and value is not None:
@@ -399,6 +405,9 @@ def _strided_slice(reader, op, kinds):
     return x if start == 0 else None
   if x.tag in (STAT, SIZE):
     return x
+  if x.tag == COLS:
+    return _time_major_slice(x, begin, end, strides, begin_mask, end_mask, ellipsis | new_axis,
+                             shrink)
   if ellipsis & 1:
     return x
   if new_axis & 1 or shrink & 1:
@@ -406,6 +415,17 @@ def _strided_slice(reader, op, kinds):
   whole = (begin_mask & 1 or (begin is not None and begin[0] == 0)) and (end_mask & 1) and (
       strides is not None and strides[0] == 1)
   return x if whole else 'a slice of the batch axis'
+
+
+def _time_major_slice(x, begin, end, strides, begin_mask, end_mask, moved, shrink):
+  """A slice of time-major values [T, n, ...] (the batch on axis 1) that keeps axis 1 whole:
+  of one step (`outputs[-1]`) rows, of steps the same columns."""
+  if moved & 3 or shrink & 2 or begin is None or strides is None:
+    return 'a slice of values with the batch on axis 1 that picks rows of the batch'
+  if len(begin) >= 2 and not ((begin_mask & 2 or int(begin[1]) == 0) and end_mask & 2 and (
+      int(strides[1]) == 1)):
+    return 'a slice of values with the batch on axis 1 that picks rows of the batch'
+  return ROWS_KIND if shrink & 1 else x
 
 
 def _slice_by_batch(op, x):
@@ -463,8 +483,8 @@ def _reverse(reader, op, kinds):
   if x.tag in (STAT, SIZE):
     return x
   axes = axes_of(op.inputs[1], op.inputs[0].shape.rank)
-  if axes is not None and 0 not in axes:
-    return x
+  if axes is not None and (1 if x.tag == COLS else 0) not in axes:
+    return x   # along other axes (of time-major values: along time, Keras' go_backwards)
   return 'a reverse across the batch axis'
 
 

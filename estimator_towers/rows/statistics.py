@@ -80,6 +80,9 @@ def _reduction(reader, op, kinds):
     over_batch = 1 in axes or not axes
   else:
     over_batch = 0 in axes or kind.tag == FLAT and not axes
+  if not over_batch and kind.tag == COLS and 0 in axes and not op.get_attr('keep_dims') and (
+      op.type not in ('ArgMax', 'ArgMin')):
+    return ROWS_KIND   # [T, n, ...] over T: the batch on axis 0 again
   if not over_batch:
     return kind
   if op.type in _NOT_SUMS and not _in_moments(op):
