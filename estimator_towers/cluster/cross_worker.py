@@ -47,6 +47,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from estimator_towers.base import control_flow
 from estimator_towers.base import interception
 from estimator_towers.base import shapes
 from estimator_towers.base import updates
@@ -298,7 +299,7 @@ def gate_updates(across: CrossWorker, train_op: Any) -> None:
     if op.name in seen or op.name not in made:
       continue
     seen.add(op.name)
-    if (updates.is_update(op) and not interception.in_control_flow(op)
+    if (updates.is_update(op) and not control_flow.in_control_flow(op)
         and across.gate.op not in op.control_inputs):
       interception.add_control_inputs(op, [across.gate.op])
     pending.extend(t.op for t in op.inputs)

@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from estimator_towers.base import interception
+from estimator_towers.base import control_flow
 from estimator_towers.draws import streams
 from estimator_towers.rows import row_dependence as rd
 
@@ -98,11 +98,11 @@ class LoopPlaces:
   def place(self, graph: tf.Graph) -> Place:
     """The place of a random op built now in `graph` (raises the refusal where none)."""
     if graph is self.graph:
-      context = interception.while_context(graph)
+      context = control_flow.while_context(graph)
       return self._main if context is None else self._v1(context)
     place = self._places.get(graph) or self._new_place(graph)
     outer = self._outer_of(graph)
-    branch, body = interception.cond_branch(graph), interception.while_body(graph)
+    branch, body = control_flow.cond_branch(graph), control_flow.while_body(graph)
     for captured, inner in (branch or body)[1]:   # captures grow as the graph is built
       if captured.dtype not in (tf.variant, tf.resource):
         place.reader.add(inner, outer.kind(captured))
@@ -111,7 +111,7 @@ class LoopPlaces:
     return place
 
   def _new_place(self, graph: tf.Graph) -> Place:
-    branch, body = interception.cond_branch(graph), interception.while_body(graph)
+    branch, body = control_flow.cond_branch(graph), control_flow.while_body(graph)
     if branch is None and body is None:
       where = ('a while loop\'s condition' if type(graph).__name__ == 'WhileCondFuncGraph'
                else 'a function body')
@@ -190,10 +190,10 @@ class LoopPlaces:
 
   def _v1(self, context) -> Place:
     """The place of a random op in a v1 loop's frame."""
-    outer = interception.while_context(self.graph, context)
+    outer = control_flow.while_context(self.graph, context)
     outer_code = None if outer is None else self._v1(outer).iteration
     depth = 0 if outer is None else self._v1(outer).depth
-    counter = interception.while_iteration(context)
+    counter = control_flow.while_iteration(context)
     if counter is None:
       raise self._refusal(
           f'it is built inside a v1 tf.while_loop ({context.name}) that counts no '
@@ -225,7 +225,7 @@ class LoopPlaces:
       if done:
         order.append(op)
         continue
-      if op.name in seen or op.name in self._seeded or not interception.in_control_flow(op):
+      if op.name in seen or op.name in self._seeded or not control_flow.in_control_flow(op):
         continue
       seen.add(op.name)
       stack.append((op, True))

@@ -27,6 +27,7 @@ from typing import Iterable
 
 import tensorflow as tf
 
+from estimator_towers.base import control_flow
 from estimator_towers.base import interception
 
 __all__ = ['StepOrderHook', 'order_writes', 'unordered_writes']
@@ -113,7 +114,7 @@ def order_writes(graph: tf.Graph, anchor: tf.Operation) -> int:
 
 def _refuse_hidden_handles(graph: tf.Graph, step) -> None:
   name = _shared_name(step.op)
-  for function, node in interception.function_nodes(graph):
+  for function, node in control_flow.function_nodes(graph):
     if node.op in _HANDLE_OPS and _shared_name_of_node(node) == name:
       raise _refusal(
           f'{node.op} {node.name} in the function {function}',

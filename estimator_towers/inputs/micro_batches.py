@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
+from estimator_towers.base import control_flow
 from estimator_towers.base import interception
 from estimator_towers.inputs import sharding
 
@@ -165,7 +166,7 @@ def gate_sources(ops: Sequence[tf.Operation], gates: Sequence[tf.Operation] | No
   for op in ops:
     if (any(t.op in reached for t in op.inputs) or any(c in reached for c in op.control_inputs)):
       reached.add(op)
-    elif op.type not in _INERT and not interception.in_control_flow(op):
+    elif op.type not in _INERT and not control_flow.in_control_flow(op):
       interception.add_control_inputs(op, [gates[0]])
       reached.add(op)
 

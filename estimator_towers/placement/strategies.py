@@ -16,6 +16,7 @@ import weakref
 import tensorflow as tf
 
 
+from estimator_towers.base import control_flow
 from estimator_towers.base import interception
 from estimator_towers.cluster import cross_worker
 from estimator_towers.placement import devices as devices_lib
@@ -164,7 +165,7 @@ def tower_device(device: str, pinned: set | None = None):
     if op.type in LOOP_OPS + FUNCTION_CALLS:
       _loop_devices.setdefault(op.graph, {})[op.name] = device
     if op.type in LOOP_OPS:
-      interception.keep_loop(op)
+      control_flow.keep_loop(op)
     for tensor in op.inputs:
       if tensor.dtype == tf.resource:
         chosen = device if op.type in LOOP_OPS + FUNCTION_CALLS else '' if op.type in CALL_OPS else (
@@ -198,12 +199,12 @@ def place_gradient_loops(ops: Sequence[tf.Operation]) -> None:
     _placed_groups_only(op)
     if op.type in LOOP_OPS and any(group.decode()[len('loc:@'):] in towers
                                    for group in op.colocation_groups()):
-      interception.keep_loop(op)
+      control_flow.keep_loop(op)
     if not any(t.dtype == tf.resource for t in op.inputs) or op.type in CALL_OPS:
       continue
     if any(group.decode()[len('loc:@'):] in towers for group in op.colocation_groups()):
       resource = [t for t in op.inputs if t.dtype == tf.resource][0]
-      interception.place_alone(op, interception.resource_device(resource) or '')
+      control_flow.place_alone(op, interception.resource_device(resource) or '')
 
 
 def _placed_groups_only(op: tf.Operation) -> None:
@@ -220,12 +221,12 @@ def _placed_groups_only(op: tf.Operation) -> None:
       other = op.graph.get_operation_by_name(group.decode()[len('loc:@'):])
     except KeyError:
       return
-    if not interception.in_control_flow(other):
+    if not control_flow.in_control_flow(other):
       return
     if other.device and not any(t.dtype == tf.resource for t in other.inputs):
       placed.append(group)   # not where a resource it reads puts it
   if placed and len(placed) < len(groups):
-    interception.colocate_only(op, placed)
+    control_flow.colocate_only(op, placed)
 
 
 # Ops that call a function (the lowered form of tf.cond and tf.while_loop).

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from estimator_towers.base import interception
+from estimator_towers.base import control_flow
 from estimator_towers.base import logs
 from estimator_towers.base import spelling
 from estimator_towers.heads import whole_batch_head
@@ -55,7 +55,7 @@ def heavy_count(op: tf.Operation, depth: int = 0) -> int:
     return 1
   if op.type not in _LOOPS or depth > 8:
     return 0
-  graphs = interception.function_graphs(op, ('body',)) or []
+  graphs = control_flow.function_graphs(op, ('body',)) or []
   return 1 + sum(heavy_count(o, depth + 1) for g in graphs for o in g.get_operations())
 
 

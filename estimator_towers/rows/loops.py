@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from estimator_towers.base import interception
+from estimator_towers.base import control_flow
 from estimator_towers.rows.kinds import (BOUND, COLS, COLS_KIND, COLS_SHAPE, EXAMPLE, LIST,
                                          ROWS, ROWS_KIND, SHAPE, SIZE, SIZE_KIND, STAT,
                                          STAT_KIND, Kind)
@@ -287,7 +287,7 @@ def join(a: Kind | None, b: Kind | None):
 
 
 def _while(reader, op, kinds):
-  graphs = interception.function_graphs(op, ('cond', 'body'))
+  graphs = control_flow.function_graphs(op, ('cond', 'body'))
   if graphs is None:
     return 'a while loop whose body the library cannot find'
   cond, body = graphs
@@ -421,7 +421,7 @@ def zeros(t) -> bool:
 
 def _call(reader, op, kinds):
   """A function call (`tf.function` in graph mode): its body read like the rest."""
-  graphs = interception.function_graphs(op, ('f',))
+  graphs = control_flow.function_graphs(op, ('f',))
   if graphs is None or len(graphs[0].inputs) != len(op.inputs) or (
       len(graphs[0].outputs) != len(op.outputs)):
     return 'a function call the library cannot see inside, fed by the batch\'s rows'

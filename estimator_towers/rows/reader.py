@@ -26,7 +26,7 @@ import weakref
 
 import tensorflow as tf
 
-from estimator_towers.base import interception
+from estimator_towers.base import control_flow
 from estimator_towers.rows import einsum
 from estimator_towers.rows import elementwise
 from estimator_towers.rows import flat
@@ -277,7 +277,7 @@ def _cond(reader: Reader, op: tf.Operation, kinds: list):
   """A functional tf.cond: its branches read like the rest, when the choice is not the batch's."""
   if kinds[0] is not None:
     return 'a tf.cond whose branch is chosen by a value of the batch'
-  graphs = interception.branch_graphs(op)
+  graphs = control_flow.branch_graphs(op)
   if graphs is None:
     return 'a functional control flow op the library cannot see inside, fed by the batch\'s rows'
   results = []

@@ -32,6 +32,7 @@ from typing import Callable
 
 import tensorflow as tf
 
+from estimator_towers.base import control_flow
 from estimator_towers.base import interception
 from estimator_towers.placement import strategies as placement_lib
 
@@ -226,9 +227,9 @@ def _colocation_targets(op: tf.Operation) -> list:
 
 def _unsafe(op: tf.Operation) -> str | None:
   """Why `op` cannot be imported again as it is, or None."""
-  if interception.in_control_flow(op):
+  if control_flow.in_control_flow(op):
     return f'{op.name} is inside a v1 tf.cond or tf.while_loop'
-  if interception.calls_function(op):
+  if control_flow.calls_function(op):
     return (f'{op.name} calls a function (a tf.cond, tf.while_loop or tf.function '
             f'in graph mode)')
   if op.type in ('Placeholder', 'PlaceholderV2'):

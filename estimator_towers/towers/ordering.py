@@ -19,6 +19,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from estimator_towers.base import control_flow
 from estimator_towers.base import interception
 
 # Ops that read a variable's value through its handle.
@@ -40,7 +41,7 @@ def _resource_accesses(ops: Sequence[tf.Operation]) -> dict:
   """{variable: [(position, op, is_write)]} for the top-level ops in `ops`."""
   accesses = {}
   for position, op in enumerate(ops):
-    if interception.in_control_flow(op):
+    if control_flow.in_control_flow(op):
       continue  # Inside a v1 cond or loop: control edges cannot cross into it.
     is_write = op.type.startswith(_WRITE_PREFIXES)
     if not is_write and op.type not in _READS:
