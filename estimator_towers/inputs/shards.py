@@ -95,7 +95,7 @@ def make_shards(features, labels, mode, tower_devices, staged,
   with tf.device(host), tf.name_scope('shard_inputs'):
     if staged is None:
       batch = sharding.batch_size(features, labels)
-      sizes = layout.sizes(sharding.shard_sizes(batch, num_devices))
+      sizes = layout.split_batch(batch, num_devices)
       shards = sharding.split((features, labels), sizes, fill_empty=mode == ModeKeys.TRAIN)
       feature_shards, label_shards = [list(s) for s in zip(*shards)]
     else:
