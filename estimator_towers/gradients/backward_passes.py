@@ -43,7 +43,7 @@ from estimator_towers.gradients.request import Request
 from estimator_towers.towers import tower_copies
 
 
-def _options(primary: Request, stops: list, gates: bool = False) -> dict:
+def _options(primary: Request, stops: list, gates: bool = False, fixed: bool = False) -> dict:
   """The primary request's gradient options for one backward pass of ours.
 
   `gates`: keep the primary's per-op gates (`gate_gradients`, which
@@ -59,9 +59,17 @@ def _options(primary: Request, stops: list, gates: bool = False) -> dict:
   of a ref variable shares its buffer, which the update changes in place, and
   the gates are what makes a variable's update wait for every gradient op that
   reads it (a layer's input gradient reads its kernel), as on one device.
+
+  `fixed` (the shard grid): TensorFlow's default aggregation of a tensor's
+  gradients from several consumers sums them per device first, an order that
+  depends on the topology (a tower's activations reached from every tower
+  through a batch norm's global statistics); the pairwise running sum sums
+  them in the graph's order, the same on any topology.
   """
   options = dict(primary.options)
   options['stop_gradients'] = stops or None
+  if fixed:  # a tensor's gradients from several consumers: summed in consumer order, not by device
+    options['aggregation_method'] = tf.AggregationMethod.EXPERIMENTAL_TREE
   options['colocate_gradients_with_ops'] = True
   if not gates and not any(is_ref_variable(x) for x in primary.xs):
     options['gate_gradients'] = False
@@ -242,7 +250,8 @@ class BackwardPasses:
       return [None] * len(primary.xs)
     xs, members, reads = self._xs_and_members(primary, shards)
     grads = interception.graph_gradients(
-        ys, xs, grad_ys, **_options(primary, stops + reads, gates=self.per_shard))
+        ys, xs, grad_ys, **_options(primary, stops + reads, gates=self.per_shard,
+                                    fixed=self._fixed is not None))
     device = self._device_of(shards[0]) if self.per_shard else None
     with tf.device(device), tf.name_scope('shard_gradients'):
       return [gradient_sync.add([grads[j] for j in positions]) for positions in members]

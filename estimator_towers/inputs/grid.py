@@ -67,6 +67,8 @@ class GridLayout(micro_batches_lib.Layout):
   """The layout of the fixed grid: `num_devices` towers (several may share a device),
   `micro_batches` shards each, one after another; the sizes by one cut into S shards."""
 
+  shares_devices = True  # towers may share a device (not a dataclass field)
+
   def split_batch(self, batch, num_towers: int) -> list:
     del num_towers
     return list(sharding.shard_sizes(batch, self.num_shards))
