@@ -2,8 +2,7 @@
 
 With `shards=S` (`inputs.grid`), a variable's whole-batch gradient is the sum
 of its S per-shard gradients taken in one order on every topology: the
-binary tree `summation_tree(0, S)`, in which a range of shards [lo, hi) of
-more than one splits at lo + the largest power of two below hi - lo.
+binary tree `base.fixed_sums.summation_tree(0, S)`.
 Floating-point addition gives the same bits for the same operands in the same
 order, so when each shard's gradient is computed by the same ops on the same
 shapes, the sum is bit-identical on 1, 2 or 4 devices and with micro-batches.
@@ -24,37 +23,11 @@ sum has one order too.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import tensorflow as tf
 
-
-def summation_tree(lo: int, hi: int) -> int | tuple:
-  """The fixed binary tree over shards [lo, hi): a leaf's index, or (left, right)."""
-  if hi - lo == 1:
-    return lo
-  power = 1
-  while power * 2 < hi - lo:
-    power *= 2
-  return (summation_tree(lo, lo + power), summation_tree(lo + power, hi))
-
-
-def leaves(tree: int | tuple) -> list[int]:
-  """The shards of a (sub)tree, in order."""
-  return [tree] if isinstance(tree, int) else leaves(tree[0]) + leaves(tree[1])
-
-
-def add(a: Any, b: Any) -> Any:
-  """a + b, None being nothing to add (a shard whose gradient does not reach the variable).
-
-  Not an Add op: grappler's arithmetic optimizer rewrites a tree of Adds on
-  one device into one AddN, which sums in an order of its own, and it would
-  do so on one device but not across several. A Sum over a stack of the two
-  is the same addition, (0 + a) + b, out of its reach.
-  """
-  if a is None or b is None:
-    return b if a is None else a
-  return tf.reduce_sum(tf.stack([a, b]), 0)
+from estimator_towers.base import fixed_sums
 
 
 class FixedOrder:
@@ -68,11 +41,11 @@ class FixedOrder:
   def __init__(self, num_shards: int, device_of: Callable[[int], str]):
     self.num_shards = num_shards
     self._device_of = device_of
-    self.tree = summation_tree(0, num_shards)
+    self.tree = fixed_sums.summation_tree(0, num_shards)
 
   def _device(self, tree: int | tuple) -> str | None:
     """The one device a subtree's shards run on, or None if they span several."""
-    devices = {self._device_of(k) for k in leaves(tree)}
+    devices = {self._device_of(k) for k in fixed_sums.leaves(tree)}
     return devices.pop() if len(devices) == 1 else None
 
   def local(self, parts: dict, on_node: Callable[[int, list], None] | None = None) -> tuple:
@@ -93,15 +66,16 @@ class FixedOrder:
             value = tf.convert_to_tensor(value)
       else:
         left, right = local_sum(tree[0]), local_sum(tree[1])
-        with tf.device(self._device_of(leaves(tree)[0])), tf.name_scope('fixed_order_sum'):
-          value = add(left, right)
+        device = self._device_of(fixed_sums.leaves(tree)[0])
+        with tf.device(device), tf.name_scope('fixed_order_sum'):
+          value = fixed_sums.add(left, right)
       if on_node is not None and value is not None:
-        on_node(leaves(tree)[-1], [value])
+        on_node(fixed_sums.leaves(tree)[-1], [value])
       return value
 
     def walk(tree):
       if self._device(tree) is not None:
-        first = leaves(tree)[0]
+        first = fixed_sums.leaves(tree)[0]
         sums[first] = local_sum(tree)
         return first
       return (walk(tree[0]), walk(tree[1]))
@@ -126,7 +100,7 @@ class FixedOrder:
     size = shape.num_elements() if shape.is_fully_defined() else None
     if size is None or size < len(devices):
       with tf.device(aggregation_device), tf.name_scope('fixed_order_sum'):
-        return _evaluate(upper, sums)
+        return fixed_sums.evaluate(upper, sums)
     chunks = _chunk_sizes(size, len(devices))
     cut = {}
     for k, value in sums.items():
@@ -136,34 +110,12 @@ class FixedOrder:
     reduced = []
     for c, device in enumerate(devices):
       with tf.device(device), tf.name_scope('fixed_order_reduce'):
-        reduced.append(_evaluate(upper, {k: (None if k not in cut else cut[k][c])
+        reduced.append(fixed_sums.evaluate(upper, {k: (None if k not in cut else cut[k][c])
                                          for k in sums}))
     with tf.device(aggregation_device), tf.name_scope('fixed_order_gather'):
       return tf.reshape(tf.concat(reduced, 0), shape)
 
 
-def _evaluate(tree: int | tuple, values: dict) -> Any:
-  if isinstance(tree, int):
-    return values[tree]
-  return add(_evaluate(tree[0], values), _evaluate(tree[1], values))
-
-
 def _chunk_sizes(size: int, parts: int) -> list[int]:
   q, r = divmod(size, parts)
   return [q + (1 if c < r else 0) for c in range(parts)]
-
-
-def sum_in_order(values: Sequence, nonempty: Sequence | None = None) -> Any:
-  """The sum of per-shard values (all S of them, in shard order) over the fixed tree.
-
-  For small values that meet on one device (a loss's normalisers, moments):
-  `nonempty[k]` False or a bool Tensor masks shard k out.
-  """
-  terms = {}
-  for k, value in enumerate(values):
-    ne = True if nonempty is None else nonempty[k]
-    if ne is False or value is None:
-      continue
-    terms[k] = value if ne is True else tf.where(ne, value, tf.zeros_like(value))
-  return _evaluate(summation_tree(0, len(values)), {k: terms.get(k)
-                                                    for k in range(len(values))})

@@ -23,6 +23,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import tensorflow as tf
+
+from estimator_towers.base import fixed_sums
 from estimator_towers.inputs import micro_batches as micro_batches_lib
 from estimator_towers.inputs import sharding
 
@@ -91,7 +94,9 @@ def grid_devices(shards: int | None, devices: Sequence[str], micro_batches: int,
 
 
 def layout(shards: int | None, num_towers: int, micro_batches: int) -> micro_batches_lib.Layout:
-  """The plan's layout: the grid's with shards, else one shard per device and micro-batch."""
+  """The plan's layout: the grid's with shards (the default graph is then marked as
+  built on it: `fixed_sums.active`), else one shard per device and micro-batch."""
   if shards is None:
     return micro_batches_lib.Layout(num_towers, micro_batches)
+  fixed_sums.mark(tf.compat.v1.get_default_graph(), shards)
   return GridLayout(num_towers, micro_batches)
