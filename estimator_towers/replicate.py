@@ -125,6 +125,14 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     resume_input: True (default: every checkpoint saves the training input's
       position) or False (every train() call and restart reads the input
       from its first element).
+    shards: None (default) or S, the fixed shard grid: the global batch is
+      always cut into S shards (one tower each; a device runs several), and
+      every sum across them (gradients, loss normalisers, batch-norm
+      moments, an in-batch head's) is taken in one fixed order, so that the
+      checkpoints are bit-identical on 1, 2, 4... devices and micro-batches
+      whose product divides S (S / devices a power of two); another
+      topology is an error naming the divisors of S.
+      More: [guarantees](../guarantees.md#bit-identical-checkpoints-the-fixed-shard-grid).
     plan: a `DevicePlan` from `make_plan`, instead of the arguments above.
 
   Returns:
@@ -332,7 +340,8 @@ def _towered_spec(run, features, labels, mode, plan, placement, tower_devices, s
 
 def _build_towers(run, features, labels, mode, plan, placement, staged=None, across=None):
   """Shards -> towers -> the merged EstimatorSpec of `mode`."""
-  layout = grid.layout(plan.shards, len(placement.tower_devices), plan.micro_batches)
+  layout = grid.layout(plan.shards, len(placement.tower_devices), plan.micro_batches,
+                       across.size if across is not None else 1)
   shards = shards_lib.make_shards(features, labels, mode, placement.tower_devices, staged,
                                   layout, across.has_data if across is not None else None)
   draws = None

@@ -93,10 +93,21 @@ def grid_devices(shards: int | None, devices: Sequence[str], micro_batches: int,
   return tower_devices(devices, shards // workers, micro_batches)
 
 
-def layout(shards: int | None, num_towers: int, micro_batches: int) -> micro_batches_lib.Layout:
+def layout(shards: int | None, num_towers: int, micro_batches: int,
+           workers: int = 1) -> micro_batches_lib.Layout:
   """The plan's layout: the grid's with shards (the default graph is then marked as
-  built on it: `fixed_sums.active`), else one shard per device and micro-batch."""
+  built on it: `fixed_sums.active`), else one shard per device and micro-batch.
+
+  Raises:
+    GridError: for the grid across workers (a TRAIN graph of a cluster).
+  """
   if shards is None:
     return micro_batches_lib.Layout(num_towers, micro_batches)
+  if workers > 1:
+    raise GridError(
+        f'shards={shards} across {workers} workers is not supported: the sum '
+        f'across workers is a collective all-reduce, whose order is not fixed. '
+        f'Train with the fixed shard grid on one machine (any number of its '
+        f'devices), or across workers without shards.')
   fixed_sums.mark(tf.compat.v1.get_default_graph(), shards)
   return GridLayout(num_towers, micro_batches)
