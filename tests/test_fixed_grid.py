@@ -103,14 +103,14 @@ TOPOLOGIES = {'dense': [(2, 1), (4, 1), (1, 2), (2, 2)],
               'in_batch_softmax': [(2, 1), (4, 1), (1, 2), (2, 2)]}
 
 
-def _estimator(model, devices, micro=1, shards=S, model_dir=None):
+def _estimator(model, devices, micro=1, shards=S, model_dir=None, strategy='auto'):
   fn = et.replicate_model_fn(MODELS[model], devices=testlib.cpu_devices(devices),
-                             micro_batches=micro, shards=shards)
+                             micro_batches=micro, shards=shards, variable_strategy=strategy)
   return testlib.make_estimator(fn, num_cpus=4, model_dir=model_dir)
 
 
-def _train(model, devices, micro=1, shards=S, steps=STEPS):
-  estimator = _estimator(model, devices, micro, shards)
+def _train(model, devices, micro=1, shards=S, steps=STEPS, strategy='auto'):
+  estimator = _estimator(model, devices, micro, shards, strategy=strategy)
   estimator.train(input_fn, steps=steps)
   return testlib.variables(estimator)
 
@@ -136,6 +136,13 @@ def test_bit_identical_on_every_topology(model, devices, micro):
   expected = _reference(model)
   assert any('Adam' in name for name in expected)  # the slots are compared too
   assert _differing(_train(model, devices, micro), expected) == []
+
+
+@pytest.mark.parametrize('strategy,devices', [('collective', 4), ('gpu', 2), ('replicated', 2)])
+def test_bit_identical_under_every_variable_strategy(strategy, devices):
+  """'collective': the levels above the devices a fixed-order reduce-scatter; 'gpu':
+  variables spread over the devices; 'replicated': a copy per tower."""
+  assert _differing(_train('dense', devices, strategy=strategy), _reference('dense')) == []
 
 
 @pytest.mark.parametrize('model', ['batch_norm', 'in_batch_softmax'])

@@ -243,6 +243,11 @@ class BackwardPasses:
         self._after_backward(k, [g for g in per_shard[k] if g is not None] + done.get(k, []))
     return answer
 
+  def _gated(self) -> bool:
+    """Whether a shard's backward pass keeps the per-op gates: with micro-batches (their
+    order is plain's: see `_options`); not for the grid's towers side by side."""
+    return self.per_shard and (self._fixed is None or self._after_backward is not None)
+
   def _gradients(self, shards: Sequence[int], primary: Request, ys: list, grad_ys: list,
                  stops: list) -> list:
     """The gradient of `ys` (built by `shards`) with respect to each of the primary's xs."""
@@ -250,7 +255,7 @@ class BackwardPasses:
       return [None] * len(primary.xs)
     xs, members, reads = self._xs_and_members(primary, shards)
     grads = interception.graph_gradients(
-        ys, xs, grad_ys, **_options(primary, stops + reads, gates=self.per_shard,
+        ys, xs, grad_ys, **_options(primary, stops + reads, gates=self._gated(),
                                     fixed=self._fixed is not None))
     device = self._device_of(shards[0]) if self.per_shard else None
     with tf.device(device), tf.name_scope('shard_gradients'):

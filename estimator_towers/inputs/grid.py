@@ -26,6 +26,8 @@ from typing import Sequence
 import tensorflow as tf
 
 from estimator_towers.base import fixed_sums
+from estimator_towers.base import interception
+from estimator_towers.base import logs
 from estimator_towers.inputs import micro_batches as micro_batches_lib
 from estimator_towers.inputs import sharding
 
@@ -90,6 +92,13 @@ def grid_devices(shards: int | None, devices: Sequence[str], micro_batches: int,
   if shards is None:
     return tuple(devices)
   check_grid(shards, len(devices), micro_batches, workers)
+  if (any(tf.DeviceSpec.from_string(d).device_type == 'GPU' for d in devices)
+      and not interception.op_determinism_enabled()):
+    logs.warning_once(
+        f'estimator_towers: shards={shards} on GPUs gives bit-identical checkpoints '
+        f'only with deterministic kernels (cuDNN and atomics pick their summation '
+        f'order otherwise): call tf.config.experimental.enable_op_determinism() '
+        f'before building the Estimator.', key='grid:op_determinism')
   return tower_devices(devices, shards // workers, micro_batches)
 
 
