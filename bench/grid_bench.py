@@ -16,6 +16,7 @@ bytes.
 
   python bench/grid_bench.py              # 4 devices, B = 256, shards = 4
   python bench/grid_bench.py --shards=8   # two shards per device
+  python bench/grid_bench.py --variable_strategy=collective   # the reduce-scatter
   python bench/grid_bench.py --quick      # a smoke run
 """
 
@@ -38,6 +39,7 @@ from estimator_towers.reporting import traffic  # pylint: disable=wrong-import-p
 FLAGS = flags.FLAGS
 benchlib.define_mlp_flags(num_cpu_devices=4, batch_size=256, warmup_steps=5, steps=20, rounds=20)
 flags.DEFINE_integer('shards', 4, 'The grid: shards of the global batch.')
+flags.DEFINE_string('variable_strategy', 'auto', 'Both configurations\' variable strategy.')
 flags.DEFINE_bool('quick', False, 'A smoke run: 1 warm-up step, 3 rounds of 3 steps.')
 
 _CONFIGS = ('plain', 'grid')
@@ -50,7 +52,8 @@ def _session(shards, devices, data):
     dataset = tf.data.Dataset.from_tensor_slices(data).repeat().batch(FLAGS.batch_size)
     features, labels = tf.compat.v1.data.make_one_shot_iterator(dataset.prefetch(2)).get_next()
     spec = et.replicate_model_fn(benchlib.mlp_model_fn(), devices=devices, shards=shards,
-                                 resume_input=False)(
+                                 resume_input=False,
+                                 variable_strategy=FLAGS.variable_strategy)(
         features, labels, mode=tf.estimator.ModeKeys.TRAIN)
     size = sum(int(np.prod(v.shape)) * v.dtype.size
                for v in tf.compat.v1.trainable_variables())
@@ -80,7 +83,7 @@ def main(argv):
   n = FLAGS.num_cpu_devices
   benchlib.print_header(
       f'{n} virtual CPU devices, global batch {FLAGS.batch_size}; MLP {benchlib.mlp_name()}; '
-      f'grid: shards={FLAGS.shards}',
+      f'grid: shards={FLAGS.shards}; variable_strategy={FLAGS.variable_strategy}',
       f'steps/sec: median of {FLAGS.rounds} interleaved chunks of {FLAGS.steps} steps after '
       f'{FLAGS.warmup_steps} warm-up steps')
   seconds = benchlib.interleaved_seconds_per_step(sessions, _CONFIGS, FLAGS.warmup_steps,

@@ -403,8 +403,7 @@ def _build_train(builder: builder_lib.TowerBuilder, plan: plan_lib.DevicePlan, f
       sync, lambda variable, k: variable_sharing.copy_of(variable, shards.layout.device_of(k)),
       device_of=builder.device_of if micro or plan.shards else None,
       after_backward=shards.order_next if micro else None, copies=copies,
-      fixed=fixed_order.FixedOrder(shards.layout.num_shards, builder.device_of,
-                                   ring=getattr(builder.placement, 'combine', None) is not None)
+      fixed=fixed_order.FixedOrder(shards.layout.num_shards, builder.device_of)
       if plan.shards else None)
   broker = gradients.WholeBatchGradients(
       graph, shards.active, shards.sizes, batch, plan.loss_reduction, others.build, passes,

@@ -104,7 +104,9 @@ TOPOLOGIES = {'dense': [(2, 1), (4, 1), (1, 2), (2, 2)],
 
 
 def _estimator(model, devices, micro=1, shards=S, model_dir=None, strategy='auto'):
-  fn = et.replicate_model_fn(MODELS[model], devices=testlib.cpu_devices(devices),
+  if isinstance(devices, int):
+    devices = testlib.cpu_devices(devices)
+  fn = et.replicate_model_fn(MODELS[model], devices=devices,
                              micro_batches=micro, shards=shards, variable_strategy=strategy)
   return testlib.make_estimator(fn, num_cpus=4, model_dir=model_dir)
 
@@ -138,10 +140,12 @@ def test_bit_identical_on_every_topology(model, devices, micro):
   assert _differing(_train(model, devices, micro), expected) == []
 
 
-@pytest.mark.parametrize('strategy,devices', [('collective', 4), ('gpu', 2), ('replicated', 2)])
+@pytest.mark.parametrize('strategy,devices', [
+    ('collective', 4), ('gpu', 2), ('replicated', 2), ('cpu', ['/cpu:2', '/cpu:3'])])
 def test_bit_identical_under_every_variable_strategy(strategy, devices):
-  """'collective': the levels above the devices a fixed-order reduce-scatter; 'gpu':
-  variables spread over the devices; 'replicated': a copy per tower."""
+  """'collective' and 'replicated': a copy per tower; 'gpu': variables spread over the
+  devices; 'cpu' on towers without /cpu:0: the levels above the devices a fixed-order
+  reduce-scatter and a gather on /cpu:0."""
   assert _differing(_train('dense', devices, strategy=strategy), _reference('dense')) == []
 
 

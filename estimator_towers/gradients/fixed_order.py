@@ -11,11 +11,11 @@ Where the sum runs: a subtree whose shards are all on one device is summed on
 that device (a device's own shards form a subtree: `inputs.grid` requires
 it), so only one value per device leaves it. The levels of the tree above
 the devices: where the variable's aggregation device is one of the towers'
-and the placement has no all-reduce ('cpu' and 'gpu' on their devices,
-'replicated'), each device's sum goes there and the upper tree is added
-there: (N - 1) sums cross, as without the grid. Otherwise (the host CPU
-aggregating for GPUs, the 'collective' placement) by a fixed-order
-reduce-scatter: each device's sum is cut into N chunks, chunk c's upper tree
+(every placement on towers that include it: 'cpu' with /cpu:0 a tower, 'gpu',
+'replicated', 'collective'), each device's sum goes there and the upper tree
+is added there: (N - 1) M bytes cross for M bytes of gradient, half the ring
+all-reduce's 2 (N - 1) M. Otherwise (the host CPU aggregating for GPUs) by a
+fixed-order reduce-scatter: each device's sum is cut into N chunks, chunk c's upper tree
 is added on device c (each device sends (N - 1) / N of the gradient's bytes),
 and the chunks are gathered on the aggregation device ((N - 1) / N more): the
 ring all-reduce's bytes, never every device's whole gradient on one. Cutting
@@ -40,13 +40,11 @@ class FixedOrder:
   Args:
     num_shards: S.
     device_of: `device_of(k)`, the device shard k runs on.
-    ring: always reduce-scatter above the devices (the placement all-reduces).
   """
 
-  def __init__(self, num_shards: int, device_of: Callable[[int], str], ring: bool = False):
+  def __init__(self, num_shards: int, device_of: Callable[[int], str]):
     self.num_shards = num_shards
     self._device_of = device_of
-    self._ring = ring
     self.tree = fixed_sums.summation_tree(0, num_shards)
 
   def _device(self, tree: int | tuple) -> str | None:
@@ -105,7 +103,7 @@ class FixedOrder:
     shape = present[0].shape
     size = shape.num_elements() if shape.is_fully_defined() else None
     if (size is None or size < len(devices)
-        or (not self._ring and _canonical(aggregation_device) in map(_canonical, devices))):
+        or _canonical(aggregation_device) in map(_canonical, devices)):
       with tf.device(aggregation_device), tf.name_scope('fixed_order_sum'):
         return fixed_sums.evaluate(upper, sums)
     chunks = _chunk_sizes(size, len(devices))
