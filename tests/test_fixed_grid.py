@@ -16,7 +16,8 @@ reference for a model with dropout. Every variable and optimizer slot after
 - an in-batch softmax of two encoders after dropout (the whole-batch head).
 
 A run stopped after 2 steps on 4 devices and resumed for 1 on 2 equals the
-reference too. The control: the same model on 4 devices without the grid
+reference too, and so do 4 devices on batches of 14 rows (shards of 4, 4, 3
+and 3, the batch size known at run time only) and every variable strategy. The control: the same model on 4 devices without the grid
 differs from one device (rounding, which training amplifies), so the
 comparisons can fail; with the fixed summation order taken out
 (`fixed_order.FixedOrder.total` as a device-first AddN) the 4-device run
@@ -42,9 +43,9 @@ Y = _RNG.randint(0, 4, size=(64, T)).astype(np.int32)
 W = ((_RNG.rand(64, T) > 0.3) * _RNG.rand(64, T)).astype(np.float32)
 
 
-def input_fn():
+def input_fn(batch=B):
   ds = tf.data.Dataset.from_tensor_slices(({'x': X, 'w': W}, Y)).repeat()
-  return ds.batch(B, drop_remainder=True)
+  return ds.batch(batch, drop_remainder=batch == B)
 
 
 def _const(shape, lo, hi):
@@ -108,12 +109,13 @@ def _estimator(model, devices, micro=1, shards=S, model_dir=None, strategy='auto
     devices = testlib.cpu_devices(devices)
   fn = et.replicate_model_fn(MODELS[model], devices=devices,
                              micro_batches=micro, shards=shards, variable_strategy=strategy)
-  return testlib.make_estimator(fn, num_cpus=4, model_dir=model_dir)
+  return testlib.make_estimator(fn, num_cpus=4, model_dir=model_dir,
+                                checkpoint_save_graph_def=False)
 
 
-def _train(model, devices, micro=1, shards=S, steps=STEPS, strategy='auto'):
+def _train(model, devices, micro=1, shards=S, steps=STEPS, strategy='auto', batch=B):
   estimator = _estimator(model, devices, micro, shards, strategy=strategy)
-  estimator.train(input_fn, steps=steps)
+  estimator.train(lambda: input_fn(batch), steps=steps)
   return testlib.variables(estimator)
 
 
@@ -147,6 +149,12 @@ def test_bit_identical_under_every_variable_strategy(strategy, devices):
   devices; 'cpu' on towers without /cpu:0: the levels above the devices a fixed-order
   reduce-scatter and a gather on /cpu:0."""
   assert _differing(_train('dense', devices, strategy=strategy), _reference('dense')) == []
+
+
+def test_uneven_shards_of_a_batch_known_at_run_time():
+  """14 rows in 4 shards (4, 4, 3, 3) by the one rule, the batch size a run-time value."""
+  expected = _train('dense', 1, batch=14)
+  assert _differing(_train('dense', 4, batch=14), expected) == []
 
 
 @pytest.mark.parametrize('model', ['batch_norm', 'in_batch_softmax'])

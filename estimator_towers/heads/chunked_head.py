@@ -97,14 +97,12 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
 def _chunks(values: list, sizes: Sequence, devices: list) -> tuple[list, list]:
   """Each micro-batch's rows cut into as many chunks as its device runs micro-batches
   (on the fixed shard grid: one chunk per shard, whatever the devices)."""
-  count = collections.Counter(devices)
-  if fixed_sums.active():
-    count = collections.Counter(range(len(devices)))
-    devices = list(range(len(devices)))
+  keys = list(range(len(devices))) if fixed_sums.active() else devices
+  count = collections.Counter(keys)
   chunks, chunk_sizes = [], []
   for i, (shard, n) in enumerate(zip(values, sizes)):
-    c = count[devices[i]]
-    with tf.device(shard[0].device if shard else None), tf.name_scope('chunked_head/rows/'):
+    c = count[keys[i]]
+    with tf.device(devices[i]), tf.name_scope('chunked_head/rows/'):
       if isinstance(n, int):
         bounds = [n * m // c for m in range(c + 1)]
       else:
