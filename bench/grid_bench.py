@@ -8,7 +8,8 @@ every sum across them over the fixed tree, the levels above the devices a
 fixed-order reduce-scatter and a gather). Both graphs open in this process,
 taking turns in --rounds interleaved chunks of --steps steps.
 
-Prints steps/sec of each, grid / plain as the median of the rounds' paired
+Prints steps/sec of each, the ops' own time per traced step (summed over
+devices) of each, grid / plain as the median of the rounds' paired
 ratios with its quartiles (the goal: >= 0.95), and the bytes sent between
 devices in one step of each (`estimator_towers.reporting.traffic`) against
 the ring bound for the gradients, 2 (N - 1) M with M the trainable variables'
@@ -40,6 +41,7 @@ FLAGS = flags.FLAGS
 benchlib.define_mlp_flags(num_cpu_devices=4, batch_size=256, warmup_steps=5, steps=20, rounds=20)
 flags.DEFINE_integer('shards', 4, 'The grid: shards of the global batch.')
 flags.DEFINE_string('variable_strategy', 'auto', 'Both configurations\' variable strategy.')
+flags.DEFINE_integer('traced_steps', 10, 'Traced steps per configuration (ops\' own time).')
 flags.DEFINE_bool('quick', False, 'A smoke run: 1 warm-up step, 3 rounds of 3 steps.')
 
 _CONFIGS = ('plain', 'grid')
@@ -68,6 +70,18 @@ def _bytes(session, fetch) -> int:
   return traffic.total_bytes(traffic.transfers(metadata))
 
 
+def _ops_ms(session, fetch) -> float:
+  """The median over --traced_steps traced steps of the ops' own time, summed over devices
+  (less moved by a shared machine's load than the wall time)."""
+  totals = []
+  for _ in range(FLAGS.traced_steps):
+    metadata = tf.compat.v1.RunMetadata()
+    session.run(fetch, options=traffic.run_options(), run_metadata=metadata)
+    totals.append(sum(node.all_end_rel_micros for device in metadata.step_stats.dev_stats
+                      for node in device.node_stats) / 1000)
+  return statistics.median(totals)
+
+
 def main(argv):
   del argv
   if FLAGS.quick:
@@ -94,6 +108,9 @@ def main(argv):
   q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
   print(f'grid / plain steps/sec: {statistics.median(ratios):.3f} [quartiles {q1:.3f}, '
         f'{q3:.3f}] (the median of the rounds\' paired ratios; goal >= 0.95)')
+  ops = {name: _ops_ms(*sessions[name]) for name in _CONFIGS}
+  print(f'ops\' own time per step, summed over devices: grid {ops["grid"]:.1f} ms, plain '
+        f'{ops["plain"]:.1f} ms: plain / grid {ops["plain"] / ops["grid"]:.3f}')
   m = sizes['grid']
   for name in _CONFIGS:
     print(f'{name:6s} bytes between devices per step: {_bytes(*sessions[name]):,}')

@@ -50,12 +50,15 @@ def add(a: Any, b: Any) -> Any:
 
   Not an Add op: grappler's arithmetic optimizer rewrites a tree of Adds on
   one device into one AddN, which sums in an order of its own, and it would
-  do so on one device but not across several. A Sum over a stack of the two
-  is the same addition, (0 + a) + b, out of its reach.
+  do so on one device but not across several. A BiasAdd of a as one row and
+  b as its bias is the same elementwise addition, out of its reach, at an
+  Add's cost (the reshapes copy nothing).
   """
   if a is None or b is None:
     return b if a is None else a
-  return tf.reduce_sum(tf.stack([tf.convert_to_tensor(a), tf.convert_to_tensor(b)]), 0)
+  a, b = tf.convert_to_tensor(a), tf.convert_to_tensor(b)
+  total = tf.nn.bias_add(tf.reshape(a, [1, -1]), tf.reshape(b, [-1]))
+  return tf.reshape(total, a.shape if a.shape.is_fully_defined() else tf.shape(a))
 
 
 def evaluate(tree: int | tuple, values: dict) -> Any:
