@@ -30,11 +30,12 @@ from estimator_towers.cluster import session as cluster_session
 from estimator_towers.cluster import tf_config as cluster_lib
 from estimator_towers.draws import keyed
 from estimator_towers.gradients import backward_passes
+from estimator_towers.gradients import fixed_order
 from estimator_towers.gradients import gradient_sync
 from estimator_towers.gradients import other_towers
 from estimator_towers.gradients import whole_batch as gradients
 from estimator_towers.inputs import empty_shards
-from estimator_towers.inputs import micro_batches as micro_batches_lib
+from estimator_towers.inputs import grid
 from estimator_towers.inputs import position
 from estimator_towers.inputs import resume
 from estimator_towers.inputs import shards as shards_lib
@@ -73,6 +74,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
                        cross_example: str = 'auto',
                        random_draws: str = 'keyed',
                        resume_input: bool = True,
+                       shards: int | None = None,
                        plan: plan_lib.DevicePlan | None = None) -> Callable:
   """Turns a single-device Estimator model_fn into a data-parallel (towered) one.
 
@@ -123,6 +125,14 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     resume_input: True (default: every checkpoint saves the training input's
       position) or False (every train() call and restart reads the input
       from its first element).
+    shards: None (default) or S, the fixed shard grid: the global batch is
+      always cut into S shards (one tower each; a device runs several), and
+      every sum across them (gradients, loss normalisers, batch-norm
+      moments, an in-batch head's) is taken in one fixed order, so that the
+      checkpoints are bit-identical on 1, 2, 4... devices and micro-batches
+      whose product divides S (S / devices a power of two); another
+      topology is an error naming the divisors of S.
+      More: [guarantees](../guarantees.md#bit-identical-checkpoints-the-fixed-shard-grid).
     plan: a `DevicePlan` from `make_plan`, instead of the arguments above.
 
   Returns:
@@ -223,7 +233,7 @@ def replicate_model_fn(model_fn: Callable | int | None = None,
     raise TypeError(f'model_fn must be callable, got {model_fn!r}.')
   plan = plan_lib.plan_from_arguments(plan, num_gpus, devices, variable_strategy,
                                       loss_reduction, sync_batch_norm, micro_batches,
-                                      cross_example, random_draws, resume_input)
+                                      cross_example, random_draws, resume_input, shards)
 
   def decorate(fn: Callable) -> Callable:
     return _wrap(fn, plan)
@@ -252,7 +262,7 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
 
   @functools.wraps(model_fn)
   def towered_model_fn(features, labels=None, mode=None, params=None, config=None):
-    tower_devices = plan.resolve()
+    tower_devices = grid.grid_devices(plan.shards, plan.resolve(), plan.micro_batches)
     strategy, chosen = recommended.choose(plan.variable_strategy, tower_devices,
                                           cluster_lib.from_run_config(config))
     placement = placement_lib.make_placement(strategy, tower_devices)
@@ -330,7 +340,8 @@ def _towered_spec(run, features, labels, mode, plan, placement, tower_devices, s
 
 def _build_towers(run, features, labels, mode, plan, placement, staged=None, across=None):
   """Shards -> towers -> the merged EstimatorSpec of `mode`."""
-  layout = micro_batches_lib.Layout(len(placement.tower_devices), plan.micro_batches)
+  layout = grid.layout(plan.shards, len(placement.tower_devices), plan.micro_batches,
+                       across.size if across is not None else 1)
   shards = shards_lib.make_shards(features, labels, mode, placement.tower_devices, staged,
                                   layout, across.has_data if across is not None else None)
   draws = None
@@ -390,8 +401,10 @@ def _build_train(builder: builder_lib.TowerBuilder, plan: plan_lib.DevicePlan, f
   others = other_towers.OtherTowers(builder, copies)
   passes = backward_passes.BackwardPasses(
       sync, lambda variable, k: variable_sharing.copy_of(variable, shards.layout.device_of(k)),
-      device_of=builder.device_of if micro else None,
-      after_backward=shards.order_next if micro else None, copies=copies)
+      device_of=builder.device_of if micro or plan.shards else None,
+      after_backward=shards.order_next if micro else None, copies=copies,
+      fixed=fixed_order.FixedOrder(shards.layout.num_shards, builder.device_of)
+      if plan.shards else None)
   broker = gradients.WholeBatchGradients(
       graph, shards.active, shards.sizes, batch, plan.loss_reduction, others.build, passes,
       primary=variable_sharing.primary,

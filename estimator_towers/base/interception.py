@@ -523,3 +523,9 @@ def training_executor() -> type:
   """Estimator's `_TrainingExecutor`, which starts a task's server in `train_and_evaluate`."""
   from tensorflow_estimator.python.estimator import training  # pylint: disable=g-import-not-at-top
   return training._TrainingExecutor  # pylint: disable=protected-access
+
+
+def op_determinism_enabled() -> bool:
+  """Whether `tf.config.experimental.enable_op_determinism()` was called (no public getter)."""
+  from tensorflow.python.framework import config as framework_config  # pylint: disable=g-direct-tensorflow-import,import-outside-toplevel
+  return bool(framework_config.is_op_determinism_enabled())

@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from estimator_towers.base import interception
+from estimator_towers.gradients import fixed_order
 from estimator_towers.gradients import gradient_sync
 from estimator_towers.gradients.request import is_ref_variable
 from estimator_towers.gradients.request import Request
@@ -52,7 +53,7 @@ def _graph_gradients(*args, **kwargs) -> list:
   return grads
 
 
-def _options(primary: Request, stops: list, gates: bool = False) -> dict:
+def _options(primary: Request, stops: list, gates: bool = False, fixed: bool = False) -> dict:
   """The primary request's gradient options for one backward pass of ours.
 
   `gates`: keep the primary's per-op gates (`gate_gradients`, which
@@ -68,9 +69,17 @@ def _options(primary: Request, stops: list, gates: bool = False) -> dict:
   of a ref variable shares its buffer, which the update changes in place, and
   the gates are what makes a variable's update wait for every gradient op that
   reads it (a layer's input gradient reads its kernel), as on one device.
+
+  `fixed` (the shard grid): TensorFlow's default aggregation of a tensor's
+  gradients from several consumers sums them per device first, an order that
+  depends on the topology (a tower's activations reached from every tower
+  through a batch norm's global statistics); the pairwise running sum sums
+  them in the graph's order, the same on any topology.
   """
   options = dict(primary.options)
   options['stop_gradients'] = stops or None
+  if fixed:  # a tensor's gradients from several consumers: summed in consumer order, not by device
+    options['aggregation_method'] = tf.AggregationMethod.EXPERIMENTAL_TREE
   options['colocate_gradients_with_ops'] = True
   if not gates and not any(is_ref_variable(x) for x in primary.xs):
     options['gate_gradients'] = False
@@ -91,14 +100,19 @@ class BackwardPasses:
       micro-batch of its device after them).
     copies: the towers' copies of tower 0's forward pass (`tower_copies`), or
       None; a copied tower's backward pass is a copy of tower 0's.
+    fixed: with the fixed shard grid, its summation order (`fixed_order`):
+      one backward pass per shard (`device_of` is then required), the parts
+      summed over the fixed tree instead of meeting by the placement's rule.
   """
 
   def __init__(self, sync: gradient_sync.GradientSync,
                copy_of: Callable[[tf.Variable, int], tf.Variable | None],
                device_of: Callable[[int], str] | None = None,
                after_backward: Callable[[int, list], None] | None = None,
-               copies: tower_copies.TowerCopies | None = None):
+               copies: tower_copies.TowerCopies | None = None,
+               fixed: fixed_order.FixedOrder | None = None):
     self.sync = sync
+    self._fixed = fixed
     self._copies = copies
     self._copy_of = copy_of
     self._device_of = device_of
@@ -122,11 +136,14 @@ class BackwardPasses:
              ordered: bool) -> list:
     """The whole-batch gradient of `requests` (one per tower, the primary's first)."""
     primary = requests[0]
-    if self.per_shard:
-      parts = self._per_shard(towers, requests, seeds.shards, ordered)
+    if self._fixed is not None:
+      answer = self._in_fixed_order(towers, requests, seeds.shards, ordered)
     else:
-      parts = self._one_pass(towers, requests, seeds.shards, copied=not seeds.one_pass)
-    answer = [self.sync.meet(x, p) for x, p in zip(primary.xs, parts)]
+      if self.per_shard:
+        parts = self._per_shard(towers, requests, seeds.shards, ordered)
+      else:
+        parts = self._one_pass(towers, requests, seeds.shards, copied=not seeds.one_pass)
+      answer = [self.sync.meet(x, p) for x, p in zip(primary.xs, parts)]
     direct = None
     if seeds.stops:  # the shard-independent terms
       # A request of several tensors is differentiated as one scalar (`request_seeds`), whose
@@ -218,6 +235,29 @@ class BackwardPasses:
         self._after_backward(k, [g for g in by_device[device] if g is not None])
     return [[grads[i] for grads in by_device.values()] for i in range(len(primary.xs))]
 
+  def _in_fixed_order(self, towers: Sequence[int], requests: Sequence[Request],
+                      shards: Sequence, ordered: bool) -> list:
+    """Per primary x, the sum of its per-shard gradients over the fixed tree."""
+    primary = requests[0]
+    per_shard = {k: self._gradients([k], primary, ys, grad_ys, request.stops)
+                 for k, request, (ys, grad_ys) in zip(towers, requests, shards)}
+    done: dict[int, list] = {}
+    answer = []
+    for i, x in enumerate(primary.xs):
+      device = self.sync.aggregation_device(x) if isinstance(x, tf.Variable) else None
+      answer.append(self._fixed.total(
+          {k: grads[i] for k, grads in per_shard.items()}, device,
+          lambda last, values: done.setdefault(last, []).extend(values)))
+    if ordered and self._after_backward is not None:
+      for k in towers:
+        self._after_backward(k, [g for g in per_shard[k] if g is not None] + done.get(k, []))
+    return answer
+
+  def _gated(self) -> bool:
+    """Whether a shard's backward pass keeps the per-op gates: with micro-batches (their
+    order is plain's: see `_options`); not for the grid's towers side by side."""
+    return self.per_shard and (self._fixed is None or self._after_backward is not None)
+
   def _gradients(self, shards: Sequence[int], primary: Request, ys: list, grad_ys: list,
                  stops: list) -> list:
     """The gradient of `ys` (built by `shards`) with respect to each of the primary's xs."""
@@ -225,7 +265,8 @@ class BackwardPasses:
       return [None] * len(primary.xs)
     xs, members, reads = self._xs_and_members(primary, shards)
     grads = _graph_gradients(
-        ys, xs, grad_ys, **_options(primary, stops + reads, gates=self.per_shard))
+        ys, xs, grad_ys, **_options(primary, stops + reads, gates=self._gated(),
+                                    fixed=self._fixed is not None))
     device = self._device_of(shards[0]) if self.per_shard else None
     with tf.device(device), tf.name_scope('shard_gradients'):
       return [gradient_sync.add([grads[j] for j in positions]) for positions in members]

@@ -45,6 +45,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from estimator_towers.base import fixed_sums
 from estimator_towers.heads import row_wise_head as rwh
 from estimator_towers.heads import whole_batch_head as wbh
 from estimator_towers.rows import row_dependence as rd
@@ -94,11 +95,13 @@ def build(found: rd.RowDependence, loss: tf.Tensor, grad_y: Any, find: Callable,
 
 
 def _chunks(values: list, sizes: Sequence, devices: list) -> tuple[list, list]:
-  """Each micro-batch's rows cut into as many chunks as its device runs micro-batches."""
-  count = collections.Counter(devices)
+  """Each micro-batch's rows cut into as many chunks as its device runs micro-batches
+  (on the fixed shard grid: one chunk per shard, whatever the devices)."""
+  keys = list(range(len(devices))) if fixed_sums.active() else devices
+  count = collections.Counter(keys)
   chunks, chunk_sizes = [], []
   for i, (shard, n) in enumerate(zip(values, sizes)):
-    c = count[devices[i]]
+    c = count[keys[i]]
     with tf.device(devices[i]), tf.name_scope('chunked_head/rows/'):
       if isinstance(n, int):
         bounds = [n * m // c for m in range(c + 1)]
@@ -186,6 +189,8 @@ class _Chunks(rwh.Split):
     return t
 
   def _columns_on(self, k: int, t: tf.Tensor) -> tf.Tensor:
+    if fixed_sums.active():  # one buffer of the columns' gradient, summed in the fixed order
+      return self._shared_columns(t, self.device)
     return self._shared_columns(t, self.device_of(k))
 
   def _columns(self, t: tf.Tensor, kind: rd.Kind) -> tf.Tensor:
@@ -231,6 +236,8 @@ def _chunk_gradients(forward: _Chunks, backward: _Chunks, tail: dict
   waits = [g for grads in tail['rows'] for g in grads if g is not None]
   backward.last = {backward.device_of(k): waits for k in range(len(backward.per_shard))}
   own_grads, columns, outside = [], {}, {}
+  fixed = fixed_sums.active()
+  parts: dict = {}   # on the fixed shard grid: per columns key, each chunk's gradient
   for k in range(len(backward.per_shard)):
     rows = backward.chunk(k, forward.sources)
     seeded = [(r, grads[k]) for r, grads in zip(rows, tail['rows']) if grads[k] is not None]
@@ -251,12 +258,19 @@ def _chunk_gradients(forward: _Chunks, backward: _Chunks, tail: dict
       if g is not None:
         with tf.device(key[1]), tf.name_scope('chunked_head/columns_gradient'):
           g = tf.convert_to_tensor(g)
-          columns[key] = g if key not in columns else columns[key] + g
-        done.append(columns[key])
+          if fixed:
+            parts.setdefault(key, {})[k] = g
+          else:
+            columns[key] = g if key not in columns else columns[key] + g
+        done.append(g if fixed else columns[key])
     for name, g in zip(names, grads[len(entries) + len(keys):]):
       if g is not None:
         outside[name] = g if name not in outside else outside[name] + g
     backward.last[backward.device_of(k)] = done or backward.last[backward.device_of(k)]
+  for key, by_chunk in parts.items():
+    with tf.device(key[1]), tf.name_scope('chunked_head/columns_gradient'):
+      columns[key] = fixed_sums.sum_in_order([by_chunk.get(k)
+                                              for k in range(len(backward.per_shard))])
   return own_grads, columns, outside
 
 
@@ -273,7 +287,8 @@ def _seeds(backward: _Chunks, own_grads: list, columns: dict, values: list, own:
     grad_ys.append(g)
   everything = [v for shard in values for v in shard]
   with tf.name_scope('chunked_head/cached_gradient'):
-    grads = wbh.gradients_of(ys, everything, grad_ys, colocate_gradients_with_ops=True)
+    grads = wbh.gradients_of(ys, everything, grad_ys, colocate_gradients_with_ops=True,
+                             **fixed_sums.aggregation())
   return wbh.shard_seeds(own, values, grads)
 
 

@@ -73,6 +73,10 @@ class Layout:
     """The shard that runs before `shard` on its device, or None for the first."""
     return None if self.micro_batch_of(shard) == 0 else shard - 1
 
+  def split_batch(self, batch, num_towers: int) -> list:
+    """Shard sizes of a global batch of `batch` rows over `num_towers` towers."""
+    return self.sizes(sharding.shard_sizes(batch, num_towers))
+
   def sizes(self, device_sizes: Sequence) -> list:
     """Shard sizes: each device's size split into k by `sharding.shard_sizes`."""
     sizes = []

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers.base import fixed_sums
 from estimator_towers.base import interception
 from estimator_towers.base import logs
 from estimator_towers.loss.loss_algebra import Expression
@@ -129,12 +130,15 @@ def _reduction_of(loss: Any) -> str | None:
 
 
 def masked_sum(values: Sequence[tf.Tensor], nonempty: Sequence) -> tf.Tensor:
-  """sum_k values[k] over the shards whose shard is not empty."""
+  """sum_k values[k] over the shards whose shard is not empty (on the fixed shard
+  grid, in its fixed order: `fixed_sums`)."""
   terms = []
   for t, ne in zip(values, nonempty):
     if ne is False:
       continue
     terms.append(t if ne is True else tf.where(ne, t, tf.zeros_like(t)))
+  if terms and fixed_sums.active():
+    return fixed_sums.sum_in_order(terms)
   return tf.add_n(terms) if terms else tf.zeros_like(values[0])
 
 

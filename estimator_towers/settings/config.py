@@ -77,6 +77,9 @@ class TowersConfig:
       error with micro_batches > 1. False: each shard's own statistics, with
       one warning per graph naming the batch norms.
     micro_batches: micro-batches per device and step (1: none).
+    shards: None (default) or S, the fixed shard grid: the global batch is
+      always cut into S shards, summed in one fixed order, so that training
+      is bit-identical on any devices x micro-batches that divides S.
     worker_timeout_secs: under variable_strategy='collective' across workers,
       how long a training step (and the start) waits for the other training
       tasks before failing with DeadlineExceededError.
@@ -109,6 +112,7 @@ class TowersConfig:
   sync_batch_norm: bool | None = None
   micro_batches: int = 1
   worker_timeout_secs: float = 120.0
+  shards: int | None = None
 
   @property
   def plan(self) -> plan_lib.DevicePlan:
@@ -127,7 +131,8 @@ class TowersConfig:
                               allow_cpu_fallback=self.allow_cpu_fallback,
                               sync_batch_norm=self.sync_batch_norm,
                               micro_batches=self.micro_batches,
-                              worker_timeout_secs=self.worker_timeout_secs)
+                              worker_timeout_secs=self.worker_timeout_secs,
+                              shards=self.shards)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TowersConfig))

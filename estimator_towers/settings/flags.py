@@ -114,6 +114,14 @@ def _definitions() -> dict[str, Callable[[flags.FlagValues], object]]:
           'within one step (peak activation memory of about one part); the '
           'model_fn still gets the whole batch\'s gradient and makes one '
           'update per global batch. 1: none.', flag_values=fv),
+      'shards': lambda fv: flags.DEFINE_integer(
+          'shards', None,
+          'The fixed shard grid: the global batch is always cut into this many '
+          'shards, whatever the devices, and every sum across them is taken in '
+          'one fixed order, so that checkpoints are bit-identical on any '
+          'devices x micro-batches that divides it (with shards / devices a '
+          'power of two). Unset: no grid (the update equals one device\'s to '
+          'float32 rounding).', flag_values=fv),
       'worker_timeout_secs': lambda fv: flags.DEFINE_float(
           'worker_timeout_secs', 120.0,
           'With --variable_strategy=collective across a chief and workers: how '

@@ -78,6 +78,10 @@ class DevicePlan:
       batch norm in TRAIN is then an error naming the choice.
     micro_batches: k, the micro-batches each device splits its shard into and
       runs one after another within a step (1: none).
+    shards: S, the fixed shard grid (None: none): the global batch is
+      always cut into S shards, each a tower, and every sum across shards
+      follows one fixed tree, so that training is bit-identical on any
+      topology that deals the shards out evenly (see the guarantees page).
     worker_timeout_secs: under variable_strategy='collective' across workers,
       how long a training step (and the start, for the variables' broadcast)
       waits for the other workers before failing with DeadlineExceededError.
@@ -102,6 +106,7 @@ class DevicePlan:
   cross_example: str = 'auto'
   random_draws: str = 'keyed'
   resume_input: bool = True
+  shards: int | None = None
 
   def resolve(self, config_hints: bool = False) -> tuple[str, ...]:
     """The devices the towers really get on this machine.
@@ -137,7 +142,8 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
               worker_timeout_secs: float = 120.0,
               cross_example: str = 'auto',
               random_draws: str = 'keyed',
-              resume_input: bool = True) -> DevicePlan:
+              resume_input: bool = True,
+              shards: int | None = None) -> DevicePlan:
   """Validates arguments and returns a DevicePlan.
 
   Give the plan to `replicate_model_fn(model_fn, plan=plan)` and, for staged
@@ -184,6 +190,12 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
     resume_input: True (default: in TRAIN the tf.data input's position is
       saved in every checkpoint, so a resumed run continues the same global
       batches) or False (every train() call reads from the first element).
+    shards: None (default: the batch is cut per device and micro-batch) or
+      S: the fixed shard grid. The global batch is always cut into S shards
+      (one tower each) and every sum across them is taken in one fixed
+      order, so that the checkpoints are bit-identical on any devices x
+      micro-batches x workers that divides S (with S / (devices x workers)
+      a power of two); another topology is an error naming the divisors.
 
   Raises:
     ValueError: for a count together with devices, a negative count,
@@ -221,6 +233,7 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
   validate_cross_example(cross_example)
   validate_random_draws(random_draws)
   resume_input = validate_resume_input(resume_input)
+  shards = validate_shards(shards)
   if isinstance(staging_depth, bool) or not isinstance(staging_depth, int) or staging_depth < 0:
     raise ValueError(
         f'{spelling.name("staging_depth")} must be a non-negative integer '
@@ -250,7 +263,25 @@ def make_plan(num_gpus: int | None = None, devices: Sequence[str] | None = None,
                     micro_batches=micro_batches,
                     worker_timeout_secs=float(worker_timeout_secs),
                     cross_example=cross_example, random_draws=random_draws,
-                    resume_input=resume_input)
+                    resume_input=resume_input, shards=shards)
+
+
+def validate_shards(value: object) -> int | None:
+  """Checks a `shards` setting: None (no fixed grid) or an integer >= 1.
+
+  Raises:
+    ValueError: for anything else (a bool, a float, 0 or less).
+  """
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(
+        f'{spelling.name("shards")} must be a positive integer (the number of '
+        f'shards the global batch is always cut into, whatever the devices) or '
+        f'None (no fixed grid), got {spelling.value("shards", value)}. Use e.g. '
+        f'{spelling.setting("shards", 8)} to train bit-identically on 1, 2, 4 or 8 '
+        f'devices.')
+  return value
 
 
 def validate_sync_batch_norm(value: object) -> None:
@@ -341,7 +372,8 @@ def plan_from_arguments(plan: DevicePlan | None, num_gpus: int | None,
                         loss_reduction: str, sync_batch_norm: bool | None,
                         micro_batches: int, cross_example: str = 'auto',
                         random_draws: str = 'keyed',
-                        resume_input: bool = True) -> DevicePlan:
+                        resume_input: bool = True,
+                        shards: int | None = None) -> DevicePlan:
   """`replicate_model_fn`'s plan: the one it was given, or one made from its arguments.
 
   Raises:
@@ -356,7 +388,7 @@ def plan_from_arguments(plan: DevicePlan | None, num_gpus: int | None,
                      sync_batch_norm=sync_batch_norm,
                      micro_batches=micro_batches,
                      cross_example=cross_example, random_draws=random_draws,
-                     resume_input=resume_input)
+                     resume_input=resume_input, shards=shards)
   if num_gpus is not None or devices is not None:
     raise ValueError('Give either plan or num_gpus/devices, not both; the '
                      'plan already names the devices.')
@@ -370,7 +402,8 @@ def plan_from_arguments(plan: DevicePlan | None, num_gpus: int | None,
       ('micro_batches', micro_batches, 1),
       ('cross_example', cross_example, 'auto'),
       ('random_draws', random_draws, 'keyed'),
-      ('resume_input', resume_input, True)) if value != default}
+      ('resume_input', resume_input, True),
+      ('shards', shards, None)) if value != default}
   if overridden:
     settings = ', '.join(f'{name}={value!r}' for name, value in overridden.items())
     raise ValueError(

@@ -76,11 +76,14 @@ class BatchNormSync:
     present: by tower index, 1.0 (a Python float) or a float32 scalar Tensor
       that is 0 when the tower's shard is empty at run time.
     across: the all-reduces across workers (a `cross_worker.CrossWorker`), or None.
+    shared_devices: towers may share a device (the fixed shard grid's towers,
+      each a shard: their statistics are joined in the graph all the same).
   """
 
   def __init__(self, graph: tf.Graph, devices: dict[int, str], present: dict[int, Any],
-               across: Any = None):
+               across: Any = None, shared_devices: bool = False):
     self._graph = graph
+    self._shared_devices = shared_devices
     self._devices = devices
     self._present = present
     self._across = across
@@ -369,7 +372,7 @@ class BatchNormSync:
     """Towers sharing a device (the CPU fallback) cannot exchange statistics: an error,
     raised when a batch norm is built."""
     devices = self._devices
-    if len(set(devices.values())) != len(devices):
+    if not self._shared_devices and len(set(devices.values())) != len(devices):
       raise BatchNormSyncError(
           f'sync_batch_norm (on by default) needs every tower on its own device '
           f'when the model_fn builds a batch norm, but the towers run on '
@@ -418,4 +421,5 @@ def for_train(setting: bool | None, graph: tf.Graph, shards: Any, tower_devices:
     else:
       with tf.compat.v1.colocate_with(ne), tf.name_scope('shard_inputs'):
         present[k] = tf.cast(ne, tf.float32)
-  return BatchNormSync(graph, {k: tower_devices[k] for k in shards.active}, present, across)
+  return BatchNormSync(graph, {k: tower_devices[k] for k in shards.active}, present, across,
+                       shared_devices=getattr(shards.layout, 'shares_devices', False))

@@ -1,0 +1,125 @@
+"""What the fixed shard grid costs: the MLP with shards=N against the same devices without.
+
+benchlib's MLP (--num_features-->hidden-->hidden-10, momentum SGD) on
+--num_cpu_devices virtual CPU devices, global batch --batch_size, twice: without
+a grid (one tower per device, gradients summed by the placement's rule) and
+with `shards=--shards` (the global batch always cut into that many shards,
+every sum across them over the fixed tree, the levels above the devices a
+fixed-order reduce-scatter and a gather). Both graphs open in this process,
+taking turns in --rounds interleaved chunks of --steps steps.
+
+Prints steps/sec of each, the ops' own time per traced step (summed over
+devices) of each, grid / plain as the median of the rounds' paired
+ratios with its quartiles (the goal: >= 0.95), and the bytes sent between
+devices in one step of each (`estimator_towers.reporting.traffic`) against
+the ring bound for the gradients, 2 (N - 1) M with M the trainable variables'
+bytes.
+
+  python bench/grid_bench.py              # 4 devices, B = 256, shards = 4
+  python bench/grid_bench.py --shards=8   # two shards per device
+  python bench/grid_bench.py --variable_strategy=collective   # the reduce-scatter
+  python bench/grid_bench.py --quick      # a smoke run
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+from absl import app
+from absl import flags
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # pylint: disable=wrong-import-position
+import estimator_towers as et  # pylint: disable=wrong-import-position
+from estimator_towers.reporting import traffic  # pylint: disable=wrong-import-position
+
+FLAGS = flags.FLAGS
+benchlib.define_mlp_flags(num_cpu_devices=4, batch_size=256, warmup_steps=5, steps=20, rounds=20)
+flags.DEFINE_integer('shards', 4, 'The grid: shards of the global batch.')
+flags.DEFINE_string('variable_strategy', 'auto', 'Both configurations\' variable strategy.')
+flags.DEFINE_integer('traced_steps', 10, 'Traced steps per configuration (ops\' own time).')
+flags.DEFINE_bool('quick', False, 'A smoke run: 1 warm-up step, 3 rounds of 3 steps.')
+
+_CONFIGS = ('plain', 'grid')
+
+
+def _session(shards, devices, data):
+  """(session, train_op, trainable bytes) of the MLP on `devices`, with `shards` (or None)."""
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    dataset = tf.data.Dataset.from_tensor_slices(data).repeat().batch(FLAGS.batch_size)
+    features, labels = tf.compat.v1.data.make_one_shot_iterator(dataset.prefetch(2)).get_next()
+    spec = et.replicate_model_fn(benchlib.mlp_model_fn(), devices=devices, shards=shards,
+                                 resume_input=False,
+                                 variable_strategy=FLAGS.variable_strategy)(
+        features, labels, mode=tf.estimator.ModeKeys.TRAIN)
+    size = sum(int(np.prod(v.shape)) * v.dtype.size
+               for v in tf.compat.v1.trainable_variables())
+    session = tf.compat.v1.train.MonitoredSession(tf.compat.v1.train.ChiefSessionCreator(
+        config=benchlib.session_config(own_threads=True)))
+    return session, spec.train_op, size
+
+
+def _bytes(session, fetch) -> int:
+  metadata = tf.compat.v1.RunMetadata()
+  session.run(fetch, options=traffic.run_options(), run_metadata=metadata)
+  return traffic.total_bytes(traffic.transfers(metadata))
+
+
+def _ops_ms(session, fetch) -> float:
+  """The median over --traced_steps traced steps of the ops' own time, summed over devices
+  (less moved by a shared machine's load than the wall time)."""
+  totals = []
+  for _ in range(FLAGS.traced_steps):
+    metadata = tf.compat.v1.RunMetadata()
+    session.run(fetch, options=traffic.run_options(), run_metadata=metadata)
+    totals.append(sum(node.all_end_rel_micros for device in metadata.step_stats.dev_stats
+                      for node in device.node_stats) / 1000)
+  return statistics.median(totals)
+
+
+def main(argv):
+  del argv
+  if FLAGS.quick:
+    FLAGS.warmup_steps, FLAGS.steps, FLAGS.rounds = 1, 3, 3
+  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+  data = benchlib.synthetic_data()
+  towers = benchlib.cpu_devices()
+  sessions, sizes = {}, {}
+  for name in _CONFIGS:
+    session, fetch, sizes[name] = _session(FLAGS.shards if name == 'grid' else None, towers,
+                                           data)
+    sessions[name] = (session, fetch)
+  n = FLAGS.num_cpu_devices
+  benchlib.print_header(
+      f'{n} virtual CPU devices, global batch {FLAGS.batch_size}; MLP {benchlib.mlp_name()}; '
+      f'grid: shards={FLAGS.shards}; variable_strategy={FLAGS.variable_strategy}',
+      f'steps/sec: median of {FLAGS.rounds} interleaved chunks of {FLAGS.steps} steps after '
+      f'{FLAGS.warmup_steps} warm-up steps')
+  seconds = benchlib.interleaved_seconds_per_step(sessions, _CONFIGS, FLAGS.warmup_steps,
+                                                  FLAGS.rounds, FLAGS.steps)
+  for name in _CONFIGS:
+    print(f'{name:6s} {1 / statistics.median(seconds[name]):8.2f} steps/sec')
+  ratios = [p / g for g, p in zip(seconds['grid'], seconds['plain'])]
+  q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+  print(f'grid / plain steps/sec: {statistics.median(ratios):.3f} [quartiles {q1:.3f}, '
+        f'{q3:.3f}] (the median of the rounds\' paired ratios; goal >= 0.95)')
+  ops = {name: _ops_ms(*sessions[name]) for name in _CONFIGS}
+  print(f'ops\' own time per step, summed over devices: grid {ops["grid"]:.1f} ms, plain '
+        f'{ops["plain"]:.1f} ms: plain / grid {ops["plain"] / ops["grid"]:.3f}')
+  m = sizes['grid']
+  for name in _CONFIGS:
+    print(f'{name:6s} bytes between devices per step: {_bytes(*sessions[name]):,}')
+  print(f'trainable bytes M = {m:,}; ring bound for the gradients 2 (N - 1) M = '
+        f'{2 * (n - 1) * m:,}; variables pulled by the towers off /cpu:0 (N - 1) M = '
+        f'{(n - 1) * m:,}')
+  for session, _ in sessions.values():
+    session.close()
+
+
+if __name__ == '__main__':
+  app.run(main)

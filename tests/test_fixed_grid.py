@@ -1,0 +1,224 @@
+"""shards=S: the fixed shard grid gives bit-identical checkpoints on any topology.
+
+The reference of every comparison is the same model_fn decorated for one
+device with the same grid (`shards=4` on '/cpu:0': four towers side by side
+on it), trained by an Estimator on the same global batches: keyed draws make
+its dropout the one every topology draws, so the undecorated model_fn is no
+reference for a model with dropout. Every variable and optimizer slot after
+3 steps must be `np.array_equal` to it (no tolerance) on 2 and 4 devices,
+1 device x 2 micro-batches and 2 x 2, for three models:
+
+- dense layers with dropout and a token-weighted loss (fractional weights:
+  its normaliser is a sum of non-integers);
+- a batch norm (synchronised, its moments' gradient reaching every tower)
+  before dropout, under the same loss (micro-batches excluded: synchronised
+  batch norm refuses them);
+- an in-batch softmax of two encoders after dropout (the whole-batch head).
+
+A run stopped after 2 steps on 4 devices and resumed for 1 on 2 equals the
+reference too, and so do 4 devices on batches of 14 rows (shards of 4, 4, 3
+and 3, the batch size known at run time only) and every variable strategy. The control: the same model on 4 devices without the grid
+differs from one device (rounding, which training amplifies), so the
+comparisons can fail; with the fixed summation order taken out
+(`fixed_order.FixedOrder.total` as a device-first AddN) the 4-device run
+differs too. The divisibility error names the divisors of S.
+"""
+
+import tempfile
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import testlib
+import estimator_towers as et
+from estimator_towers.gradients import fixed_order
+from estimator_towers.inputs import grid
+
+B, F, T, S = 16, 6, 3, 4
+STEPS = 3
+_RNG = np.random.RandomState(0)
+X = _RNG.randn(64, T, F).astype(np.float32)
+Y = _RNG.randint(0, 4, size=(64, T)).astype(np.int32)
+W = ((_RNG.rand(64, T) > 0.3) * _RNG.rand(64, T)).astype(np.float32)
+
+
+def input_fn(batch=B):
+  ds = tf.data.Dataset.from_tensor_slices(({'x': X, 'w': W}, Y)).repeat()
+  return ds.batch(batch, drop_remainder=batch == B)
+
+
+def _const(shape, lo, hi):
+  return tf.compat.v1.constant_initializer(np.linspace(lo, hi, np.prod(shape)).reshape(shape))
+
+
+def _weighted_loss(logits, labels, weights):
+  per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+  return tf.reduce_sum(per * weights) / tf.reduce_sum(weights)
+
+
+def _spec(mode, loss):
+  optimizer = tf.compat.v1.train.AdamOptimizer(0.05)
+  with tf.control_dependencies(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+    train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def dense_model(features, labels, mode):
+  train = mode == tf.estimator.ModeKeys.TRAIN
+  h = tf.compat.v1.layers.dense(features['x'], 8, tf.nn.relu,
+                                kernel_initializer=_const((F, 8), -1, 1))
+  h = tf.compat.v1.layers.dropout(h, 0.3, training=train)
+  logits = tf.compat.v1.layers.dense(h, 4, kernel_initializer=_const((8, 4), -0.5, 0.7))
+  return _spec(mode, _weighted_loss(logits, labels, features['w']))
+
+
+def batch_norm_model(features, labels, mode):
+  train = mode == tf.estimator.ModeKeys.TRAIN
+  x = tf.reshape(features['x'], [-1, T * F])
+  h = tf.compat.v1.layers.dense(x, 8, kernel_initializer=_const((T * F, 8), -1, 1))
+  h = tf.nn.relu(tf.compat.v1.layers.batch_normalization(h, training=train))
+  h = tf.compat.v1.layers.dropout(h, 0.3, training=train)
+  logits = tf.compat.v1.layers.dense(h, 4, kernel_initializer=_const((8, 4), -0.5, 0.7))
+  return _spec(mode, _weighted_loss(logits, labels[:, 0], features['w'][:, 0]))
+
+
+def in_batch_softmax_model(features, labels, mode):
+  del labels
+  x = tf.compat.v1.layers.dropout(features['x'][:, 0], 0.2,
+                                  training=mode == tf.estimator.ModeKeys.TRAIN)
+  q = tf.math.l2_normalize(tf.compat.v1.layers.dense(
+      x[:, :3], 4, kernel_initializer=_const((3, 4), -1, 1)), -1)
+  d = tf.math.l2_normalize(tf.compat.v1.layers.dense(
+      x[:, 3:], 4, kernel_initializer=_const((3, 4), 1, -0.3)), -1)
+  logits = tf.matmul(q, d, transpose_b=True) / 0.1
+  rows = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.range(tf.shape(q)[0]), logits)
+  return _spec(mode, tf.reduce_mean(rows))
+
+
+MODELS = {'dense': dense_model, 'batch_norm': batch_norm_model,
+          'in_batch_softmax': in_batch_softmax_model}
+# (devices, micro_batches); batch norm is synchronised, which refuses micro-batches.
+TOPOLOGIES = {'dense': [(2, 1), (4, 1), (1, 2), (2, 2)],
+              'batch_norm': [(2, 1), (4, 1)],
+              'in_batch_softmax': [(2, 1), (4, 1), (1, 2), (2, 2)]}
+
+
+def _estimator(model, devices, micro=1, shards=S, model_dir=None, strategy='auto'):
+  if isinstance(devices, int):
+    devices = testlib.cpu_devices(devices)
+  fn = et.replicate_model_fn(MODELS[model], devices=devices,
+                             micro_batches=micro, shards=shards, variable_strategy=strategy)
+  return testlib.make_estimator(fn, num_cpus=4, model_dir=model_dir,
+                                checkpoint_save_graph_def=False)
+
+
+def _train(model, devices, micro=1, shards=S, steps=STEPS, strategy='auto', batch=B):
+  estimator = _estimator(model, devices, micro, shards, strategy=strategy)
+  estimator.train(lambda: input_fn(batch), steps=steps)
+  return testlib.variables(estimator)
+
+
+_REFERENCES = {}
+
+
+def _reference(model):
+  if model not in _REFERENCES:
+    _REFERENCES[model] = _train(model, 1)
+  return _REFERENCES[model]
+
+
+def _differing(actual, expected):
+  assert set(actual) == set(expected)
+  return sorted(name for name in expected if not np.array_equal(actual[name], expected[name]))
+
+
+@pytest.mark.parametrize('model,devices,micro', [
+    (model, devices, micro) for model, layouts in TOPOLOGIES.items()
+    for devices, micro in layouts])
+def test_bit_identical_on_every_topology(model, devices, micro):
+  expected = _reference(model)
+  assert any('Adam' in name for name in expected)  # the slots are compared too
+  assert _differing(_train(model, devices, micro), expected) == []
+
+
+@pytest.mark.parametrize('strategy,devices', [
+    ('collective', 4), ('gpu', 2), ('replicated', 2), ('cpu', ['/cpu:2', '/cpu:3'])])
+def test_bit_identical_under_every_variable_strategy(strategy, devices):
+  """'collective' and 'replicated': a copy per tower; 'gpu': variables spread over the
+  devices; 'cpu' on towers without /cpu:0: the levels above the devices a fixed-order
+  reduce-scatter and a gather on /cpu:0."""
+  assert _differing(_train('dense', devices, strategy=strategy), _reference('dense')) == []
+
+
+def test_uneven_shards_of_a_batch_known_at_run_time():
+  """14 rows in 4 shards (4, 4, 3, 3) by the one rule, the batch size a run-time value."""
+  expected = _train('dense', 1, batch=14)
+  assert _differing(_train('dense', 4, batch=14), expected) == []
+
+
+@pytest.mark.parametrize('model', ['batch_norm', 'in_batch_softmax'])
+def test_stopped_on_4_devices_resumed_on_2(model):
+  model_dir = tempfile.mkdtemp(prefix='et_')
+  _estimator(model, 4, model_dir=model_dir).train(input_fn, steps=STEPS - 1)
+  resumed = _estimator(model, 2, model_dir=model_dir)
+  resumed.train(input_fn, steps=1)
+  assert _differing(testlib.variables(resumed), _reference(model)) == []
+
+
+def test_control_without_the_grid_differs():
+  one = _train('dense', 1, shards=None)
+  four = _train('dense', 4, shards=None)
+  assert _differing(four, one)
+
+
+def test_control_without_the_fixed_order_differs(monkeypatch):
+  """Summed by the placement's rule (a device-first AddN) instead of the fixed tree."""
+  def unordered(self, parts, aggregation_device, on_node=None):
+    del self, on_node
+    present = [parts[k] for k in sorted(parts) if parts[k] is not None]
+    by_device = {}
+    for value in present:
+      by_device.setdefault(value.device, []).append(value)
+    with tf.device(aggregation_device):
+      return tf.add_n([tf.add_n(group) for group in by_device.values()][::-1])
+  monkeypatch.setattr(fixed_order.FixedOrder, 'total', unordered)
+  assert _differing(_train('batch_norm', 2), _reference('batch_norm'))
+
+
+def test_divisibility_error_names_the_divisors():
+  with pytest.raises(grid.GridError) as raised:
+    grid.check_grid(6, 4)
+  assert str(raised.value) == (
+      'shards=6 cannot be dealt out on 4 device(s) x 1 micro-batch(es) x 1 worker(s) = 4: '
+      'devices x micro-batches x workers must divide shards, so that every device runs '
+      'the same number of whole shards. The divisors of 6 are [1, 2, 3, 6]; choose a '
+      'topology whose product is one of them, or a shards count that 4 divides.')
+  with pytest.raises(grid.GridError, match=r'shards=12 on 2 device\(s\) gives 6 shards per '
+                     r'device, not a power of two.*\[1, 2, 3, 4, 6, 12\]'):
+    grid.check_grid(12, 2)
+  grid.check_grid(8, 2, 2)
+  grid.check_grid(6, 1, 3)   # one device: any S its micro-batches divide
+
+
+def test_divisibility_error_at_graph_construction():
+  fn = et.replicate_model_fn(dense_model, devices=testlib.cpu_devices(4), shards=6)
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    features, labels = tf.compat.v1.data.make_one_shot_iterator(input_fn()).get_next()
+    with pytest.raises(grid.GridError, match=r'The divisors of 6 are \[1, 2, 3, 6\]'):
+      fn(features, labels, mode=tf.estimator.ModeKeys.TRAIN,
+         config=testlib.run_config(4))
+
+
+@pytest.mark.parametrize('value', [0, -2, 2.0, True, '4'])
+def test_shards_must_be_a_positive_integer(value):
+  with pytest.raises(ValueError, match='shards must be a positive integer'):
+    et.make_plan(shards=value)
+
+
+def test_shards_in_make_plan_make_config_and_plan_conflicts():
+  assert et.make_plan(shards=8).shards == 8
+  assert et.make_config(num_cpu_devices=2, shards=8).plan.shards == 8
+  with pytest.raises(ValueError, match=r'Give either plan or shards=8'):
+    et.replicate_model_fn(dense_model, plan=et.make_plan(), shards=8)
