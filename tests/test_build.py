@@ -185,8 +185,58 @@ def coverage_problems(root: str) -> list[str]:
   return problems
 
 
+def _sibling_imports(path: str, tests_dir: str) -> set[str]:
+  """The tests/*.py files the module at `path` imports by name (`import loop_models`)."""
+  with open(path, encoding='utf-8') as f:
+    tree = ast.parse(f.read())
+  names = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names.update(a.name.split('.')[0] for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      names.add(node.module.split('.')[0])
+  return {f'tests/{n}.py' for n in names if os.path.isfile(os.path.join(tests_dir, n + '.py'))}
+
+
+def import_problems(root: str) -> list[str]:
+  """The test helpers a py_test's module imports (directly or through another helper) that
+  its target neither has in srcs (its own or its deps') nor in data: Bazel's sandbox holds
+  only those, so the import fails there and nowhere else."""
+  rules = evaluate_build(root)
+  by_name = {r.attrs['name']: r for r in rules if 'name' in r.attrs}
+  problems = []
+  for rule in (r for r in rules if r.kind == 'py_test'):
+    there = transitive_srcs(rule, by_name) | set(rule.attrs.get('data', []))
+    todo = sorted(f for f in there if fnmatch.fnmatchcase(f, 'tests/test_*.py')
+                  and f in rule.attrs.get('srcs', []))
+    seen = set(todo)
+    while todo:
+      module = todo.pop()
+      for helper in sorted(_sibling_imports(os.path.join(root, module),
+                                            os.path.join(root, 'tests')) - seen):
+        seen.add(helper)
+        todo.append(helper)
+        if helper not in there:
+          problems.append(f'{rule.attrs["name"]}: {module} imports {helper}, which the '
+                          'target lacks; add it to testlib\'s srcs, TEST_DATA or IMPORTED_TESTS.')
+  return problems
+
+
 def test_build_covers_every_test_module_and_script():
   assert coverage_problems(ROOT) == []
+
+
+def test_every_test_helper_a_module_imports_is_in_its_target():
+  assert import_problems(ROOT) == []
+
+
+def test_a_helper_left_out_of_build_fails(tmp_path):
+  root = copy_tree(tmp_path)
+  edit_build(root, '"tests/test_collective_position.py": ["tests/test_collective.py"],', '')
+  assert import_problems(root) == [
+      'test_collective_position: tests/test_collective_position.py imports '
+      'tests/test_collective.py, which the target lacks; add it to testlib\'s srcs, '
+      'TEST_DATA or IMPORTED_TESTS.']
 
 
 def test_build_has_a_test_per_module_and_a_binary_per_example():
