@@ -1,6 +1,7 @@
 """A 2-layer LSTM language model on towers: data-parallel through its loops, like an MLP?
 
-A word-level LSTM language model (embeddings, two `LSTMCell` layers in one
+A word-level LSTM language model (embeddings, two `LSTMCell` layers with
+dropout on their outputs (`DropoutWrapper`: keyed draws inside the loop) in one
 `tf.compat.v1.nn.dynamic_rnn` (a While loop), next-token softmax over the
 vocabulary), features only (token ids), and the bench MLP, each trained with
 momentum SGD on --num_cpu_devices virtual CPU devices (towers) and on one
@@ -42,15 +43,17 @@ flags.DEFINE_bool('quick', False, 'A smoke run: 1 warm-up step, 3 rounds of 3 st
 
 
 def lstm_model_fn(width: int):
-  """A 2-layer LSTM language model of `width` units: predicts each next token."""
+  """A 2-layer LSTM language model of `width` units with dropout: predicts each next token."""
   def model_fn(features, labels, mode):
     del labels
     ids = features['ids']
     init = tf.compat.v1.glorot_uniform_initializer(seed=1)
     with tf.compat.v1.variable_scope('lm', initializer=init):
       embeddings = tf.compat.v1.get_variable('embeddings', [benchlib.ENCODER_VOCAB, width])
-      cells = tf.compat.v1.nn.rnn_cell.MultiRNNCell(
-          [tf.compat.v1.nn.rnn_cell.LSTMCell(width) for _ in range(2)])
+      cells = tf.compat.v1.nn.rnn_cell.MultiRNNCell([
+          tf.compat.v1.nn.rnn_cell.DropoutWrapper(  # keyed draws inside the loop
+              tf.compat.v1.nn.rnn_cell.LSTMCell(width), output_keep_prob=0.9)
+          for _ in range(2)])
       outputs, _ = tf.compat.v1.nn.dynamic_rnn(
           cells, tf.nn.embedding_lookup(embeddings, ids[:, :-1]), dtype=tf.float32)
       logits = tf.compat.v1.layers.dense(outputs, benchlib.ENCODER_VOCAB)
