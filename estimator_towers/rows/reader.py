@@ -113,14 +113,14 @@ def _ops_before(pending: list, stop: Callable[[tf.Tensor], bool]) -> list:
   ops, seen = [], set()
   while pending and len(seen) < _SEARCH_LIMIT:
     op = pending.pop()
-    if op.name in seen:
+    if op in seen:
       continue
-    seen.add(op.name)
+    seen.add(op)
     ops.append(op)
     pending.extend(t.op for t in op.inputs if not stop(t))
-  if ops:
-    order = {op.name: i for i, op in enumerate(ops[0].graph.get_operations())}
-    ops.sort(key=lambda op: order.get(op.name, -1))
+  if ops:  # graph order (ops hash by identity: no name built per op of the graph)
+    order = {op: i for i, op in enumerate(ops[0].graph.get_operations())}
+    ops.sort(key=lambda op: order.get(op, -1))
   return ops
 
 
