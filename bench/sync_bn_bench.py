@@ -17,6 +17,12 @@ ResNet-8 (CIFAR-shaped input, seven fused batch norms, Momentum; global batch
    (session creation and variable initialisation) and first run (graph
    optimisation, partitioning, executor creation and the first step).
 
+Each time is also given in process CPU seconds (`*_cpu_sec`: user and
+system time of every thread, TensorFlow's included), which a machine loaded
+by other jobs inflates far less than wall time. --first_step_model=bert
+times BERT's own pre-training model_fn instead (bench/bert_pretraining.py;
+no batch norm: `--first_step_contenders=plain,towered`).
+
 A time to first step is what a user waits for after starting a trainer, so
 each is measured in a fresh process (--fresh_processes, the default): the
 process first builds and runs the MLP of the same contender for one step
