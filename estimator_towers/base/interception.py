@@ -433,12 +433,11 @@ def import_ops(graph_def: Any, input_map: dict, names: list,
 
   `tf.graph_util.import_graph_def` checks that every op an imported op is
   colocated with is imported too; a tower's copy of an op colocated with a
-  variable (which is not copied) is not. With `colocated` ({op name: the
-  names of the ops it is colocated with}, every such op of `graph_def`), the
-  import is what `importer._import_graph_def_internal` does for a GraphDef
-  whose devices are final (no functions, no device scope): each op keeps its
-  NodeDef's device, a colocated op takes the first of its group's devices, and
-  no op's attributes are read again (its cost per op is half the import's).
+  variable (which is not copied) is not. With `colocated` ({op name: the ops
+  it is colocated with}, for every such op), the import is what TensorFlow's
+  does for a GraphDef whose devices are final (no functions, no device scope):
+  an op keeps its NodeDef's device, a colocated op takes its group's first
+  device, and no attribute is read again (half the import's cost per op).
   """
   if colocated is None:
     return importer._import_graph_def_internal(  # pylint: disable=protected-access

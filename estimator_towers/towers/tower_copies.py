@@ -178,8 +178,8 @@ class TowerCopies:
     """True if tower k's `theirs` is the counterpart of tower 0's `tensor`.
 
     Either its copy, or what the library built from both towers' tensors after
-    the copy (a loss statistic of each shard): an op of the same type and
-    attributes on the counterparts of `tensor`'s op's inputs, within `depth`
+    the copy (a loss statistic of each shard): a stateless op of the same type
+    and attributes on the counterparts of `tensor`'s op's inputs, within `depth`
     ops of tensors with counterparts (or shared). Such ops are adopted as
     counterparts (`adopt`).
     """
@@ -280,7 +280,8 @@ def map_gradient(counterpart: Counterpart, grad: object) -> object:
 
 def _same(counterpart: Counterpart, tensor: tf.Tensor, theirs: tf.Tensor, pairs: dict,
           depth: int) -> bool:
-  """`tensor`'s counterpart is `theirs`: shared, known, or the same op on counterparts (into `pairs`)."""
+  """`tensor`'s counterpart is `theirs`: shared, known, or the same op on counterparts
+  (added to `pairs`)."""
   if tensor is theirs:
     return counterpart(tensor) is None   # shared by the towers
   found = pairs.get(tensor.ref())
@@ -288,7 +289,7 @@ def _same(counterpart: Counterpart, tensor: tf.Tensor, theirs: tf.Tensor, pairs:
   if found is not None or depth <= 0:
     return found is theirs
   op, mine = tensor.op, theirs.op
-  if (tensor.value_index != theirs.value_index or op.type != mine.type
+  if (tensor.value_index != theirs.value_index or op.type != mine.type or op.op_def.is_stateful
       or len(op.inputs) != len(mine.inputs) or len(op.outputs) != len(mine.outputs)
       or _attributes(op) != _attributes(mine)):
     return False
