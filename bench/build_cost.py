@@ -39,7 +39,7 @@ import tensorflow as tf
 import benchlib
 import towers_bench as tb
 
-flags.DEFINE_string('model', 'resnet', 'mlp or resnet.')
+flags.DEFINE_string('model', 'resnet', 'mlp, resnet or bert (bench/bert_pretraining.py).')
 flags.DEFINE_integer('n', 8, 'Devices of the towered contenders.')
 flags.DEFINE_list('profile_contenders', ['plain', 'towered', 'synced'], 'Contenders.')
 flags.DEFINE_bool('show_types', False, 'Print the executed graph\'s node types.')
@@ -53,7 +53,8 @@ def build_seconds(contender: str) -> tuple[float, int, float, float]:
   estimator, input_fn = tb.make_estimator(FLAGS.model, contender, n, {})
   with tf.Graph().as_default() as graph:
     tf.compat.v1.train.create_global_step()
-    features, labels = tf.compat.v1.data.make_one_shot_iterator(input_fn()).get_next()
+    batch = tf.compat.v1.data.make_one_shot_iterator(input_fn()).get_next()
+    features, labels = batch if isinstance(batch, tuple) else (batch, None)  # bert: no labels
     start = time.thread_time()
     with benchlib.collections_timed() as collected:
       estimator._call_model_fn(features, labels, tf.estimator.ModeKeys.TRAIN,  # pylint: disable=protected-access

@@ -17,6 +17,12 @@ ResNet-8 (CIFAR-shaped input, seven fused batch norms, Momentum; global batch
    (session creation and variable initialisation) and first run (graph
    optimisation, partitioning, executor creation and the first step).
 
+Each time is also given in process CPU seconds (`*_cpu_sec`: user and
+system time of every thread, TensorFlow's included), which a machine loaded
+by other jobs inflates far less than wall time. --first_step_model=bert
+times BERT's own pre-training model_fn instead (bench/bert_pretraining.py;
+no batch norm: `--first_step_contenders=plain,towered`).
+
 A time to first step is what a user waits for after starting a trainer, so
 each is measured in a fresh process (--fresh_processes, the default): the
 process first builds and runs the MLP of the same contender for one step
@@ -57,6 +63,11 @@ from benchlib import machine  # pylint: disable=g-import-not-at-top
 flags.DEFINE_integer('first_step_n', 8, 'N of the first-step comparison with plain and mirrored '
                      '(0: skip it).')
 flags.DEFINE_bool('fresh_processes', True, 'Time each first step in a fresh process.')
+flags.DEFINE_list('first_step_contenders', ['plain', 'towered', 'synced', 'mirrored'],
+                  'Contenders of the first-step comparison (plain first).')
+flags.DEFINE_string('first_step_model', 'resnet', 'Model of the first-step comparison: resnet '
+                    '(ResNet-8) or bert (BERT\'s pre-training model_fn, bench/bert_pretraining.py; '
+                    'no batch norm: synced is towered).')
 flags.DEFINE_string('measure_first_step', '', 'Internal: "contender:n"; time that first step '
                     'in this process, print it as JSON and exit.')
 FLAGS = flags.FLAGS
@@ -71,15 +82,17 @@ class _ModelFnClock:
 
   def __init__(self, estimator: tf.estimator.Estimator):
     self._start = self._end = None
+    self.cpu_seconds = 0.0  # the calling threads' CPU seconds, summed
     call = estimator._call_model_fn  # pylint: disable=protected-access
 
     def timed(*args, **kwargs):
-      start = time.perf_counter()
+      start, cpu = time.perf_counter(), time.thread_time()
       self._start = start if self._start is None else min(self._start, start)
       try:
         return call(*args, **kwargs)
       finally:
         self._end = max(self._end or 0.0, time.perf_counter())
+        self.cpu_seconds += time.thread_time() - cpu
     estimator._call_model_fn = timed  # pylint: disable=protected-access
 
   @property
@@ -94,14 +107,14 @@ def first_step(contender: str, n: int, strategies: dict) -> dict:
   """
   if FLAGS.fresh_processes:
     return _in_fresh_process(contender, n)
-  estimator, input_fn = tb.make_estimator('resnet', contender, n, strategies)
+  estimator, input_fn = tb.make_estimator(FLAGS.first_step_model, contender, n, strategies)
   clock = _ModelFnClock(estimator)
   hook = tb.FirstStep()
   with benchlib.collections_timed() as collected:
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), tb.process_cpu()
     estimator.train(input_fn, steps=1, hooks=[hook])
-  return dict(tb.first_step_times(start, hook), model_fn_sec=clock.seconds,
-              gc_sec=collected[0])
+  return dict(tb.first_step_times(start, hook, start_cpu), model_fn_sec=clock.seconds,
+              model_fn_cpu_sec=clock.cpu_seconds, gc_sec=collected[0])
 
 
 def _in_fresh_process(contender: str, n: int) -> dict:
@@ -109,7 +122,7 @@ def _in_fresh_process(contender: str, n: int) -> dict:
   argv = [sys.executable, os.path.abspath(__file__), f'--measure_first_step={contender}:{n}',
           '--nofresh_processes'] + [
               FLAGS[name].serialize() for name in ('batch_size', 'variable_strategy',
-                                                   'static_batch')]
+                                                   'static_batch', 'first_step_model', 'bert_batch_size')]
   done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
   lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT)]
   if done.returncode != 0 or not lines:
@@ -128,6 +141,9 @@ def _measure_and_exit(spec: str) -> None:
   strategies = ({n: tf.distribute.MirroredStrategy([f'/cpu:{i}' for i in range(n)])}
                 if contender == 'mirrored' else {})
   tb.time_first_step('mlp', contender, n, strategies)  # one-off costs
+  if FLAGS.first_step_model == 'bert':  # and BERT's imports
+    import bert_pretraining  # pylint: disable=g-import-not-at-top
+    bert_pretraining.bert_model.modules()
   print(_RESULT + json.dumps(first_step(contender, n, strategies)), flush=True)
   os._exit(0)  # pylint: disable=protected-access  # as main()
 
@@ -180,7 +196,7 @@ def sync_rates(counts: list[int], strategies: dict, started: float) -> list[dict
 
 def first_steps(n: int, strategies: dict, started: float) -> dict:
   """Table 2: per contender at N = n, median first step and its parts."""
-  contenders = [('plain', 1), ('towered', n), ('synced', n), ('mirrored', n)]
+  contenders = [(c, 1 if c == 'plain' else n) for c in FLAGS.first_step_contenders]
   times = {c: [] for c, _ in contenders}
   for b in range(FLAGS.build_rounds):
     for contender, k in (contenders if b % 2 == 0 else contenders[::-1]):
@@ -189,7 +205,10 @@ def first_steps(n: int, strategies: dict, started: float) -> dict:
       print(f'{time.perf_counter() - started:6.1f}s first step {contender:8s} N={k}: '
             f'{t["first_step_sec"]:.2f} s (graph {t["graph_sec"]:.2f} of which model_fn '
             f'{t["model_fn_sec"]:.2f}, session {t["session_sec"]:.2f}, run '
-            f'{t["first_run_sec"]:.2f}; garbage collection {t["gc_sec"]:.2f})', flush=True)
+            f'{t["first_run_sec"]:.2f}; garbage collection {t["gc_sec"]:.2f}); process CPU '
+            f'{t["first_step_cpu_sec"]:.2f} s (graph {t["graph_cpu_sec"]:.2f} of which model_fn '
+            f'{t["model_fn_cpu_sec"]:.2f}, session {t["session_cpu_sec"]:.2f}, run '
+            f'{t["first_run_cpu_sec"]:.2f})', flush=True)
   return {c: {key: _median([t[key] for t in ts]) for key in ts[0]} for c, ts in times.items()}
 
 
@@ -205,16 +224,20 @@ def print_tables(rates: list[dict], firsts: dict, n: int) -> None:
           f"{r['ratio_first_step_sec']:.2f} |")
   if not firsts:
     return
-  print(f'\ntime to first step, ResNet-8, N={n} (plain: one device), medians in seconds:\n')
-  print('| contender | first step | graph | of which model_fn | session | first run | '
-        'garbage collection | / plain | / mirrored |')
-  print('|---|---|---|---|---|---|---|---|---|')
-  for contender, t in firsts.items():
-    print(f"| {contender} | {t['first_step_sec']:.2f} | {t['graph_sec']:.2f} | "
-          f"{t['model_fn_sec']:.2f} | {t['session_sec']:.2f} | {t['first_run_sec']:.2f} | "
-          f"{t['gc_sec']:.2f} | "
-          f"{t['first_step_sec'] / firsts['plain']['first_step_sec']:.2f} | "
-          f"{t['first_step_sec'] / firsts['mirrored']['first_step_sec']:.2f} |")
+  model = {'resnet': 'ResNet-8', 'bert': 'BERT pre-training'}[FLAGS.first_step_model]
+  for unit, suffix in (('wall seconds', 'sec'), ('process CPU seconds', 'cpu_sec')):
+    print(f'\ntime to first step, {model}, N={n} (plain: one device), medians, {unit}:\n')
+    print('| contender | first step | graph | of which model_fn | session | first run | '
+          '/ plain | / mirrored |')
+    print('|---|---|---|---|---|---|---|---|')
+    for contender, t in firsts.items():
+      mirrored = (f"{t['first_step_' + suffix] / firsts['mirrored']['first_step_' + suffix]:.2f}"
+                  if 'mirrored' in firsts else '')
+      print(f"| {contender} | {t['first_step_' + suffix]:.2f} | {t['graph_' + suffix]:.2f} | "
+            f"{t['model_fn_' + suffix]:.2f} | {t['session_' + suffix]:.2f} | "
+            f"{t['first_run_' + suffix]:.2f} | "
+            f"{t['first_step_' + suffix] / firsts['plain']['first_step_' + suffix]:.2f} | "
+            f"{mirrored} |")
 
 
 def main(argv):

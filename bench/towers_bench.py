@@ -55,6 +55,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -78,6 +79,7 @@ flags.DEFINE_list('num_devices', ['2', '4', '8'], 'Device counts N.')
 flags.DEFINE_list('contenders', ['plain', 'towered', 'mirrored', 'handwritten'],  # and 'synced'
                   'Contenders to run.')
 flags.DEFINE_integer('batch_size', 256, 'Global batch size.')
+flags.DEFINE_integer('bert_batch_size', 32, 'Global batch size of --models=bert (sequences).')
 flags.DEFINE_integer('rounds', 30, 'Steady-state rounds (one chunk per configuration each).')
 flags.DEFINE_integer('build_rounds', 3, 'Times each configuration is built from scratch '
                      '(time to first step).')
@@ -244,8 +246,12 @@ def make_estimator(model: str, contender: str, n: int, strategies: dict,
   `variable_strategy` that of 'towered' (default: --variable_strategy).
   """
   devices = [f'/cpu:{i}' for i in range(n)]
-  model_fn = plain_model_fn(LOGITS[model])
   batch = FLAGS.batch_size
+  if model == 'bert':  # BERT's own pre-training model_fn (bench/bert_pretraining.py)
+    import bert_pretraining  # pylint: disable=g-import-not-at-top
+    model_fn, batch = bert_pretraining.model_fn(), FLAGS.bert_batch_size
+  else:
+    model_fn = plain_model_fn(LOGITS[model])
   distribute = None
   if contender == 'handwritten':
     model_fn = handwritten_model_fn(LOGITS[model], n)
@@ -263,31 +269,50 @@ def make_estimator(model: str, contender: str, n: int, strategies: dict,
       save_summary_steps=None, log_step_count_steps=None)
   estimator = tf.estimator.Estimator(
       model_fn, model_dir=tempfile.mkdtemp(prefix='towers_bench_'), config=config)
+  if model == 'bert':
+    return estimator, bert_pretraining.input_fn(batch)
   return estimator, make_input_fn(batch, FLAGS.static_batch)
 
 
+def process_cpu() -> float:
+  """CPU seconds of this process so far, user and system, all threads (TensorFlow's too):
+  what a loaded machine does not inflate, unlike wall time."""
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  return usage.ru_utime + usage.ru_stime
+
+
 class FirstStep(tf.compat.v1.train.SessionRunHook):
-  """When the graph was finished, the session created and the first step ended."""
+  """When the graph was finished, the session created and the first step ended
+  (wall time, and the process's CPU seconds: `cpu[...]`)."""
 
   def __init__(self):
     self.graph_done = self.session_done = self.first_step = None
+    self.cpu = {}
 
   def begin(self):
-    self.graph_done = time.perf_counter()
+    self.graph_done, self.cpu['graph'] = time.perf_counter(), process_cpu()
 
   def after_create_session(self, session, coord):
-    self.session_done = time.perf_counter()
+    self.session_done, self.cpu['session'] = time.perf_counter(), process_cpu()
 
   def after_run(self, run_context, run_values):
     if self.first_step is None:
-      self.first_step = time.perf_counter()
+      self.first_step, self.cpu['first'] = time.perf_counter(), process_cpu()
 
 
-def first_step_times(start: float, hook: FirstStep) -> dict:
-  return {'first_step_sec': hook.first_step - start,
-          'graph_sec': hook.graph_done - start,
-          'session_sec': hook.session_done - hook.graph_done,
-          'first_run_sec': hook.first_step - hook.session_done}
+def first_step_times(start: float, hook: FirstStep, start_cpu: float | None = None) -> dict:
+  """Wall seconds to the first step and its parts; with `start_cpu` (`process_cpu()` at
+  the start), the same in process CPU seconds (`*_cpu_sec`)."""
+  times = {'first_step_sec': hook.first_step - start,
+           'graph_sec': hook.graph_done - start,
+           'session_sec': hook.session_done - hook.graph_done,
+           'first_run_sec': hook.first_step - hook.session_done}
+  if start_cpu is not None:
+    times.update(first_step_cpu_sec=hook.cpu['first'] - start_cpu,
+                 graph_cpu_sec=hook.cpu['graph'] - start_cpu,
+                 session_cpu_sec=hook.cpu['session'] - hook.cpu['graph'],
+                 first_run_cpu_sec=hook.cpu['first'] - hook.cpu['session'])
+  return times
 
 
 def time_first_step(model: str, contender: str, n: int, strategies: dict) -> dict:

@@ -18,6 +18,7 @@ the batch size static (`drop_remainder=True`). The runs are `EstimatorGraph`s
 step.
 """
 
+import collections
 import functools
 
 import numpy as np
@@ -73,6 +74,21 @@ def test_every_tower_runs_the_whole_model(warnings):
   assert share >= 0.9, (share, heavy_ops.per_device(towered), heavy_ops.total(plain))
   assert not warnings, warnings
   test_random_restart.assert_the_step_is_read_before_written(towered)
+
+
+def test_the_other_towers_backward_passes_are_copies():
+  """BERT's loss (masked-LM ratio of sums plus the next-sentence mean): each shard's statistic
+  of the mean is built by the library after the towers' copies, and is matched to tower 0's
+  op by op, so towers 1 and 2 copy tower 0's backward pass (its gradient ops under
+  `tower_<k>/`) instead of running TensorFlow's gradient code again per tower (before: under
+  `gradients_<n>/`, half of the model_fn's construction time at N = 8)."""
+  graph = heavy_ops.train_graph(
+      et.replicate_model_fn(bert_model.model_fn(), devices=testlib.cpu_devices(3)),
+      bert_model.features(BATCH), None)
+  scopes = collections.Counter(op.name.split('/')[0] for op in graph.get_operations()
+                                if '_grad/' in op.name)
+  assert scopes['gradients'] > 100, scopes   # tower 0's backward pass
+  assert scopes['tower_1'] == scopes['tower_2'] == scopes['gradients'], scopes
 
 
 def _without_global_step(values):

@@ -68,6 +68,8 @@ import tensorflow as tf
 from estimator_towers.base import shared_patch
 from tensorflow.python.eager import backprop  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.eager import record  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.client import pywrap_tf_session as c_api  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.framework import c_api_util  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import importer  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import op_def_registry  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import random_seed  # pylint: disable=g-direct-tensorflow-import
@@ -417,16 +419,45 @@ def op_seed_count(graph: tf.Graph) -> int:
   return random_seed._graph_to_seed_dict.get(graph, 0)  # pylint: disable=protected-access
 
 
-def import_ops(graph_def: Any, input_map: dict, names: list) -> list:
+def import_ops(graph_def: Any, input_map: dict, names: list,
+               colocated: dict | None = None) -> list:
   """`graph_def`'s ops imported under their own names, in the order of `names`.
 
   `tf.graph_util.import_graph_def` checks that every op an imported op is
   colocated with is imported too; a tower's copy of an op colocated with a
-  variable (which is not copied) is not (`importer._import_graph_def_internal`).
+  variable (which is not copied) is not. With `colocated` ({op name: the ops
+  it is colocated with}, for every such op), the import is what TensorFlow's
+  does for a GraphDef whose devices are final (no functions, no device scope):
+  an op keeps its NodeDef's device, a colocated op takes its group's first
+  device, and no attribute is read again (half the import's cost per op).
   """
-  return importer._import_graph_def_internal(  # pylint: disable=protected-access
-      graph_def, input_map=input_map, return_elements=names, name='',
-      validate_colocation_constraints=False)
+  if colocated is None:
+    return importer._import_graph_def_internal(  # pylint: disable=protected-access
+        graph_def, input_map=input_map, return_elements=names, name='',
+        validate_colocation_constraints=False)
+  graph = tf.compat.v1.get_default_graph()
+  scoped = c_api_util.ScopedTFImportGraphDefOptions()
+  importer._PopulateTFImportGraphDefOptions(  # pylint: disable=protected-access
+      scoped.options, '', input_map, names, False)
+  with graph._mutation_lock():  # pylint: disable=protected-access
+    with c_api_util.tf_buffer(graph_def.SerializeToString()) as serialized:
+      try:
+        with graph._c_graph.get() as c_graph:  # pylint: disable=protected-access
+          results = c_api.TF_GraphImportGraphDefWithResults(c_graph, serialized, scoped.options)
+        results = c_api_util.ScopedTFImportGraphDefResults(results)
+      except tf.errors.InvalidArgumentError as e:
+        raise ValueError(str(e)) from e
+    new_ops = graph._add_new_tf_operations(compute_devices=False)  # pylint: disable=protected-access
+    for op in new_ops:
+      for name in colocated.get(op.name, ()):
+        try:
+          target = graph._get_operation_by_name(name)  # pylint: disable=protected-access
+        except KeyError:
+          continue
+        if target.device:
+          op._set_device(target.device)  # pylint: disable=protected-access
+          break
+  return importer._GatherReturnElements(names, graph, results.results)  # pylint: disable=protected-access
 
 
 def initializers(graph: tf.Graph) -> dict:

@@ -206,7 +206,7 @@ class BackwardPasses:
     copies = self._copies
     made = set(recording.ops)
     if (not copies.copied(k) or len(ys) != len(ys0) or len(seeds) != len(seeds0)
-        or any(copies.counterpart(k, a) is not b for a, b in zip(ys0, ys))
+        or not all(copies.matches(k, a, b) for a, b in zip(ys0, ys))
         or any((a is None) != (b is None) for a, b in zip(seeds0, seeds))
         or not all(t.op in made for g in first for t in tower_copies.components(g))):
       return None

@@ -115,34 +115,34 @@ def _ops_before(pending: list, stop: Callable[[tf.Tensor], bool]) -> list:
   ops, seen = [], set()
   while pending and len(seen) < _SEARCH_LIMIT:
     op = pending.pop()
-    if op.name in seen:
+    if op in seen:
       continue
-    seen.add(op.name)
+    seen.add(op)
     ops.append(op)
     pending.extend(t.op for t in op.inputs if not stop(t))
-  if ops:
-    order = {op.name: i for i, op in enumerate(ops[0].graph.get_operations())}
-    ops.sort(key=lambda op: order.get(op.name, -1))
+  if ops:  # graph order (ops hash by identity: no name built per op of the graph)
+    order = {op: i for i, op in enumerate(ops[0].graph.get_operations())}
+    ops.sort(key=lambda op: order.get(op, -1))
   return _inputs_first(ops)
 
 
 def _inputs_first(ops: list) -> list:
   """`ops` (in graph order) each after those of them it reads: a v1 loop's `Enter` is made
   after the op that reads it; a `Merge`'s back edge (`NextIteration`) is no such read."""
-  among, done, result = {op.name for op in ops}, set(), []
+  among, done, result = set(ops), set(), []
   for start in ops:
     stack = [(start, False)]
     while stack:
       op, ready = stack.pop()
-      if op.name in done:
+      if op in done:
         continue
       if ready:
-        done.add(op.name)
+        done.add(op)
         result.append(op)
         continue
       stack.append((op, True))
       for t in reversed(op.inputs):
-        if t.op.name in among and t.op.name not in done and not (
+        if t.op in among and t.op not in done and not (
             op.type in ('Merge', 'RefMerge') and 'NextIteration' in t.op.type):
           stack.append((t.op, False))
   return result

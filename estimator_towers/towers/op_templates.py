@@ -144,6 +144,7 @@ def instance(template: Template, prefix: str, device: str, theirs: Counterpart
     input_map[name] = tensor if found is None else found
   graph_def = tf.compat.v1.GraphDef()
   graph_def.versions.CopyFrom(graph.graph_def_versions)
+  colocated = {}  # an instance op's name -> its colocation group's
   for i, (op, node_def) in enumerate(zip(template.ops, template.node_defs)):
     copied = graph_def.node.add()
     copied.CopyFrom(node_def)
@@ -163,6 +164,8 @@ def instance(template: Template, prefix: str, device: str, theirs: Counterpart
                         f'counterpart in the other towers')
         names.append(f'loc:@{mapped or target.name}'.encode())
       copied.attr['_class'].list.s[:] = names
+      colocated[copied.name] = [n[len(b'loc:@'):].decode() for n in names
+                                if n != f'loc:@{copied.name}'.encode()]
     elif template.devices[i] == 'home':
       copied.device = device
     elif template.devices[i] == 'resource':  # where its variable is
@@ -173,7 +176,7 @@ def instance(template: Template, prefix: str, device: str, theirs: Counterpart
       copied.attr['seed'].i, copied.attr['seed2'].i = tf.compat.v1.random.get_seed(None)
   with graph.as_default(), graph.device(None):
     copies = interception.import_ops(graph_def, input_map,
-                                     [renamed[op.name] for op in template.ops])
+                                     [renamed[op.name] for op in template.ops], colocated)
   for i, controls in template.controls.items():
     interception.add_control_inputs(copies[i], _their_controls(controls, template.made, theirs))
   by_op = dict(zip(template.ops, copies))

@@ -174,6 +174,24 @@ class TowerCopies:
         return forward(tensor) if found is None else found
       self._counterparts[k] = counterpart
 
+  def matches(self, k: int, tensor: tf.Tensor, theirs: tf.Tensor, depth: int = 8) -> bool:
+    """True if tower k's `theirs` is the counterpart of tower 0's `tensor`.
+
+    Either its copy, or what the library built from both towers' tensors after
+    the copy (a loss statistic of each shard): a stateless op of the same type
+    and attributes on the counterparts of `tensor`'s op's inputs, within `depth`
+    ops of tensors with counterparts (or shared). Such ops are adopted as
+    counterparts (`adopt`).
+    """
+    if k not in self._counterparts:
+      return False
+    pairs: dict = {}
+    if not _same(self._counterparts[k], tensor, theirs, pairs, depth):
+      return False
+    if pairs:
+      self.adopt(k, pairs)
+    return True
+
   def any_copied(self) -> bool:
     return bool(self._counterparts)
 
@@ -258,6 +276,33 @@ def map_gradient(counterpart: Counterpart, grad: object) -> object:
       return None
     return tf.IndexedSlices(*parts)
   return None if grad is None else counterpart(grad)
+
+
+def _same(counterpart: Counterpart, tensor: tf.Tensor, theirs: tf.Tensor, pairs: dict,
+          depth: int) -> bool:
+  """`tensor`'s counterpart is `theirs`: shared, known, or the same op on counterparts
+  (added to `pairs`)."""
+  if tensor is theirs:
+    return counterpart(tensor) is None   # shared by the towers
+  found = pairs.get(tensor.ref())
+  found = counterpart(tensor) if found is None else found
+  if found is not None or depth <= 0:
+    return found is theirs
+  op, mine = tensor.op, theirs.op
+  if (tensor.value_index != theirs.value_index or op.type != mine.type or op.op_def.is_stateful
+      or len(op.inputs) != len(mine.inputs) or len(op.outputs) != len(mine.outputs)
+      or _attributes(op) != _attributes(mine)):
+    return False
+  if not all(_same(counterpart, a, b, pairs, depth - 1) for a, b in zip(op.inputs, mine.inputs)):
+    return False
+  pairs.update((a.ref(), b) for a, b in zip(op.outputs, mine.outputs))
+  return True
+
+
+def _attributes(op: tf.Operation) -> dict:
+  """An op's attributes but its colocation (which follows its tower)."""
+  return {key: value.SerializeToString(deterministic=True)
+          for key, value in op.node_def.attr.items() if key != '_class'}
 
 
 def _kept(segment: Sequence[tf.Operation]) -> list:
