@@ -391,7 +391,9 @@ class _Parser:
 
     Such an `x` is not per-example (a stack of losses, values divided by
     their batch's sum), so a sum of it is not a sum of the shards' sums. A
-    batch norm's statistic does not count: rows it normalises stay rows
+    value of the batch's size (the row reader's: a SparseTensor's dense shape
+    reduced to its example count) shapes rows, not their values; a
+    batch norm's statistic does not count either: rows it normalises stay rows
     (`row_dependence`; with `sync_batch_norm` the global batch's, whose
     count a synchronised batch norm sums to one element).
     """
@@ -488,9 +490,11 @@ def read_quietly(value: Any, inputs: Sequence[tf.Tensor],
 
 
 def _batch_norms(rows: row_dependence.RowDependence, t: tf.Tensor) -> bool:
-  """True for a batch norm's statistic (the row reader's reading of `t`)."""
+  """True for a batch norm's statistic or a value of the batch's size (the row reader's reading
+  of `t`: a SparseTensor's dense shape's product, the examples it reshapes to)."""
   kind = rows.kind(t)
-  return kind is not None and kind.tag == row_dependence.STAT and kind.norm
+  return kind is not None and (kind.tag == row_dependence.STAT and kind.norm or (
+      kind.tag == row_dependence.SIZE))
 
 
 def _form(expression: Expression, t: tf.Tensor) -> str | None:
