@@ -40,6 +40,7 @@ plus offsets mix the rows; any other op reads offsets as batch-size values.
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 import numpy as np
@@ -86,10 +87,15 @@ def _ragged(values: tf.Tensor, splits: tf.Tensor) -> bool:
 def _sparse(indices: tf.Tensor, values: tf.Tensor, shape: tf.Tensor) -> bool:
   rank = shapes.dim(indices, 1) if indices.shape.rank == 2 else None
   return (indices.dtype == tf.int64 and indices.shape.rank == 2 and values.shape.rank == 1
-          and (indices.op is values.op or (indices.op.name.endswith('indices')
-                                            and values.op.name.endswith('values')))
+          and (indices.op is values.op or (_named(indices, 'indices') and _named(values, 'values')))
           and shape.dtype == tf.int64 and shape.shape.rank == 1
           and (rank is None or shapes.dim(shape) is None or shapes.dim(shape) == rank))
+
+
+def _named(t: tf.Tensor, component: str) -> bool:
+  """Whether `t`'s op is named as a SparseTensor's `component` (TensorFlow's uniquified
+  names too: `indices_1`, each SparseTensor's gate of a micro-batch)."""
+  return re.search(rf'(^|/){component}(_\d+)?$', t.op.name) is not None
 
 
 def splits(op, kinds):

@@ -46,6 +46,8 @@ from estimator_towers.rows.static_values import axes_of, static_value
 # The marks (a kind's `layout`): a SparseTensor's indices, their first column, tf.unique's
 # idx of entries, rows up to the last example with an entry.
 INDICES, IDS, PLACES, PREFIX = 'indices', 'ids', 'unique', 'prefix'
+# The marks whose values are positions in the shard (its rows), never gathered into a head.
+POSITION_MARKS = frozenset((INDICES, IDS))
 _FILLED = 'filled'   # `of` of indices and ids: every row has an entry (SparseFillEmptyRows)
 _GATHERS = ('GatherV2', 'Gather', 'ResourceGather')
 _WHY_PREFIX = ('a value of a segment reduction by a SparseTensor\'s rows that has rows only up '
@@ -83,8 +85,8 @@ def _shape_of_rows(k):
 
 def _leading(reader, t):
   """k where the first element of the shape vector `t` is k times the shard's examples."""
-  while t.op.type in ('Identity', 'Cast'):
-    t = t.op.inputs[0]
+  while t.op.type in ('Identity', 'Cast') and reader.kind(t.op.inputs[0]) is not None:
+    t = t.op.inputs[0]   # (not past a shard's input: a micro-batch's gate)
   op = t.op
   if op.type == 'Pack' and op.get_attr('axis') == 0 and op.inputs:
     return _product_of_leading(reader, op.inputs[0])
