@@ -5,10 +5,10 @@ are the SparseTensor's indices) and look ids up with sparse reshapes, empty
 rows filled, sparse segment sums, sparse crosses, dense tensors of entries.
 Each model here reads its ids as a dict of SparseTensors and as dense ids
 (padded with the identity column's ignored -1; the weights 0 there):
-every column kind in one `input_layer` (an embedding, an indicator, a crossed
-column's embedding, a weighted column's embedding, shared embeddings), a
-`linear_model` (ids, a cross, weighted ids: sparse matrix sums), and a
-sequence column (`SequenceFeatures`: a sequence's length from its entries'
+every column kind in one wide and deep model (an `input_layer` of an
+embedding, an indicator, a crossed column's embedding, a weighted column's
+embedding, shared embeddings; a `linear_model` of ids, a cross and weighted
+ids: sparse sums of its weights), and a sequence column (`SequenceFeatures`: a sequence's length from its entries'
 rows, padded to the batch). Each trains 2 steps on 2 and 3 towers and on 2x2
 and 1x2 micro-batches equal to the undecorated model_fn on one device from
 the same seeded start (every variable and Adagrad slot within 1e-5), with no
@@ -78,8 +78,8 @@ def _embedding(column, seed):
       seed=seed))
 
 
-def every_column(features):
-  """An input layer of every column kind: its logits."""
+def wide_and_deep(features):
+  """Every column kind: an input layer (deep) plus a linear model (wide); their logits."""
   ids, ids2 = _identity(), _identity('ids2')
   crossed = fc.crossed_column([ids, ids2], 16)
   weighted = fc.weighted_categorical_column(_identity(), 'w')
@@ -89,16 +89,11 @@ def every_column(features):
   columns = [_embedding(ids, 1), fc.indicator_column(ids), _embedding(crossed, 2),
              _embedding(weighted, 3), fc.numeric_column('x', [2])] + shared
   h = tf.compat.v1.feature_column.input_layer(features, columns)
-  return tf.compat.v1.layers.dense(
+  deep = tf.compat.v1.layers.dense(
       h, 3, kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=5))
-
-
-def linear(features):
-  """A linear model of ids, a cross and weighted ids (sparse sums of its weights)."""
-  ids = _identity()
-  columns = [ids, fc.crossed_column([ids, _identity('ids2')], 16),
-             fc.weighted_categorical_column(_identity(), 'w'), fc.numeric_column('x', [2])]
-  return tf.compat.v1.feature_column.linear_model(features, columns, units=3)
+  wide = tf.compat.v1.feature_column.linear_model(   # sparse sums of its weights
+      features, [ids, crossed, weighted, fc.numeric_column('x', [2])], units=3)
+  return deep + wide
 
 
 def sequence(features):
@@ -113,7 +108,7 @@ def sequence(features):
       kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=5))
 
 
-MODELS = {'every_column': every_column, 'linear': linear, 'sequence': sequence}
+MODELS = {'wide_and_deep': wide_and_deep, 'sequence': sequence}
 CASES = [(m, f) for m in sorted(MODELS) for f in ('sparse', 'dense')
          if not (m == 'sequence' and f == 'dense')]   # sequence columns read SparseTensors
 

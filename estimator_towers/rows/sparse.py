@@ -110,19 +110,36 @@ def _product_of_leading(reader, t):
     if shape.op.type == 'Shape' and begin is not None and int(np.reshape(begin, [-1])[0]) == 0:
       return rows_per_example(reader.kind(shape.op.inputs[0]), blocks=True)
     return None
-  if t.op.type != 'Prod' or t.op.inputs[0].op.type != 'Slice':
+  if t.op.type != 'Prod' or t.op.inputs[0].op.type not in ('Slice', 'StridedSlice'):
     return None
-  sliced = t.op.inputs[0].op
-  shape, begin, size = sliced.inputs[0], static_value(sliced.inputs[1]), static_value(
-      sliced.inputs[2])
+  shape, m = t.op.inputs[0].op.inputs[0], _leading_count(t.op.inputs[0].op)
   kind = reader.kind(shape)
-  if kind is None or kind.tag != SHAPE or kind.layout is not None or begin is None or (
-      size is None) or begin.size != 1 or size.size != 1 or int(begin[0]) != 0 or int(size[0]) < 1:
+  if kind is None or kind.tag != SHAPE or m is None:
     return None
-  k = kind.blocks
-  for j in range(1, int(size[0])):   # a size of the dense shape known only when the graph runs
+  k = kind.blocks if kind.layout is None else rows_per_example(flat_kind(kind.per, kind.blocks),
+                                                                blocks=True)
+  for j in range(1, m):   # a size of the dense shape known only when the graph runs
     k = times(k, (1, (f'{shape.name}[{j}]',)))
   return k
+
+
+def _leading_count(op):
+  """m where `op` slices a vector's first m elements (`shape[:m]`, `tf.slice(shape, [0], [m])`)."""
+  begin = static_value(op.inputs[1])
+  if begin is None or begin.size != 1:
+    return None
+  if op.type == 'Slice':
+    size = static_value(op.inputs[2])
+    return int(size[0]) if int(begin[0]) == 0 and size is not None and size.size == 1 and (
+        int(size[0]) >= 1) else None
+  end, strides = static_value(op.inputs[2]), static_value(op.inputs[3])
+  if op.get_attr('shrink_axis_mask') or op.get_attr('ellipsis_mask') or op.get_attr(
+      'new_axis_mask') or op.get_attr('end_mask') or end is None or strides is None or (
+          int(strides[0]) != 1):
+    return None
+  if not (op.get_attr('begin_mask') & 1 or int(begin[0]) == 0) or int(end[0]) < 1:
+    return None
+  return int(end[0])
 
 
 def _sparse_reshape(reader, op, kinds):
