@@ -23,12 +23,12 @@ entry ('prefix'): padded with zeros to the batch's size
 (their sizes then agree) it is rows; a value of it alone mixes. `tf.unique`
 of the entries' values is the batch's distinct values, its `idx` each
 entry's place among them ('unique'): a gather of their embeddings by it is
-the entries' again. Entries of two SparseTensors (ids and their weights,
+the entries' again (any other op on indices, rows or places mixes: they are
+positions in the shard, not values of its examples). Entries of two SparseTensors (ids and their weights,
 each made sparse by its own `tf.where`) combined entry by entry are read as
 aligned one to one, the promise a weighted column makes (TensorFlow refuses
 different counts). A gather of rows by the entries' rows gives each entry
-its example's row. Any other op reads the marked kinds as plain flat values
-(a gather of the batch's rows by them mixes), and a prefix mixes.
+its example's row. A prefix under any other op mixes.
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ INDICES, IDS, PLACES, PREFIX = 'indices', 'ids', 'unique', 'prefix'
 POSITION_MARKS = frozenset((INDICES, IDS))
 _FILLED = 'filled'   # `of` of indices and ids: every row has an entry (SparseFillEmptyRows)
 _GATHERS = ('GatherV2', 'Gather', 'ResourceGather')
+_SHAPES = ('Shape', 'ShapeN', 'Size')
+_WHY_POSITIONS = ('an op on a SparseTensor\'s indices, its entries\' rows or tf.unique\'s places '
+                  'other than the sparse ops that keep each example\'s entries (positions in the '
+                  'shard, not values of its examples)')
 _WHY_PREFIX = ('a value of a segment reduction by a SparseTensor\'s rows that has rows only up '
                'to the last example with an entry (a count the shards do not share)')
 
@@ -288,6 +292,8 @@ def on_entries(reader, op, kinds):
     return _segment_sum(reader, op, kinds)
   if t in ELEMENTWISE and _two_sparse(present):
     return flat_kind(present[0].per)   # ids and their weights: aligned one to one
+  if any(k.layout in (INDICES, IDS, PLACES) for k in present) and t not in _SHAPES:
+    return _WHY_POSITIONS
   return None
 
 
@@ -310,7 +316,7 @@ def _column(op, kind):
 def _gather(op, kinds):
   params, which = kinds[0], kinds[1]
   if op.type == 'GatherV2' and (kinds[2] is not None or static_value(op.inputs[2]) != 0):
-    return None
+    return _WHY_POSITIONS if marked(params) or marked(which) else None
   if params is not None and params.tag == FLAT and params.blocks == 1 and which is not None and (
       which.tag == POSITIONS) and (which.index == params.per or (
           _decided(params.per) and _decided(which.index))):
@@ -322,7 +328,7 @@ def _gather(op, kinds):
   if which is not None and which.layout == IDS and params is not None and (
       params.tag == ROWS and params.blocks == 1 and which.index == 1):
     return flat_kind(which.per)   # each entry's example's row
-  return None
+  return _WHY_POSITIONS if marked(params) or marked(which) else None
 
 
 def _two_sparse(present) -> bool:
