@@ -451,3 +451,122 @@ def test_where_positions_read_once():
     return tf.reduce_sum(tf.gather(h, tf.where(tf.reduce_sum(h, -1) > 0))), {}
   found, _ = _layouts(by_rows)
   assert [m.op.type for m in found.mixing] == ['GatherV2'], [m.describe() for m in found.mixing]
+
+
+# --- A SparseTensor's entries (`sparse`): the ops feature columns build ------------------
+
+def _sparse_read(build, dense_ids=False):
+  """`build(ids: SparseTensor [n, 3], x [n, 2]) -> (loss, {name: tensor})`, read on a shard;
+  `dense_ids`: the ids a dense [n, 3] tensor made sparse as feature columns do (tf.where)."""
+  graph = tf.Graph()
+  with graph.as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [None, 2], name='x')
+    if dense_ids:
+      dense = tf.compat.v1.placeholder(tf.int64, [None, 3], name='dense_ids')
+      where = tf.where(tf.not_equal(dense, -1))
+      ids = tf.SparseTensor(where, tf.gather_nd(dense, where),
+                            tf.shape(dense, out_type=tf.int64))
+      inputs = [dense, x]
+    else:
+      ids = tf.compat.v1.sparse_placeholder(tf.int64, [None, 3], name='ids')
+      inputs = tf.nest.flatten(ids, expand_composites=True) + [x]
+    loss, tensors = build(ids, x)
+    return rd.classify([loss], inputs), tensors
+
+
+def _table(rows=10, width=2):
+  return tf.compat.v1.get_variable(f'table_{rows}', [rows, width])
+
+
+@pytest.mark.parametrize('dense_ids', [False, True], ids=['sparse', 'dense_ids'])
+def test_a_safe_embedding_lookup_is_per_example(dense_ids):
+  """safe_embedding_lookup_sparse: a sparse reshape to [n, -1] (of tf.where's positions for
+  dense ids), invalid ids pruned (sparse_retain), empty rows filled, a sparse segment mean by
+  the entries' rows: rows."""
+  def build(ids, x):
+    e = tf.compat.v1.nn.safe_embedding_lookup_sparse(_table(), ids, combiner='mean')
+    return tf.reduce_mean(e * x), {'e': e}
+  found, t = _sparse_read(build, dense_ids)
+  assert not found.mixing, [m.describe() for m in found.mixing]
+  assert found.kind(t['e']) == rd.Kind(rd.ROWS)
+
+
+def test_a_sparse_reshape_of_rows_per_example_gives_flat_rows():
+  """[n, 3] entries reshaped to [n * 3, 1] (a sequence column's): each example's 3 rows."""
+  def build(ids, x):
+    shape = ids.dense_shape
+    tall = tf.sparse.reshape(ids, tf.stack([tf.reduce_prod(shape[:2]), 1]))
+    e = tf.compat.v1.nn.safe_embedding_lookup_sparse(_table(), tall)
+    back = tf.reshape(e, tf.concat([tf.cast(shape[:2], tf.int32), [2]], 0))
+    return tf.reduce_mean(back), {'e': e, 'back': back}
+  found, t = _sparse_read(build)
+  assert not found.mixing, [m.describe() for m in found.mixing]
+  assert found.kind(t['e']).tag == rd.FLAT and found.kind(t['back']) == rd.Kind(rd.ROWS)
+
+
+def test_a_segment_reduction_by_the_entries_rows():
+  """By indices[:, 0]: rows where empty rows were filled; without, rows only up to the last
+  example with an entry: padded to the batch (sequence_length) rows, a mean of it alone mixes."""
+  def padded(ids, x):
+    rows = ids.indices[:, 0]
+    longest = tf.math.segment_max(ids.indices[:, 1] + 1, rows)
+    pad = tf.zeros(tf.shape(ids, out_type=tf.int64)[:1] - tf.shape(longest, out_type=tf.int64)[:1],
+                   tf.int64)
+    length = tf.concat([longest, pad], 0)
+    return tf.reduce_mean(tf.cast(length, tf.float32) * x[:, 0]), {'length': length}
+  found, t = _sparse_read(padded)
+  assert not found.mixing, [m.describe() for m in found.mixing]
+  assert found.kind(t['length']) == rd.Kind(rd.ROWS)
+
+  def alone(ids, x):
+    return tf.reduce_mean(tf.cast(tf.math.segment_sum(ids.values, ids.indices[:, 0]),
+                                  tf.float32)), {}
+  found, _ = _sparse_read(alone)
+  assert [m.op.type for m in found.mixing] == ['Mean'], [m.describe() for m in found.mixing]
+
+  def filled(ids, x):
+    full, _ = tf.sparse.fill_empty_rows(ids, 0)
+    total = tf.math.segment_sum(full.values, full.indices[:, 0])
+    return tf.reduce_mean(tf.cast(total, tf.float32)), {'total': total}
+  found, t = _sparse_read(filled)
+  assert not found.mixing and found.kind(t['total']) == rd.Kind(rd.ROWS)
+
+
+def test_the_example_column_is_a_position_in_the_shard():
+  """indices[:, 0] gathers each entry's example's row; as a table's ids or in arithmetic it
+  is the shard's layout, not a value of the example: mixing."""
+  def own_rows(ids, x):
+    picked = tf.gather(x, ids.indices[:, 0])
+    return tf.reduce_sum(picked), {'picked': picked}
+  found, t = _sparse_read(own_rows)
+  assert not found.mixing and found.kind(t['picked']).tag == rd.FLAT
+
+  def as_ids(ids, x):
+    return tf.reduce_sum(tf.gather(_table(), ids.indices[:, 0])), {}
+  found, _ = _sparse_read(as_ids)
+  assert found.mixing, 'a table looked up by the shard\'s row positions'
+
+
+def test_crosses_weights_and_sparse_reductions():
+  """A cross of each example's entries with its own: entries; weights of another SparseTensor
+  combined entry by entry: aligned; a sparse max over other axes: rows, over the batch: mixing."""
+  def build(ids, x):
+    crossed = tf.sparse.cross_hashed([ids, ids], 7)
+    weights = tf.SparseTensor(ids.indices, tf.cast(ids.values, tf.float32) + 1.0,
+                              ids.dense_shape)
+    e = tf.nn.embedding_lookup_sparse(_table(), crossed, None, combiner='sum')
+    w = tf.nn.embedding_lookup_sparse(_table(7, 2), ids, weights, combiner='mean')
+    top = tf.sparse.reduce_max(weights, 1)
+    return tf.reduce_mean(e) + tf.reduce_mean(w) + tf.reduce_mean(top), {'top': top}
+  found, t = _sparse_read(build)
+  kinds = [m.describe() for m in found.mixing]
+  # without filled rows, a lookup's sums reach only to the last example with an entry: met by
+  # nothing but their mean, they mix (and nothing else does)
+  assert all('SegmentS' in k or 'Mean' in k for k in kinds), kinds
+  assert found.kind(t['top']) == rd.Kind(rd.ROWS)
+
+  def max_over_batch(ids, x):
+    return tf.sparse.reduce_max(tf.SparseTensor(ids.indices, tf.cast(ids.values, tf.float32),
+                                                ids.dense_shape)), {}
+  found, _ = _sparse_read(max_over_batch)
+  assert [m.op.type for m in found.mixing] == ['SparseReduceMax']

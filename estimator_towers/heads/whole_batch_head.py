@@ -56,7 +56,9 @@ One built by TensorFlow's gradient code (under an `<op>_grad` scope: a
 same error, naming that code and the fix (leave the batch dimension unknown).
 
 What it does not do (the warning of `row_dependence` stays): a frontier
-tensor some tower has no counterpart of, and a head that holds a
+tensor some tower has no counterpart of, a frontier of a SparseTensor's
+indices or their example column (positions in each shard's own rows, which
+gathered would name other examples), and a head that holds a
 synchronised batch norm (mixing ops before a batch norm with
 `sync_batch_norm`: `synchronised`). (A gradient request of several tensors
 is one scalar's: `request_seeds`.)
@@ -423,6 +425,8 @@ def _head(found: rd.RowDependence, loss: tf.Tensor):
     k = found.kind(t)
     if k is None:
       continue   # no input of the shard: tower 0's value (a variable's read)
+    if k.tag in (rd.ROWS, rd.FLAT) and k.layout in rd.SPARSE_POSITIONS:
+      return None, None, None   # a SparseTensor's indices: each shard's own rows, not gathered
     if k.tag in (rd.ROWS, rd.FLAT):
       frontier[t.name] = t
       continue

@@ -305,9 +305,11 @@ class _Parser:
   """Tower 0's loss -> leaves, or `_Unrecognised` naming the op."""
 
   def __init__(self, dependence: Dependence, auto: bool, static_count: Callable | None,
-               batch_norms: Callable[[tf.Tensor], bool] = lambda t: False):
+               batch_norms: Callable[[tf.Tensor], bool] = lambda t: False,
+               rows: Callable[[tf.Tensor], bool] = lambda t: False):
     self.dependence = dependence
     self.batch_norms = batch_norms
+    self.rows = rows
     self.auto = auto
     self.static_count = static_count
     self.leaves: dict = {}
@@ -373,7 +375,10 @@ class _Parser:
     self.leaves[t.name] = Leaf(t, statistics, mean)
 
   def _per_example(self, x: tf.Tensor) -> bool:
-    """False if an op whose rows depend on values (tf.boolean_mask's Where) made `x`."""
+    """False if an op whose rows depend on values (tf.boolean_mask's Where) made `x`, unless
+    the row reader reads `x` as rows (a lookup of sparse ids summed back per example)."""
+    if self.rows(x):
+      return True
     pending, seen = [x.op], set()
     while pending and len(seen) < _SEARCH_LIMIT:
       op = pending.pop()
@@ -391,7 +396,9 @@ class _Parser:
 
     Such an `x` is not per-example (a stack of losses, values divided by
     their batch's sum), so a sum of it is not a sum of the shards' sums. A
-    batch norm's statistic does not count: rows it normalises stay rows
+    value of the batch's size (the row reader's: a SparseTensor's dense shape
+    reduced to its example count) shapes rows, not their values; a
+    batch norm's statistic does not count either: rows it normalises stay rows
     (`row_dependence`; with `sync_batch_norm` the global batch's, whose
     count a synchronised batch norm sums to one element).
     """
@@ -447,7 +454,8 @@ def analyse(loss: Any, inputs: Sequence[tf.Tensor], variables: Sequence[Any],
   if not isinstance(loss, tf.Tensor) or not _one_element(loss):
     return Analysis(loss_reduction if not auto else fallback(), exact=not auto)
   dependence = Dependence(inputs, variables)
-  parser = _Parser(dependence, auto, static_count, functools.partial(_batch_norms, rows))
+  parser = _Parser(dependence, auto, static_count, functools.partial(_batch_norms, rows),
+                   functools.partial(_rows, rows))
   try:
     parser.visit(loss)
   except _Unrecognised as unrecognised:
@@ -487,11 +495,21 @@ def read_quietly(value: Any, inputs: Sequence[tf.Tensor],
   return Analysis(form) if form in ('mean', 'sum', 'const') else Analysis('rebuild', expression)
 
 
-def _batch_norms(rows: row_dependence.RowDependence, t: tf.Tensor) -> bool:
-  """True for a batch norm's statistic (the row reader's reading of `t`)."""
+def _rows(rows: row_dependence.RowDependence, t: tf.Tensor) -> bool:
+  """True for rows of the shard's examples (the row reader's reading of `t`)."""
   kind = rows.kind(t)
+  return kind is not None and kind.tag == row_dependence.ROWS
+
+
+def _batch_norms(rows: row_dependence.RowDependence, t: tf.Tensor) -> bool:
+  """True for a batch norm's statistic, a value of the batch's size or one of values the same
+  on every shard (the row reader's reading of `t`: a SparseTensor's dense shape's product, the
+  examples or the entries per example it reshapes to) or a loop's bound."""
+  kind = rows.kind(t)
+  if kind is None and t.op.inputs and rows.kinds.get(t.op.inputs[0].name, 0) is None:
+    return True   # of values the reader found the same on every shard (a dense shape's sizes)
   return kind is not None and (kind.tag == row_dependence.STAT and kind.norm or (
-      kind.tag == row_dependence.BOUND))   # or a loop's bound: rows do not depend on it
+      kind.tag in (row_dependence.SIZE, row_dependence.BOUND)))  # BOUND: rows don't depend on it
 
 
 def _form(expression: Expression, t: tf.Tensor) -> str | None:

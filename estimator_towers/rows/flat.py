@@ -5,15 +5,13 @@ order: a SparseTensor's indices and values and a RaggedTensor's flat values
 (as the shard's inputs flatten them: `input_kinds`), a reshape of [n, T, d]
 to [n * T, d] (`stacked`), `tf.boolean_mask`'s rows, `tf.where`'s indices;
 sums of it are still statistics. The sparse ops that keep the entries of
-each example (a reshape of the dense shape, filling empty rows, a sparse
-reduction over other axes, a sparse matrix product, a sparse segment sum per
-example) give flat rows or rows back. A RaggedTensor's row splits are their
+each example give flat rows or rows back (`sparse`, which also reads a
+SparseTensor's indices, marked as such here). A RaggedTensor's row splits are their
 own kind: their differences are rows (each example's length), the segment
 ids made from them flat, a segment sum by those ids rows again. A gather of
-a table by the rows' ids keeps the ids' rows; `tf.unique` of them is the
-batch's distinct values (`embedding_lookup_sparse`'s), rows again only where
-a sparse segment reduction sums them back per example. Gathers, partitions
-and stitches across the batch axis mix it.
+a table by the rows' ids keeps the ids' rows; the batch's distinct values
+(`tf.unique`: `sparse`) partitioned and stitched for a partitioned table stay
+such. Gathers, partitions and stitches across the batch axis mix it.
 
 Positions: `tf.where`'s indices are positions in the shard's rows (of a
 mask of rows: the first column is the example) or in its flat rows (of a
@@ -42,6 +40,7 @@ plus offsets mix the rows; any other op reads offsets as batch-size values.
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 import numpy as np
@@ -53,7 +52,7 @@ from estimator_towers.rows.kinds import (FLAT, FLAT_KIND, INDICES, LIFTED_SHAPE,
                                          POSITIONS, ROWS, ROWS_KIND, SHAPE, SHAPE_KIND, SIZE,
                                          SIZE_KIND, SPLITS, SPLITS_KIND, STAT, STAT_KIND, UNIQUE,
                                          UNIQUE_KIND, Kind, flat_kind, rows_per_example, stat_of)
-from estimator_towers.rows.op_tables import SPARSE_SEGMENTS
+from estimator_towers.rows import sparse
 from estimator_towers.rows.sizes import size_symbol, batch_multiple
 from estimator_towers.rows.static_values import axes_of, product, static_value
 
@@ -64,8 +63,8 @@ def input_kinds(inputs: Sequence[tf.Tensor]) -> dict:
   while i < len(inputs):
     window = inputs[i:i + 3]
     if len(window) == 3 and _sparse(*window):
-      entries = Kind(FLAT, per=f'sparse:{window[0].name}')
-      kinds.update({window[0].name: entries, window[1].name: entries,
+      per = f'sparse:{window[0].name}'
+      kinds.update({window[0].name: sparse.indices(per), window[1].name: flat_kind(per),
                     window[2].name: SHAPE_KIND})
       i += 3
       continue
@@ -88,10 +87,15 @@ def _ragged(values: tf.Tensor, splits: tf.Tensor) -> bool:
 def _sparse(indices: tf.Tensor, values: tf.Tensor, shape: tf.Tensor) -> bool:
   rank = shapes.dim(indices, 1) if indices.shape.rank == 2 else None
   return (indices.dtype == tf.int64 and indices.shape.rank == 2 and values.shape.rank == 1
-          and (indices.op is values.op or (indices.op.name.endswith('indices')
-                                            and values.op.name.endswith('values')))
+          and (indices.op is values.op or (_named(indices, 'indices') and _named(values, 'values')))
           and shape.dtype == tf.int64 and shape.shape.rank == 1
           and (rank is None or shapes.dim(shape) is None or shapes.dim(shape) == rank))
+
+
+def _named(t: tf.Tensor, component: str) -> bool:
+  """Whether `t`'s op is named as a SparseTensor's `component` (TensorFlow's uniquified
+  names too: `indices_1`, each SparseTensor's gate of a micro-batch)."""
+  return re.search(rf'(^|/){component}(_\d+)?$', t.op.name) is not None
 
 
 def splits(op, kinds):
@@ -118,50 +122,6 @@ def segment_sum(op, kinds):
   return 'a segment reduction across the batch\'s rows'
 
 
-def _sparse_segments(reader, op, kinds):
-  data, indices, segment_ids = kinds[:3]
-  if (data is None or data.tag in (UNIQUE, FLAT)) and indices is not None and (
-      indices.tag == FLAT) and segment_ids is not None and segment_ids.tag == FLAT and all(
-          k is None or k.tag in (SIZE, SHAPE) for k in kinds[3:]):
-    return ROWS_KIND   # one sum per example of its entries
-  return 'a segment reduction across the batch\'s rows'
-
-
-def _sparse_reshape(reader, op, kinds):
-  if [k and k.tag for k in kinds] == [FLAT, SHAPE, SHAPE]:
-    return [kinds[0], SHAPE_KIND]   # the same entries, in the same order
-  return 'a sparse reshape of the batch axis'
-
-
-def _fill_empty_rows(reader, op, kinds):
-  if [k and k.tag for k in kinds[:3]] == [FLAT, FLAT, SHAPE] and kinds[3] is None:
-    return [FLAT_KIND, FLAT_KIND, ROWS_KIND, FLAT_KIND]
-  return 'a sparse op on values that are not the batch\'s entries'
-
-
-def _sparse_reduction(reader, op, kinds):
-  if [k and k.tag for k in kinds] != [FLAT, FLAT, SHAPE, None]:
-    return 'a sparse reduction of values that are not the batch\'s entries'
-  axes = axes_of(op.inputs[3], shapes.dim(op.inputs[2]))
-  if axes is None:
-    return 'a sparse reduction over axes unknown when the graph is built'
-  return STAT_KIND if 0 in axes or not axes else ROWS_KIND
-
-
-def _sparse_to_dense(reader, op, kinds):
-  if [k and k.tag for k in kinds[:3]] in ([FLAT, SHAPE, FLAT], [FLAT, SHAPE, None]) and (
-      kinds[3] is None):
-    return ROWS_KIND
-  return 'a sparse op on values that are not the batch\'s entries'
-
-
-def _sparse_matmul(reader, op, kinds):
-  if [k and k.tag for k in kinds] == [FLAT, FLAT, SHAPE, None] and not op.get_attr(
-      'adjoint_a'):
-    return ROWS_KIND
-  return 'a sparse matrix product across the batch axis'
-
-
 def _partition(reader, op, kinds):   # embedding_lookup of a partitioned table, by id
   if kinds[0] is not None and kinds[0].tag == UNIQUE and kinds[1] is not None and (
       kinds[1].tag == UNIQUE):
@@ -173,11 +133,6 @@ def _stitch(reader, op, kinds):
   if all(k is None or k.tag == UNIQUE for k in kinds):
     return UNIQUE_KIND
   return 'a stitch of the batch\'s rows by index'
-
-
-def _unique(reader, op, kinds):
-  return [UNIQUE_KIND, FLAT_KIND] if kinds[0].tag == FLAT or kinds[0].tag == ROWS and (
-      op.inputs[0].shape.rank == 1) else 'the distinct values of the batch\'s rows'
 
 
 def _gather(reader, op, kinds):
@@ -440,12 +395,7 @@ def _own_indices(reader, op, kinds):
 
 
 # Op type -> the reader of its kinds (reader, op, kinds): the dispatch of `reader`.
-RULES = {**dict.fromkeys(SPARSE_SEGMENTS, _sparse_segments), 'SparseReshape': _sparse_reshape,
-         'SparseFillEmptyRows': _fill_empty_rows,
-         **dict.fromkeys(('SparseReduceSum', 'SparseReduceMax'), _sparse_reduction),
-         'SparseToDense': _sparse_to_dense, 'SparseTensorDenseMatMul': _sparse_matmul,
-         'DynamicPartition': _partition,
+RULES = {'DynamicPartition': _partition,
          **dict.fromkeys(('DynamicStitch', 'ParallelDynamicStitch'), _stitch),
-         **dict.fromkeys(('Unique', 'UniqueV2'), _unique),
          **dict.fromkeys(('GatherV2', 'Gather', 'ResourceGather'), _gather),
          'GatherNd': _gather_nd}

@@ -5,7 +5,8 @@ into what computes a declared statistic, nor into another shard's inputs)
 and visits the ops in between in graph order, each after its inputs. An op
 that depends on no input of the shard gives no kind; one fed by a mixed
 tensor is mixed; otherwise its op type picks the family that reads it
-(`sizes`, `elementwise`, `statistics`, `einsum`, `flat`, `stacked`; a
+(`sizes`, `elementwise`, `statistics`, `einsum`, `flat`, `stacked`,
+`sparse`; an op on a SparseTensor's marked indices first asks `sparse`; a
 tf.cond's branches are read like the rest when the choice is not the
 batch's, its functional `If` or control flow v1's `Switch` and `Merge`; loops, lists
 and function calls by `loops` and `frames`, before the families), and an op
@@ -33,6 +34,7 @@ from estimator_towers.rows import flat
 from estimator_towers.rows import frames
 from estimator_towers.rows import loops
 from estimator_towers.rows import sizes
+from estimator_towers.rows import sparse
 from estimator_towers.rows import stacked
 from estimator_towers.rows import statistics
 from estimator_towers.rows.kinds import (COLS, FLAT, FLAT_KIND, INDICES, LIFTED, LIFTED_SHAPE,
@@ -42,7 +44,7 @@ from estimator_towers.rows.op_tables import (ELEMENTWISE, FUNCTIONS, REDUCTIONS,
                                              SHAPES, SPARSE_SEGMENTS)
 
 _SEARCH_LIMIT = 200000
-_FAMILIES = (sizes, elementwise, statistics, einsum, flat, stacked)
+_FAMILIES = (sizes, elementwise, statistics, einsum, flat, stacked, sparse)
 # Op type -> its family's reader: (reader, op, kinds) -> a Kind, a list of Kinds (per
 # output), or a str (a mixing op: why). No type is read by two families.
 _RULES = {t: rule for family in _FAMILIES for t, rule in family.RULES.items()}
@@ -57,7 +59,11 @@ _LIFTED_OPS = ELEMENTWISE | REDUCTIONS | SHAPES | frozenset((
 # them, their count; any other op fed by them mixes (a position is the shard's layout).
 _POSITION_OPS = SHAPES | frozenset((
     'Size', 'Identity', 'Cast', 'StopGradient', 'Snapshot', 'EnsureShape', 'CheckNumerics',
-    'Reshape', 'Squeeze', 'StridedSlice', 'GatherV2', 'Gather', 'GatherNd', 'ScatterNd'))
+    'Reshape', 'Squeeze', 'StridedSlice', 'GatherV2', 'Gather', 'GatherNd', 'ScatterNd')
+) | frozenset(sparse.RULES)   # positions in rows are a SparseTensor's indices
+# The op types `sparse` reads on unmarked kinds too: a column of positions in rows, entries of
+# two SparseTensors combined or gathered at the other's mask.
+_ENTRY_OPS = ELEMENTWISE | {'StridedSlice', 'GatherV2', 'Gather', 'ResourceGather'}
 
 
 # graph -> {tensor name: Kind}: tensors of a kind whatever computes them (keyed random draws).
@@ -225,6 +231,12 @@ def _rule(reader: Reader, op: tf.Operation, kinds: list):
     if found is not None:
       return found
     kinds = flat.degraded(kinds)
+    present = [k for k in kinds if k is not None]
+  if t not in sparse.RULES and (t in _ENTRY_OPS or any(sparse.marked(k) for k in present)):
+    found = sparse.on_entries(reader, op, kinds)
+    if found is not None:
+      return found
+    kinds = sparse.degraded(kinds)
     present = [k for k in kinds if k is not None]
   if 'RaggedSplitsToSegmentIds/' in op.name and all(k.tag != MIXED for k in present):
     return FLAT_KIND   # which example each entry of a RaggedTensor belongs to

@@ -114,12 +114,13 @@ from estimator_towers.rows.kinds import (BOUND, COLS, FLAT, INDICES, LIFTED, LIF
                                          same_for_each)
 from estimator_towers.rows.op_tables import ARITHMETIC, ASSIGNS
 from estimator_towers.rows.reader import Reader, declare_kind, declared_kinds, extend, read
+from estimator_towers.rows.sparse import POSITION_MARKS as SPARSE_POSITIONS
 
 # The names the other stages read as `row_dependence.<name>` (the kinds and the op table
 # re-exported from `kinds` and `op_tables`).
 __all__ = ['ARITHMETIC', 'BOUND', 'COLS', 'FLAT', 'INDICES', 'LIFTED', 'LIFTED_SHAPE', 'MIXED', 'OFFSETS',
            'POSITIONS', 'ROWS', 'SHAPE', 'SIZE', 'SPLITS', 'STAT', 'UNIQUE', 'Kind', 'Mixing',
-           'RowDependence', 'add_rows', 'check', 'classify', 'cut_rows', 'declare_kind',
+           'RowDependence', 'SPARSE_POSITIONS', 'add_rows', 'check', 'classify', 'cut_rows', 'declare_kind',
            'declared_kind', 'einsum_subscripts', 'flat_kind', 'GrowingRead', 'same_for_each', 'in_eval_spec']
 
 _cut_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {tensor name}

@@ -38,7 +38,7 @@ from estimator_towers.rows.elementwise import elementwise
 from estimator_towers.rows.kinds import (COLS, COLS_KIND, FLAT, FLAT_KIND, LIFTED, LIFTED_SHAPE,
                                          LIFTED_SHAPE_KIND, POSITIONS, ROWS, ROWS_KIND, SHAPE,
                                          SHAPE_KIND, SIZE, SIZE_KIND, STAT, Kind, flat_kind, lifted,
-                                         rows_per_example, stat_of, unlifted)
+                                         rows_per_example, same_for_each, stat_of, unlifted)
 from estimator_towers.rows.sizes import batch_multiple, times
 from estimator_towers.rows.static_values import axes_of, product, static_value
 
@@ -60,6 +60,9 @@ def _reshape(reader, op, kinds):
   if shape is not None and shape.tag == SHAPE and x.tag in (ROWS, FLAT):   # tf.shape(y)'s
     if x.tag == FLAT and x.per is None and shape.layout != FLAT and shape.blocks == x.blocks:
       return Kind(ROWS, x.blocks)   # a dense tensor's merged axes back to its rows' shape
+    if shape.layout == FLAT and not same_for_each(shape.per):   # a count the values decide
+      return flat_kind(x.per, x.blocks) if x.tag == FLAT and (x.per, x.blocks) == (
+          shape.per, shape.blocks) else 'a reshape of flat rows to the shape of other entries'
     return _to_layout(x, times(shape.blocks, 1 if shape.layout != FLAT else shape.per))
   out, in_shape = op.outputs[0].shape, op.inputs[0].shape
   value = static_value(op.inputs[1]) if shape is None else None

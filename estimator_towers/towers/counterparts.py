@@ -11,6 +11,7 @@ tower's build made (`Segments`).
 
 from __future__ import annotations
 
+import collections
 from typing import Callable, Sequence
 
 import tensorflow as tf
@@ -22,8 +23,14 @@ def in_losses(losses: Sequence[tf.Tensor]) -> Callable:
   Found by following, from losses[i], the path of op inputs that leads from
   losses[0] to `tensor`, checking op types; None if there is none.
   """
+  routes, order = {}, {}
+
   def find(i: int, tensor: tf.Tensor) -> tf.Tensor | None:
-    route = path(losses[0], tensor)
+    if tensor.name not in routes:
+      if not order and isinstance(losses[0], tf.Tensor):   # the graph as the towers left it
+        order.update((op.name, j) for j, op in enumerate(losses[0].graph.get_operations()))
+      routes[tensor.name] = path(losses[0], tensor, order=order)
+    route = routes[tensor.name]
     return None if route is None else follow(losses[i], losses[0], route)
   return find
 
@@ -38,20 +45,29 @@ def every_tower(losses: Sequence[tf.Tensor]) -> Callable:
   return every
 
 
-def path(start: tf.Tensor, target: tf.Tensor, limit: int = 4096) -> tuple[int, ...] | None:
-  """Input indices leading from `start` back to `target`, breadth first."""
+def path(start: tf.Tensor, target: tf.Tensor, limit: int = 1 << 16,
+         order: dict | None = None) -> tuple[int, ...] | None:
+  """Input indices leading from `start` back to `target`, breadth first.
+
+  `order`: op name -> its place in the graph's creation order. An op made
+  before `target`'s cannot be computed from it (an op's inputs exist before
+  it): the walk does not enter it (a loss with weight decay over hundreds of
+  variables reads each of them, far from the rows' path).
+  """
   if not isinstance(start, tf.Tensor) or not isinstance(target, tf.Tensor):
     return None
-  queue = [(start, ())]
+  first = (order or {}).get(target.op.name)
+  queue = collections.deque([(start, ())])
   seen = set()
   while queue and len(seen) < limit:
-    tensor, route = queue.pop(0)
+    tensor, route = queue.popleft()
     if tensor.op is target.op and tensor.value_index == target.value_index:
       return route
     if tensor.op.name in seen:
       continue
     seen.add(tensor.op.name)
-    queue.extend((t, route + (j,)) for j, t in enumerate(tensor.op.inputs))
+    queue.extend((t, route + (j,)) for j, t in enumerate(tensor.op.inputs)
+                 if first is None or order.get(t.op.name, first) >= first)
   return None
 
 

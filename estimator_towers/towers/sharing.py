@@ -29,6 +29,9 @@ import tensorflow as tf
 from estimator_towers.base import interception
 
 GraphKeys = tf.compat.v1.GraphKeys
+# TensorFlow's own collection names (GLOBAL_VARIABLES, ...): never a model_fn's cache.
+_STANDARD_KEYS = frozenset(getattr(GraphKeys, a) for a in dir(GraphKeys)
+                           if a.isupper() and isinstance(getattr(GraphKeys, a), str))
 
 class TowerMismatchError(ValueError):
   """Towers built from the same model_fn created different variables."""
@@ -217,6 +220,19 @@ class VariableSharing:
     with tf.compat.v1.variable_creator_scope(creator):
       yield
 
+  def _cached_in_collections(self, graph: tf.Graph) -> dict:
+    """Empties, and returns as they were, the model_fn's own collections of tower 0's
+    variables (v1 shared embedding columns keep their table in one and create it only
+    where it is empty): a tower built again asks for it, as tower 0 did."""
+    created = {id(v) for v in self.variables}
+    cached = {}
+    for key in graph.get_all_collection_keys():
+      items = graph.get_collection(key)
+      if key not in _STANDARD_KEYS and items and all(id(v) in created for v in items):
+        cached[key] = list(items)
+        graph.clear_collection(key)
+    return cached
+
   @contextlib.contextmanager
   def reusing(self, tower: int, scope: interception.VariableScope | None = None,
               expected: int | None = None, copies: bool = True) -> Iterator[None]:
@@ -278,6 +294,7 @@ class VariableSharing:
       made[id(copy)] = variable
       return copy
 
+    cached = self._cached_in_collections(graph)
     try:
       with interception.fresh_variable_store(scope), \
           tf.compat.v1.variable_creator_scope(creator):
@@ -285,6 +302,8 @@ class VariableSharing:
     finally:
       trainable = graph.get_collection_ref(GraphKeys.TRAINABLE_VARIABLES)
       trainable[:] = [made.get(id(v), v) for v in trainable]
+      for key, items in cached.items():
+        graph.get_collection_ref(key)[:] = items
     if position[0] != (len(self.variables) if expected is None else expected):
       missing = self.variables[position[0]]
       raise TowerMismatchError(

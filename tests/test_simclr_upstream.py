@@ -1,0 +1,171 @@
+"""Upstream SimCLR's pre-training model_fn on towers: stacked views, fused synchronised batch norm.
+
+google-research/simclr's TF1 `model_fn`, kept as it is in small: the input_fn
+stacks an example's two augmented views on the channel axis, the model_fn
+splits them (`tf.split(features, 2, axis=-1)`) and stacks them on the batch
+axis (`tf.concat(..., 0)`: [view 1 of every example; view 2 of every
+example]), runs a ResNet (fixed padding, residual blocks, fused batch norms,
+`base_model` scope), a 3-layer projection head with batch norms, NT-Xent with
+in-batch negatives (`add_contrastive_loss`), `tf.zeros([params['batch_size'],
+num_classes])` supervised logits, weight decay on every kernel (ResNet-50 has
+about 160: stand-ins here make as many, so that the loss reads hundreds of ops
+away from the views) and `tf.losses.get_total_loss()`, Momentum under the update ops (and the v2
+summaries: none, `--train_summary_steps=0`, since its label accuracy summary
+compares the shard's labels with `params['batch_size']` rows). With `sync_batch_norm=True` on 2 and 3 towers the
+towered graph warns of nothing (every shard's views are found, so the head
+runs on the whole batch, row-wise) and every device holds at least 0.9 x
+plain's heavy ops. Training 2 steps is not yet within 1e-5 of plain (a strict
+xfail: up to 1e-4 off on 2 towers, 8e-4 on 3, not diagnosed). (On micro-batches sync batch norm is refused:
+docs/micro_batches.md.)
+"""
+
+import functools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import heavy_ops
+import testlib
+import estimator_towers as et
+
+tf1 = tf.compat.v1
+B, S, BLOCKS, KERNELS = 12, 8, 3, 160
+
+
+def fixed_padding(inputs, kernel_size):
+  pad_total = kernel_size - 1
+  pad_beg = pad_total // 2
+  return tf.pad(inputs, [[0, 0], [pad_beg, pad_total - pad_beg], [pad_beg, pad_total - pad_beg], [0, 0]])
+
+def conv(inputs, filters, kernel_size, strides, seed):
+  if strides > 1:
+    inputs = fixed_padding(inputs, kernel_size)
+  return tf1.layers.conv2d(inputs, filters, kernel_size, strides, padding='SAME' if strides == 1 else 'VALID', use_bias=False,
+                           kernel_initializer=tf1.variance_scaling_initializer(seed=seed))
+
+def bn_relu(inputs, is_training, relu=True, center=True, init_zero=False):
+  inputs = tf1.layers.batch_normalization(inputs, axis=-1, momentum=0.9, epsilon=1e-5, center=center, scale=True,
+      training=is_training, fused=True, gamma_initializer=tf1.zeros_initializer() if init_zero else tf1.ones_initializer())
+  return tf.nn.relu(inputs) if relu else inputs
+
+def block(x, filters, strides, is_training, seed):
+  shortcut = x
+  if strides > 1 or x.shape[-1] != filters:
+    shortcut = conv(x, filters, 1, strides, seed)
+    shortcut = bn_relu(shortcut, is_training, relu=False)
+  h = conv(x, filters, 3, strides, seed + 1)
+  h = bn_relu(h, is_training)
+  h = conv(h, filters, 3, 1, seed + 2)
+  h = bn_relu(h, is_training, relu=False, init_zero=True)
+  return tf.nn.relu(h + shortcut)
+
+def resnet(inputs, is_training):
+  x = conv(inputs, 4, 3, 1, 1)
+  x = tf.identity(x, 'initial_conv')
+  x = bn_relu(x, is_training)
+  for i, (filters, strides) in enumerate([(4, 1), (4, 1), (8, 2), (8, 1), (8, 2), (8, 1), (8, 2), (8, 1)][:BLOCKS]):
+    with tf1.variable_scope(f'block_{i}'):
+      x = block(x, filters, strides, is_training, 10 * i)
+  x = tf.reduce_mean(x, [1, 2])
+  return tf.identity(x, 'final_avg_pool')
+
+def linear_layer(x, is_training, num, use_bias, use_bn, name, seed):
+  with tf1.variable_scope(name, reuse=tf1.AUTO_REUSE):
+    x = tf1.layers.dense(x, num, use_bias=use_bias and not use_bn, kernel_initializer=tf1.random_normal_initializer(stddev=.01, seed=seed))
+    if use_bn:
+      x = bn_relu(x, is_training, relu=False, center=use_bias)
+    return tf.identity(x, '%s_out' % name)
+
+def contrastive(hidden, temperature=0.5):
+  hidden = tf.math.l2_normalize(hidden, -1)
+  hidden1, hidden2 = tf.split(hidden, 2, 0)
+  batch_size = tf.shape(hidden1)[0]
+  labels = tf.one_hot(tf.range(batch_size), batch_size * 2)
+  masks = tf.one_hot(tf.range(batch_size), batch_size)
+  logits_aa = tf.matmul(hidden1, hidden1, transpose_b=True) / temperature - masks * 1e9
+  logits_bb = tf.matmul(hidden2, hidden2, transpose_b=True) / temperature - masks * 1e9
+  logits_ab = tf.matmul(hidden1, hidden2, transpose_b=True) / temperature
+  logits_ba = tf.matmul(hidden2, hidden1, transpose_b=True) / temperature
+  loss_a = tf1.losses.softmax_cross_entropy(labels, tf.concat([logits_ab, logits_aa], 1), weights=1.0)
+  loss_b = tf1.losses.softmax_cross_entropy(labels, tf.concat([logits_ba, logits_bb], 1), weights=1.0)
+  return loss_a + loss_b, logits_ab, labels
+
+def model_fn(features, labels, mode, params=None):
+  is_training = mode == tf.estimator.ModeKeys.TRAIN
+  features_list = tf.split(features, num_or_size_splits=2, axis=-1)
+  features = tf.concat(features_list, 0)
+  with tf1.variable_scope('base_model'):
+    hiddens = resnet(features, is_training)
+  with tf1.variable_scope('head_contrastive', reuse=tf1.AUTO_REUSE):
+    h = hiddens
+    for j in range(3):
+      last = j == 2
+      h = linear_layer(h, is_training, 4 if last else 8, not last, True, 'nl_%d' % j, 5 + j)
+      h = h if last else tf.nn.relu(h)
+  contrast_loss, logits_con, labels_con = contrastive(h)
+  logits_sup = tf.zeros([params['batch_size'], 3])
+  with tf1.variable_scope('base_model'):   # ResNet-50's kernels, as its weight decay reads them
+    for i in range(KERNELS):
+      tf1.get_variable(f'kernel_{i}', [2], initializer=tf1.ones_initializer())
+  l2 = [tf.nn.l2_loss(v) for v in tf1.trainable_variables() if 'batch_normalization' not in v.name]
+  tf1.losses.add_loss(1e-4 * tf.add_n(l2))
+  loss = tf1.losses.get_total_loss()
+  optimizer = tf1.train.MomentumOptimizer(0.1, 0.9)
+  control_deps = tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)
+  control_deps.extend(tf1.summary.all_v2_summary_ops())   # none: train_summary_steps=0
+  with tf.control_dependencies(control_deps):
+    train_op = optimizer.minimize(loss, global_step=tf1.train.get_or_create_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _data():
+  rng = np.random.RandomState(0)
+  scale = np.linspace(0.2, 3.0, B, dtype=np.float32).reshape([B, 1, 1, 1])
+  x = rng.randn(B, S, S, 6).astype(np.float32) * scale + 1.0
+  y = {'labels': np.eye(3, dtype=np.float32)[np.arange(B) % 3], 'mask': np.ones(B, np.float32)}
+  return x, y
+
+
+def _input_fn():
+  x, y = _data()
+  return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(B)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain():
+  estimator = testlib.make_estimator(model_fn, params=_params())
+  estimator.train(_input_fn, steps=2)
+  return testlib.variables(estimator)
+
+
+def _params():
+  return {'batch_size': B}
+
+
+@pytest.mark.parametrize('devices', [2, 3])
+def test_the_head_is_built_on_every_shard(devices, monkeypatch):
+  """No warning: each shard's split views are found (main: 'shard 1 built no counterpart of
+  split_1:0', the head split per shard, 0.47 off plain), and every device holds its share."""
+  warned = testlib.logged_warnings(monkeypatch)
+  towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(devices),
+                                  sync_batch_norm=True)
+  x, y = _data()
+  share = heavy_ops.least_share(
+      heavy_ops.train_graph(towered, x, y, _params()),
+      heavy_ops.train_graph(lambda f, l, m, p, c: model_fn(f, l, m, p), x, y, _params()),
+      devices)
+  assert not warned, warned
+  assert share >= 0.9, share
+
+
+@pytest.mark.xfail(strict=True, reason='2 steps differ from plain by up to 1e-4 (2 towers) and '
+                   '8e-4 (3 towers) in the first batch norm\'s beta and the kernels\' Momentum '
+                   'slots, with or without the weight decay\'s stand-ins: not yet diagnosed')
+def test_two_steps_equal_plain():
+  towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(2), sync_batch_norm=True)
+  estimator = testlib.make_estimator(towered, num_cpus=2, params=_params())
+  estimator.train(_input_fn, steps=2)
+  expected = _plain()
+  assert any('moving_variance' in n for n in expected)
+  testlib.assert_variables_close(testlib.variables(estimator), expected)
