@@ -14,8 +14,15 @@ summaries: none, `--train_summary_steps=0`, since its label accuracy summary
 compares the shard's labels with `params['batch_size']` rows). With `sync_batch_norm=True` on 2 and 3 towers the
 towered graph warns of nothing (every shard's views are found, so the head
 runs on the whole batch, row-wise) and every device holds at least 0.9 x
-plain's heavy ops. Training 2 steps is not yet within 1e-5 of plain (a strict
-xfail: up to 1e-4 off on 2 towers, 8e-4 on 3, not diagnosed). (On micro-batches sync batch norm is refused:
+plain's heavy ops. 2 steps equal plain's: in float64 (its batch norms unfused:
+TensorFlow's fused kernel is float32-only) to 1e-10 on 2 and 3 towers (measured
+3e-13; one ulp of the start moves plain by 4e-13), so the towers' math is
+plain's; in float32, with upstream's fused batch norms, within 4 x plain's own
+rounding floor (`rounding_floor`'s rule: plain from its start nudged by one ulp
+moves 2 steps by 2e-3, as the ReLUs after batch norms pass all or nothing of
+an activation's gradient within rounding of 0; 2 towers are 3e-3 off, 3
+towers 8e-4). Both fail with sync_batch_norm=False (30 off plain).
+(On micro-batches sync batch norm is refused:
 docs/micro_batches.md.)
 """
 
