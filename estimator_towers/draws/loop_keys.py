@@ -93,6 +93,7 @@ class LoopPlaces:
     self._sized: set = set()     # ops `_seed_sizes` has looked at
     self._places: dict = {}      # a body or branch graph -> its Place
     self._positions = None       # the shard's rows' positions (built once)
+    self._first = None           # the shard's first row's position, from them (built once)
     self._seeded: set = set()    # v1 ops whose outputs' kinds are seeded
 
   def place(self, graph: tf.Graph) -> Place:
@@ -125,7 +126,7 @@ class LoopPlaces:
         place = Place(reader, outer.position, outer.iteration, depth=outer.depth)
       else:
         self._deep(outer.depth)
-        place = Place(reader, tf.reduce_sum(self.positions()[:1]),
+        place = Place(reader, self.first_position(),
                       _code(outer.iteration, body[0]), depth=outer.depth + 1)
     place.seed = lambda t: _seed_lists(reader, t, place.lists)
     self._places[graph] = place
@@ -188,6 +189,19 @@ class LoopPlaces:
       self.rows.declare(self._positions, rd.Kind(rd.ROWS))
     return self._positions
 
+  def first_position(self) -> tf.Tensor:
+    """The shard's first row's global position (a scalar, 0 for no rows), from `positions()`
+    in the model_fn's graph outside any loop, once: a loop's draws read it, and so do the
+    accumulators a loop's gradient adds to its body. It is the shard's offset, not a row:
+    declared of no kind (a slice of the positions' batch axis would read as mixing it)."""
+    if self._first is None:
+      positions = self.positions()
+      with self.graph.as_default(), tf.control_dependencies(None), \
+          tf.name_scope('keyed_draw'):
+        self._first = tf.reduce_sum(positions[:1], name='first_position')
+      self.rows.declare(self._first, None)
+    return self._first
+
   def _v1(self, context) -> Place:
     """The place of a random op in a v1 loop's frame."""
     outer = control_flow.while_context(self.graph, context)
@@ -201,7 +215,7 @@ class LoopPlaces:
           'give the loop maximum_iterations (any bound: tf.while_loop(..., '
           'maximum_iterations=n) counts its iterations), or use control flow v2')
     self._deep(depth)
-    return Place(self.rows, tf.reduce_sum(self.positions()[:1]), _code(outer_code, counter),
+    return Place(self.rows, self.first_position(), _code(outer_code, counter),
                  seed=self._seed_v1, depth=depth + 1, frame=True)
 
   def _deep(self, depth: int) -> None:
