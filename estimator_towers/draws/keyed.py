@@ -209,20 +209,6 @@ def _step_read(graph: tf.Graph) -> tf.Tensor:
     return tf.identity(value, name='step')
 
 
-def _static_tail(shape: tf.Tensor) -> list | None:
-  """The sizes after the first of a shape vector, where known when the graph is built."""
-  op = shape.op
-  while op.type in ('Cast', 'Identity'):
-    op = op.inputs[0].op
-  if op.type == 'Shape':
-    dims = op.inputs[0].shape
-    return dims[1:].as_list() if dims.rank and dims[1:].is_fully_defined() else None
-  value = tf.get_static_value(op.outputs[0], partial=True)
-  if value is None or any(v is None for v in value[1:]):
-    return None
-  return [int(v) for v in value[1:]]
-
-
 def _transposed_rows(shape: tf.Tensor, kind_of: Callable) -> tuple | None:
   """(rows, perm) where `shape` is that of `tf.transpose(rows, perm)`, the batch moved."""
   op = shape.op
@@ -407,7 +393,7 @@ class _Build:
                extra: dict) -> tf.Tensor | None:
     """The draw of rows whose elements (known when built) fill whole Philox groups: the op
     asked for the shard's shape itself at the counter of its first row; else None."""
-    tail = _static_tail(shape)
+    tail = loop_keys.static_tail(shape)
     alpha = extra.get('alpha')
     if alpha_trails:
       tail = None if tail is None or not alpha.shape.is_fully_defined() else (

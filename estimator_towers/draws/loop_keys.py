@@ -43,7 +43,7 @@ from estimator_towers.base import control_flow
 from estimator_towers.draws import streams
 from estimator_towers.rows import row_dependence as rd
 
-__all__ = ['LoopPlaces', 'Place', 'padded_rows']
+__all__ = ['LoopPlaces', 'Place', 'padded_rows', 'static_tail']
 
 _SHIFT = 2 ** 21   # an outer loop's iteration code is shifted left by 21 bits
 _DEPTH = 3         # 3 * 21 bits of 63
@@ -274,7 +274,7 @@ def padded_rows(kind: str, shape: tf.Tensor, found: rd.Kind, dtype: tf.DType, ke
   shard asks for its rows at the counter of its first row ([steps, word] for the op's own
   word, else `counter` advanced); None where the row's shape is not known when the graph is
   built (or the rows are flat or stacked)."""
-  tail = _static_tail(shape)
+  tail = static_tail(shape) if shape.shape.num_elements() != 0 else None   # not a scalar's
   if tail is None or found.blocks != 1 or found.layout == rd.FLAT:
     return None
   row = int(np.prod(tail, dtype=np.int64))
@@ -291,8 +291,9 @@ def padded_rows(kind: str, shape: tf.Tensor, found: rd.Kind, dtype: tf.DType, ke
     return tf.reshape(drawn, tf.concat([tf.reshape(rows, [1]), tail], 0))
 
 
-def _static_tail(shape: tf.Tensor) -> list | None:
-  """The sizes after the first of a shape vector, where known when the graph is built."""
+def static_tail(shape: tf.Tensor) -> list | None:
+  """The sizes after the first of a shape vector, where known when the graph is built
+  (`keyed`'s draws of rows read it too)."""
   op = shape.op
   while op.type in ('Cast', 'Identity'):
     op = op.inputs[0].op
@@ -300,7 +301,7 @@ def _static_tail(shape: tf.Tensor) -> list | None:
     dims = op.inputs[0].shape
     return dims[1:].as_list() if dims.rank and dims[1:].is_fully_defined() else None
   value = tf.get_static_value(op.outputs[0], partial=True)
-  if value is None or len(value) < 1 or any(v is None for v in value[1:]):
+  if value is None or any(v is None for v in value[1:]):
     return None
   return [int(v) for v in value[1:]]
 
