@@ -14,6 +14,13 @@ of a test process's time, measured on tests/test_cross_example.py). Objects
 the tests make are collected as before.
 
 TF_CONFIG: a test that leaves it changed fails, and it is put back.
+
+TF1 behaviour: with ESTIMATOR_TOWERS_TEST_BEHAVIOUR set to 'v1'
+(`tf.compat.v1.disable_v2_behavior()`) or one of its parts ('tensorshape',
+'ref_variables', 'control_flow_v1'; tests/tf1_behaviour_task.py's
+BEHAVIOURS), that behaviour is switched on here, before any graph is built:
+CI runs the core equivalence tests (marker `core_equivalence`) a second time
+that way, in a process of their own (.ci/run). The report's header names it.
 """
 
 import gc
@@ -26,8 +33,20 @@ import tensorflow as tf  # pylint: disable=unused-import
 
 import estimator_towers  # pylint: disable=unused-import
 
+BEHAVIOUR = os.environ.get('ESTIMATOR_TOWERS_TEST_BEHAVIOUR', '')
+if BEHAVIOUR:  # process-global: before any graph is built
+  import tf1_behaviour_task  # pylint: disable=g-import-not-at-top
+  if BEHAVIOUR not in tf1_behaviour_task.BEHAVIOURS:
+    raise ValueError(f'ESTIMATOR_TOWERS_TEST_BEHAVIOUR={BEHAVIOUR!r}: it must be one of '
+                     f'{sorted(tf1_behaviour_task.BEHAVIOURS)}, or unset for TF2 behaviour.')
+  tf1_behaviour_task.BEHAVIOURS[BEHAVIOUR]()
+
 gc.collect()
 gc.freeze()
+
+
+def pytest_report_header(config):  # pylint: disable=unused-argument
+  return f'behaviour: {BEHAVIOUR or "TF2"} (ESTIMATOR_TOWERS_TEST_BEHAVIOUR)'
 
 
 @pytest.fixture(scope='session', autouse=True)

@@ -19,6 +19,8 @@ import tensorflow as tf
 import testlib
 from estimator_towers import replicate_model_fn
 
+pytestmark = pytest.mark.core_equivalence  # CI runs them under TF1 behaviour too (.ci/run)
+
 DEVICE_COUNTS = [1, 2, 3, 4]
 BATCHES = [7, 2]  # 7 divides by none of 2..4; 2 is smaller than 3 and 4.
 

@@ -5,9 +5,11 @@ shard's values (`reporting/whole_batch_views.py`). Each case trains the same
 model_fn plain on one device and on 2 towers, 2 micro-batches and 2 x 2, with a
 summary every step, and compares, at every step: the summaries read back from
 the event files (the loss, an accuracy, a max over the batch, a histogram of
-the logits), the loss a user's hook fetched and what a LoggingTensorHook
-logged (the loss and the accuracy); features only (the label a feature) and
-with labels. A summary of a value the library cannot rebuild (a median by a
+the logits), the loss a user's hook fetched, what a LoggingTensorHook
+logged (the loss and the accuracy), Estimator's own step log (`loss = ...,
+step = ...`) and an image summary of the batch's inputs (every example's
+image, each equal to plain's); features only (the label a feature) and with
+labels. A summary of a value the library cannot rebuild (a median by a
 sort across the batch) keeps tower 0's and warns once, naming it. In EVAL, an
 evaluation hook fetching the loss gets each batch's whole loss.
 """
@@ -58,6 +60,8 @@ def _model_fn(fetches, median=False):
     tf.compat.v1.summary.scalar('accuracy', accuracy)
     tf.compat.v1.summary.scalar('max_logit', tf.reduce_max(logits))
     tf.compat.v1.summary.histogram('logits', logits)
+    tf.compat.v1.summary.image(
+        'inputs', tf.reshape(features['x'], [-1, 1, testlib.NUM_FEATURES, 1]), max_outputs=12)
     if median:
       tf.compat.v1.summary.scalar('median_logit', tf.sort(tf.reshape(logits, [-1]))[
           tf.size(logits) // 2])
@@ -82,7 +86,7 @@ def _input_fn(features_only):
 
 
 def _events(model_dir):
-  """{tag: [value per step]}: scalars, and (sum, count, min, max) of histograms."""
+  """{tag: [value per step]}: scalars, (sum, count, min, max) of histograms, images' bytes."""
   found = {}
   for path in sorted(glob.glob(os.path.join(model_dir, 'events.out.tfevents.*'))):
     for event in tf.compat.v1.train.summary_iterator(path):
@@ -92,19 +96,25 @@ def _events(model_dir):
           found.setdefault(value.tag, {})[event.step] = (h.sum, h.num, h.min, h.max)
         elif value.HasField('simple_value'):
           found.setdefault(value.tag, {})[event.step] = value.simple_value
+        elif value.HasField('image'):
+          found.setdefault(value.tag, {})[event.step] = value.image.encoded_image_string
   return {tag: [steps[s] for s in sorted(steps)] for tag, steps in found.items()}
 
 
 def _logged(records):
+  """[[hooked_loss, hooked_accuracy] per step], [Estimator's step log's loss per step]."""
   lines = [r.getMessage() for r in records if 'hooked_loss' in r.getMessage()]
-  return [[float(v) for v in re.findall(r'hooked_\w+ = ([-\d.e]+)', line)] for line in lines]
+  steps = [float(v) for r in records
+           for v in re.findall(r'^loss = ([-\d.e]+), step = \d+', r.getMessage())]
+  return ([[float(v) for v in re.findall(r'hooked_\w+ = ([-\d.e]+)', line)] for line in lines],
+          steps)
 
 
 def _train(model_fn, num_devices, tmp_path, name, features_only, caplog):
   model_dir = str(tmp_path / name)
   caplog.clear()
   estimator = tf.estimator.Estimator(model_fn, config=testlib.run_config(
-      num_devices, model_dir=model_dir, save_summary_steps=1))
+      num_devices, model_dir=model_dir, save_summary_steps=1, log_step_count_steps=1))
   with caplog.at_level(logging.INFO, logger='tensorflow'):
     estimator.train(_input_fn(features_only), max_steps=STEPS)
   return _events(model_dir), _logged(caplog.records)
@@ -126,9 +136,14 @@ def test_hooks_and_summaries_see_one_device_s_values(layout, features_only, tmp_
     assert len(plain[tag]) == STEPS, (tag, plain[tag])
     testlib.assert_close(np.array(towered[tag], np.float64), np.array(plain[tag], np.float64),
                          err_msg=tag)
+  images = sorted(tag for tag in plain if tag.startswith('inputs/image/'))
+  assert len(images) == 12 and sorted(t for t in towered if t.startswith('inputs/')) == images
+  for tag in images:
+    assert towered[tag] == plain[tag], tag   # the same PNG bytes at every step
   testlib.assert_close(np.array(towered_fetches[0].values), np.array(plain_fetches[0].values))
-  assert len(plain_logged) == STEPS, plain_logged
-  testlib.assert_close(np.array(towered_logged), np.array(plain_logged), tol=1e-4)  # printed
+  for mine, theirs in zip(towered_logged, plain_logged):   # hooked values, the step log
+    assert len(theirs) == STEPS, plain_logged
+    testlib.assert_close(np.array(mine), np.array(theirs), tol=1e-4)  # printed
 
 
 def test_a_value_that_cannot_be_rebuilt_warns_once_naming_it(tmp_path):

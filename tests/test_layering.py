@@ -16,6 +16,8 @@ source with `ast` (no TensorFlow import):
 - every stage's `__init__.py` states its rule in its docstring, with a line
   `May import: ...` naming exactly the stages below it, and imports nothing
   (the public surface is re-exported once, by the package's `__init__`);
+- a static size is read off a shape by one helper, `base/shapes.py` (`SHAPES`):
+  no `x.shape[i]` elsewhere, which TF1 shapes give as a `Dimension`;
 - a tool (`TOOLS`: the self-test) sits above the public API: it may import
   any module of the package, and no stage nor the top level imports it; its
   `__init__.py` says `May import: everything ...` and imports nothing.
@@ -249,6 +251,43 @@ def test_no_module_is_over_the_size_limit():
     if lines > 620:
       too_long[module.name] = lines
   assert too_long == {}
+
+
+# The one module that reads a static size off a TensorShape (TF1 shapes give `Dimension`s).
+SHAPES = f'{PACKAGE}.base.shapes'
+
+
+def static_size_reads(root: str, package: str = PACKAGE) -> list[str]:
+  """`x.shape[i]` and `x.get_shape()[i]` (one axis, not a slice) outside `SHAPES`: under TF1
+  shapes (`disable_v2_tensorshape()`) they give a `Dimension`, never None, whose `int()` of an
+  unknown size fails; `shapes.dim(x, i)` gives an int or None under both behaviours."""
+  found = []
+  for module in read_modules(root, package).values():
+    if module.name == SHAPES:
+      continue
+    for node in ast.walk(module.tree):
+      if not isinstance(node, ast.Subscript) or isinstance(node.slice, ast.Slice):
+        continue
+      value = node.value
+      if (isinstance(value, ast.Attribute) and value.attr == 'shape') or (
+          isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+          and value.func.attr == 'get_shape'):
+        found.append(f'{module.name}:{node.lineno}: {ast.unparse(node)} (use shapes.dim)')
+  return found
+
+
+def test_static_sizes_are_read_through_one_helper():
+  assert static_size_reads(ROOT) == []
+
+
+def test_a_static_size_read_off_a_shape_is_caught(tmp_path):
+  root = _write(tmp_path, _tree({
+      'base/shapes.py': 'def dim(x, axis=0):\n  return x.shape[axis]\n',   # the helper itself
+      'rows/r.py': 'def f(t):\n  return t.shape[1:], t.shape[0]\n',
+      'heads/h.py': 'def g(t):\n  return t.get_shape()[-1]\n'}))
+  assert static_size_reads(root) == [
+      'estimator_towers.heads.h:2: t.get_shape()[-1] (use shapes.dim)',
+      'estimator_towers.rows.r:2: t.shape[0] (use shapes.dim)']
 
 
 def _write(root, files: dict) -> str:

@@ -121,6 +121,7 @@ def initial_global_norm(batch):
       return float(session.run(norm))
 
 
+@pytest.mark.core_equivalence
 @pytest.mark.parametrize('name', sorted(OPTIMIZERS))
 @pytest.mark.parametrize('num_devices, k', LAYOUTS)
 def test_trains_like_plain(num_devices, k, name, batch=7):
@@ -166,6 +167,7 @@ def test_one_copy_per_device_when_replicated():
                               'dense_1/bias/replica_1', 'dense_1/kernel/replica_1']
 
 
+@pytest.mark.core_equivalence
 @pytest.mark.parametrize('num_devices, k', [(1, 3), (2, 2)])
 def test_evaluate_and_predict_like_plain(num_devices, k):
   x, y = testlib.data(7)

@@ -184,6 +184,7 @@ def _predicted(layout=None, random_draws=None):
   return _predict(_draws_model_fn, layout, random_draws)
 
 
+@pytest.mark.core_equivalence
 @pytest.mark.parametrize('layout', DRAW_LAYOUTS)
 def test_every_kind_of_draw_predicts_as_one_device(layout):
   expected = {k: v for k, v in _predicted().items() if k not in _ROWS_ON_AXIS_1}
@@ -318,6 +319,7 @@ def _trained(case, layout=None):
   return _train(_train_model_fn, layout, inputs, graph_seed, {'op_seeds': op_seeds})
 
 
+@pytest.mark.core_equivalence
 @pytest.mark.parametrize('case,layout', [
     ('graph_seed', '3_towers'), ('graph_seed', '1x3'), ('graph_seed', '2x2'),
     ('op_seeds-features_a_dict', '3_towers'), ('op_seeds-features_a_tensor', '2x2')])

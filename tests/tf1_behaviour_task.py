@@ -8,7 +8,9 @@ the plain model_fn and the towered one (steps 1 and 3, every variable and slot
 within 1e-5: `testlib.assert_variables_close`) and counts the towered TRAIN
 graph's heavy ops per device (`heavy_ops.least_share`). Prints one JSON line
 per case: {"case", "error" (None if exact), "share"}; case 'hooks_2x2' checks
-what hooks and summaries read instead (`run_hooks`). Run by
+what hooks and summaries read instead (`run_hooks`), and the cases of REFUSED
+that a batch norm with micro-batches stops with the error naming the choice
+(`run_refused`). Run by
 tests/test_tf1_behaviour.py.
 """
 
@@ -67,19 +69,35 @@ def _cond():
 
 
 def _batch_norm():
+  """Keras BatchNormalization with the library's default settings (synchronised)."""
   import testlib  # pylint: disable=g-import-not-at-top
   x, y = testlib.data(30)
   return (testlib.keras_model_fn, testlib.input_fn(x, y, 10, epochs=5), {'x': x[:10]}, y[:10],
-          {'learning_rate': 0.5}, {'sync_batch_norm': True})
+          {'learning_rate': 0.5}, {})
+
+
+def _v1_batch_norm():
+  """tf.compat.v1.layers.batch_normalization(training=True), its defaults, twice (its moving
+  averages: ref variables' in-place updates under TF1 behaviour); the library's defaults."""
+  import test_batch_norm_default as defaults  # pylint: disable=g-import-not-at-top
+  import testlib  # pylint: disable=g-import-not-at-top
+  x, y = defaults._vectors(30)  # pylint: disable=protected-access
+  return (lambda features, labels, mode, params: defaults.v1_layers_model_fn(
+      features, labels, mode), testlib.input_fn(x, y, 10, epochs=5), x[:10], y[:10], None, {})
 
 
 MODELS = {'dense': _dense, 'einsum_attention': _einsum_attention, 'batch_norm': _batch_norm,
-          'cond': _cond}
-# case: (model, devices, micro-batches); synchronised batch norm takes no micro-batches.
-CASES = {'dense_2': ('dense', 2, 1), 'dense_2x2': ('dense', 2, 2),
+          'v1_batch_norm': _v1_batch_norm, 'cond': _cond}
+# case: (model, devices, micro-batches); batch norm with micro-batches is refused (REFUSED).
+CASES = {'dense_2': ('dense', 2, 1), 'dense_1x2': ('dense', 1, 2), 'dense_2x2': ('dense', 2, 2),
          'einsum_attention_2': ('einsum_attention', 2, 1),
+         'einsum_attention_1x2': ('einsum_attention', 1, 2),
          'einsum_attention_2x2': ('einsum_attention', 2, 2),
-         'batch_norm_2': ('batch_norm', 2, 1), 'cond_2x2': ('cond', 2, 2)}
+         'batch_norm_2': ('batch_norm', 2, 1), 'v1_batch_norm_2': ('v1_batch_norm', 2, 1),
+         'cond_2x2': ('cond', 2, 2)}
+# With micro-batches and the default settings, a batch norm in TRAIN is an error naming the
+# choice (sync_batch_norm=False), under TF1 behaviour as under TF2's: case -> (model, k).
+REFUSED = {'batch_norm_1x2': ('batch_norm', 2), 'v1_batch_norm_1x2': ('v1_batch_norm', 2)}
 
 
 def run_hooks() -> dict:
@@ -123,6 +141,28 @@ def run_hooks() -> dict:
   return result
 
 
+def run_refused(case: str) -> dict:
+  """Case `case` of REFUSED: its error (None if training stops at graph construction with
+  the error that names the choice); 'share' is None (nothing runs)."""
+  import testlib  # pylint: disable=g-import-not-at-top
+  import estimator_towers as et  # pylint: disable=g-import-not-at-top
+  from estimator_towers.sync_points import batch_norm  # pylint: disable=g-import-not-at-top
+  model, micro_batches = REFUSED[case]
+  model_fn, input_fn, _, _, params, options = MODELS[model]()
+  towered_fn = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(1),
+                                     micro_batches=micro_batches, **options)
+  result = {'case': case, 'error': None, 'share': None}
+  try:
+    testlib.make_estimator(towered_fn, params=params).train(input_fn, steps=1)
+    result['error'] = 'trained: no error naming sync_batch_norm=False'
+  except batch_norm.BatchNormSyncError as e:
+    if 'Choose sync_batch_norm=False' not in str(e):
+      result['error'] = f'not the error naming the choice: {e}'
+  except Exception:  # pylint: disable=broad-except
+    result['error'] = traceback.format_exc()[-3000:]
+  return result
+
+
 def _plain_fn(model_fn):
   return lambda features, labels, mode, params, config=None: model_fn(
       features, labels, mode, params)
@@ -159,7 +199,8 @@ def main(argv):
   BEHAVIOURS[argv[1]]()
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
   for case in argv[2:]:
-    print(json.dumps(run_hooks() if case == 'hooks_2x2' else run(case)), flush=True)
+    print(json.dumps(run_hooks() if case == 'hooks_2x2' else run_refused(case)
+                     if case in REFUSED else run(case)), flush=True)
 
 
 if __name__ == '__main__':

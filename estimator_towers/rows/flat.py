@@ -360,7 +360,7 @@ def _static_offsets(reader, t):
   """T where `t` is the constant range(n) * T of a static batch of n examples (each row)."""
   n = reader.examples
   value = static_value(t) if n is not None and n > 1 and t.shape.rank else None
-  if value is None or value.shape[0] != n or not value.dtype.kind in 'iu':
+  if value is None or len(value) != n or not value.dtype.kind in 'iu':
     return None
   column = np.reshape(value, [n, -1])
   stride = int(column[1, 0] - column[0, 0])

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from estimator_towers.base import shapes
 from estimator_towers.rows.elementwise import KEEPS as _KEEPS
 from estimator_towers.rows.kinds import (FLAT, POSITIONS, ROWS, ROWS_KIND, SHAPE, SHAPE_KIND,
                                          SIZE, SIZE_KIND, STAT_KIND, UNIQUE, UNIQUE_KIND, Kind,
@@ -220,8 +221,8 @@ def _sparse_reduction(reader, op, kinds):
   if entries is None or kinds[1] is None or kinds[1].tag != FLAT or kinds[2] is None or (
       kinds[2].tag != SHAPE) or kinds[3] is not None:
     return 'a sparse reduction of values that are not the batch\'s entries'
-  rank = op.inputs[0].shape[1] if op.inputs[0].shape.rank == 2 else None
-  axes = axes_of(op.inputs[3], rank if rank is None else int(rank))
+  rank = shapes.dim(op.inputs[0], 1) if op.inputs[0].shape.rank == 2 else None
+  axes = axes_of(op.inputs[3], rank)
   if axes is None:
     return 'a sparse reduction over axes unknown when the graph is built'
   if 0 in axes or not axes:
