@@ -4,8 +4,8 @@ A model_fn's hooks and summaries are built on tower 0 and would read its
 shard's values (`reporting/whole_batch_views.py`). Each case trains the same
 model_fn plain on one device and on 2 towers, 2 micro-batches and 2 x 2, with a
 summary every step, and compares, at every step: the summaries read back from
-the event files (the loss, an accuracy, a max over the batch, a histogram of
-the logits), the loss a user's hook fetched, what a LoggingTensorHook
+the event files (the loss, an accuracy, a max over the batch, a count of
+correct predictions, the number of examples, a histogram of the logits), the loss a user's hook fetched, what a LoggingTensorHook
 logged (the loss and the accuracy), Estimator's own step log (`loss = ...,
 step = ...`) and an image summary of the batch's inputs (every example's
 image, each equal to plain's); features only (the label a feature) and with
@@ -59,6 +59,8 @@ def _model_fn(fetches, median=False):
     tf.compat.v1.summary.scalar('my_loss', loss)
     tf.compat.v1.summary.scalar('accuracy', accuracy)
     tf.compat.v1.summary.scalar('max_logit', tf.reduce_max(logits))
+    tf.compat.v1.summary.scalar('correct', tf.reduce_sum(correct))   # a sum: a count
+    tf.compat.v1.summary.scalar('examples', tf.cast(tf.size(labels), tf.float32))
     tf.compat.v1.summary.histogram('logits', logits)
     tf.compat.v1.summary.image(
         'inputs', tf.reshape(features['x'], [-1, 1, testlib.NUM_FEATURES, 1]), max_outputs=12)
@@ -132,7 +134,7 @@ def test_hooks_and_summaries_see_one_device_s_values(layout, features_only, tmp_
                                      micro_batches=micro_batches)
   towered, towered_logged = _train(towered_fn, num_devices, tmp_path, 'towered',
                                    features_only, caplog)
-  for tag in ('loss', 'my_loss', 'accuracy', 'max_logit', 'logits'):
+  for tag in ('loss', 'my_loss', 'accuracy', 'max_logit', 'correct', 'examples', 'logits'):
     assert len(plain[tag]) == STEPS, (tag, plain[tag])
     testlib.assert_close(np.array(towered[tag], np.float64), np.array(plain[tag], np.float64),
                          err_msg=tag)

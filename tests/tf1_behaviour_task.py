@@ -101,8 +101,9 @@ REFUSED = {'batch_norm_1x2': ('batch_norm', 2), 'v1_batch_norm_1x2': ('v1_batch_
 
 
 def run_hooks() -> dict:
-  """tests/test_hook_values.py's model (summaries of the loss, an accuracy, a max and the
-  logits; a hook fetching the loss; dropout) on 2 towers x 2 micro-batches against plain:
+  """tests/test_hook_values.py's model (summaries of the loss, an accuracy, a max, a count,
+  the number of examples, the logits and the inputs' images; a hook fetching the loss) on 2
+  towers x 2 micro-batches against plain:
   the summaries read back and the hook's values at every step."""
   import tempfile  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -125,10 +126,14 @@ def run_hooks() -> dict:
   try:
     plain = trained(hooks._model_fn(plain_fetches), 1)  # pylint: disable=protected-access
     towered = trained(towered_fn, 2)
-    for tag in ('loss', 'my_loss', 'accuracy', 'max_logit', 'logits'):
+    for tag in ('loss', 'my_loss', 'accuracy', 'max_logit', 'correct', 'examples', 'logits',
+                *(f'inputs/image/{i}' for i in range(12))):
       assert len(plain[tag]) == hooks.STEPS, (tag, plain[tag])
-      testlib.assert_close(np.array(towered[tag], np.float64),
-                           np.array(plain[tag], np.float64), err_msg=tag)
+      if tag.startswith('inputs/'):   # an image's PNG bytes
+        assert towered[tag] == plain[tag], tag
+      else:
+        testlib.assert_close(np.array(towered[tag], np.float64),
+                             np.array(plain[tag], np.float64), err_msg=tag)
     testlib.assert_close(np.array(towered_fetches[0].values),
                          np.array(plain_fetches[0].values), err_msg='the hook\'s loss')
     features = {'x': hooks.X[:12], 'label': hooks.Y[:12]}
