@@ -17,7 +17,7 @@ steps, so many kept; 0 keeps all), random_draws and resume_input (make_plan's; '
 True unless given), global_batch (every task reads `global_input_fn`'s global batches of that
 size, from the data's xg, yg, wg, shuffled with shuffle_seed), block_at (each training task
 stops after that global step, writes dump/blocked<rank> and waits to be killed), tf1 (the task
-first switches on that TF1 behaviour, a name of tf1_behaviour_task.BEHAVIOURS: 'v1' is
+first switches on that TF1 behaviour, a name of testlib.TF1_BEHAVIOURS: 'v1' is
 tf.compat.v1.disable_v2_behavior()), heavy_ops (each training task writes the plain
 model_fn's heavy ops and its TRAIN graph's per device to dump/heavy_ops<rank>.json), pretrained
 (a checkpoint of `pretrain_model_fn`: `finetune_model_fn` warm-starts from it, the Estimator's
@@ -460,8 +460,7 @@ def main(spec_path):
   with open(spec_path) as f:
     spec = json.load(f)
   if spec.get('tf1'):  # before any graph: TF1 behaviour is process-global
-    import tf1_behaviour_task  # pylint: disable=g-import-not-at-top
-    tf1_behaviour_task.BEHAVIOURS[spec['tf1']]()
+    testlib.TF1_BEHAVIOURS[spec['tf1']]()
   data = np.load(spec['data'])
   tf_config = json.loads(os.environ['TF_CONFIG'])
   task = tf_config['task']

@@ -17,10 +17,10 @@ TF_CONFIG: a test that leaves it changed fails, and it is put back.
 
 TF1 behaviour: with ESTIMATOR_TOWERS_TEST_BEHAVIOUR set to 'v1'
 (`tf.compat.v1.disable_v2_behavior()`) or one of its parts ('tensorshape',
-'ref_variables', 'control_flow_v1'; tests/tf1_behaviour_task.py's
-BEHAVIOURS), that behaviour is switched on here, before any graph is built:
-CI runs the core equivalence tests (marker `core_equivalence`) a second time
-that way, in a process of their own (.ci/run). The report's header names it.
+'ref_variables', 'control_flow_v1': testlib.TF1_BEHAVIOURS), that behaviour
+is switched on here, before any graph is built: CI runs the core equivalence
+tests (marker `core_equivalence`) a second time that way, in a process of
+their own (.ci/run). The report's header names it.
 """
 
 import gc
@@ -35,11 +35,11 @@ import estimator_towers  # pylint: disable=unused-import
 
 BEHAVIOUR = os.environ.get('ESTIMATOR_TOWERS_TEST_BEHAVIOUR', '')
 if BEHAVIOUR:  # process-global: before any graph is built
-  import tf1_behaviour_task  # pylint: disable=g-import-not-at-top
-  if BEHAVIOUR not in tf1_behaviour_task.BEHAVIOURS:
+  import testlib  # pylint: disable=g-import-not-at-top
+  if BEHAVIOUR not in testlib.TF1_BEHAVIOURS:
     raise ValueError(f'ESTIMATOR_TOWERS_TEST_BEHAVIOUR={BEHAVIOUR!r}: it must be one of '
-                     f'{sorted(tf1_behaviour_task.BEHAVIOURS)}, or unset for TF2 behaviour.')
-  tf1_behaviour_task.BEHAVIOURS[BEHAVIOUR]()
+                     f'{sorted(testlib.TF1_BEHAVIOURS)}, or unset for TF2 behaviour.')
+  testlib.TF1_BEHAVIOURS[BEHAVIOUR]()
 
 gc.collect()
 gc.freeze()

@@ -725,11 +725,12 @@ def test_a_session_config_without_device_filters_gets_the_task_s_own():
 @pytest.mark.parametrize('behaviour', ['v1', 'tensorshape', 'ref_variables', 'control_flow_v1'])
 def test_tf1_behaviour_across_two_workers_of_two_towers_trains_as_plain(tmp_path, behaviour):
   """Every task calls `disable_v2_behavior()` first (TF1 shapes, ref variables, control flow
-  v1), or one of those parts alone (tf1_behaviour_task.BEHAVIOURS), then trains `collective_task.tf1_mix_model_fn` (a dense layer, an einsum attention and
-  a synchronised batch norm: tests/test_tf1_behaviour.py's models, in one) on 2 workers x 2
-  towers: the chief as plain on the global batches (every variable, slot and moving average
-  within 1e-5), the worker bit-equal to it, and each task's every device holds at least 0.9 x
-  the plain TRAIN graph's heavy ops (matrix products and einsums)."""
+  v1), or one of those parts alone (testlib.TF1_BEHAVIOURS), then trains
+  `collective_task.tf1_mix_model_fn` (a dense layer, an einsum attention and a synchronised
+  batch norm: tests/test_tf1_behaviour.py's models, in one) on 2 workers x 2 towers: the
+  chief as plain on the global batches (every variable, slot and moving average within
+  1e-5), the worker bit-equal to it, and each task's every device holds at least 0.9 x the
+  plain TRAIN graph's heavy ops (matrix products and einsums)."""
   data = _data(tmp_path / 'data.npz', SIZES)
   batches = _global_batches(data, SIZES)
   spec = _spec(tmp_path, 'tf1_mix', 2, tf1=behaviour, sync_batch_norm=True, heavy_ops=True)

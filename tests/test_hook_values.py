@@ -4,12 +4,12 @@ A model_fn's hooks and summaries are built on tower 0 and would read its
 shard's values (`reporting/whole_batch_views.py`). Each case trains the same
 model_fn plain on one device and on 2 towers, 2 micro-batches and 2 x 2, with a
 summary every step, and compares, at every step: the summaries read back from
-the event files (the loss, an accuracy, a max over the batch, a count of
-correct predictions, the number of examples, a histogram of the logits), the loss a user's hook fetched, what a LoggingTensorHook
-logged (the loss and the accuracy), Estimator's own step log (`loss = ...,
-step = ...`) and an image summary of the batch's inputs (every example's
-image, each equal to plain's); features only (the label a feature) and with
-labels. A summary of a value the library cannot rebuild (a median by a
+the event files (Estimator's loss, the model_fn's loss, an accuracy, a max
+over the batch, a count of correct predictions, the number of examples, a
+histogram of the logits, an image of each example's inputs: its PNG bytes),
+the loss a user's hook fetched, what a LoggingTensorHook logged (the loss and
+the accuracy) and Estimator's own step log (`loss = ..., step = ...`);
+features only (the label a feature) and with labels. A summary of a value the library cannot rebuild (a median by a
 sort across the batch) keeps tower 0's and warns once, naming it. In EVAL, an
 evaluation hook fetching the loss gets each batch's whole loss.
 """

@@ -95,4 +95,5 @@ def test_ci_runs_the_core_equivalence_tests_a_second_time_under_tf1_behaviour():
              PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
   done = subprocess.run([sys.executable, '-c', probe], env=env, capture_output=True, text=True,
                         cwd=os.path.join(ROOT, 'tests'), timeout=TIMEOUT, check=False)
-  assert done.stdout.split() == ['v1', 'Dimension', 'False', 'False', 'False'], done.stderr[-2000:]
+  assert done.stdout.split() == ['v1', 'Dimension', 'False', 'False', 'False'], (
+      done.stdout, done.stderr[-2000:])

@@ -50,6 +50,16 @@ def _write_graph_pbtxt_in_c() -> None:
 
 _write_graph_pbtxt_in_c()
 
+# TF1 behaviour by name: `disable_v2_behavior()` ('v1') and each of its parts alone. It is
+# process-global, so it is switched on before any graph, in a process of its own (the
+# tasks' `tf1` setting, tests/tf1_behaviour_task.py, conftest's ESTIMATOR_TOWERS_TEST_BEHAVIOUR).
+TF1_BEHAVIOURS = {
+    'v1': tf.compat.v1.disable_v2_behavior,
+    'tensorshape': tf.compat.v1.disable_v2_tensorshape,
+    'ref_variables': tf.compat.v1.disable_resource_variables,
+    'control_flow_v1': tf.compat.v1.disable_control_flow_v2,
+}
+
 NUM_FEATURES = 5
 NUM_CLASSES = 3
 LEARNING_RATE = 0.5

@@ -23,12 +23,9 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-BEHAVIOURS = {
-    'v1': tf.compat.v1.disable_v2_behavior,
-    'tensorshape': tf.compat.v1.disable_v2_tensorshape,
-    'ref_variables': tf.compat.v1.disable_resource_variables,
-    'control_flow_v1': tf.compat.v1.disable_control_flow_v2,
-}
+import testlib  # pylint: disable=g-import-not-at-top
+
+BEHAVIOURS = testlib.TF1_BEHAVIOURS
 
 
 def _dense():
