@@ -9,9 +9,10 @@ over the batch, a count of correct predictions, the number of examples, a
 histogram of the logits, an image of each example's inputs: its PNG bytes),
 the loss a user's hook fetched, what a LoggingTensorHook logged (the loss and
 the accuracy) and Estimator's own step log (`loss = ..., step = ...`);
-features only (the label a feature) and with labels. A summary of a value the library cannot rebuild (a median by a
-sort across the batch) keeps tower 0's and warns once, naming it. In EVAL, an
-evaluation hook fetching the loss gets each batch's whole loss.
+features only (the label a feature) and with labels. A summary of a value
+the library cannot rebuild (a median by a sort across the batch) keeps tower
+0's and warns once, naming it. In EVAL, an evaluation hook fetching the loss
+gets each batch's whole loss.
 """
 
 from __future__ import annotations
