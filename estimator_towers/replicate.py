@@ -262,9 +262,11 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
 
   @functools.wraps(model_fn)
   def towered_model_fn(features, labels=None, mode=None, params=None, config=None):
-    tower_devices = grid.grid_devices(plan.shards, plan.resolve(), plan.micro_batches)
-    strategy, chosen = recommended.choose(plan.variable_strategy, tower_devices,
-                                          cluster_lib.from_run_config(config))
+    cluster = cluster_lib.from_run_config(config)
+    workers = (cluster.num_workers if mode == ModeKeys.TRAIN and cluster is not None
+               and cluster.trains else 1)  # the training tasks a TRAIN graph's batch spans
+    tower_devices = grid.grid_devices(plan.shards, plan.resolve(), plan.micro_batches, workers)
+    strategy, chosen = recommended.choose(plan.variable_strategy, tower_devices, cluster)
     placement = placement_lib.make_placement(strategy, tower_devices)
     single = len(tower_devices) == 1 and plan.micro_batches == 1
     serving = (mode == ModeKeys.PREDICT and not single and shards_lib.is_serving_input(features))
@@ -281,6 +283,7 @@ def _wrap(model_fn: Callable, plan: plan_lib.DevicePlan) -> Callable:
     from_staging = staging.is_staged(features)
     across = None if mode != ModeKeys.TRAIN else cross_worker.for_train_graph(
         config, strategy, plan.worker_timeout_secs, from_staging)
+    grid.check_cluster(plan.shards, workers, across is not None, placement.name)
     source = None
     if mode == ModeKeys.TRAIN:  # the input's position, checkpointed (global batches' rows)
       features, labels, source = position.own(

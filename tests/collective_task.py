@@ -13,7 +13,7 @@ dump/eval.json), features_only (the input_fn yields features only, the
 labels among them as 'y', as BERT's pre-training input_fn does),
 user_session_config (the RunConfig's session_config is a ConfigProto built by
 hand, not make_run_config's), save_every and keep (the chief's checkpoints: every so many
-steps, so many kept; 0 keeps all), random_draws and resume_input (make_plan's; 'keyed' and
+steps, so many kept; 0 keeps all), shards (make_plan's fixed shard grid), random_draws and resume_input (make_plan's; 'keyed' and
 True unless given), global_batch (every task reads `global_input_fn`'s global batches of that
 size, from the data's xg, yg, wg, shuffled with shuffle_seed), block_at (each training task
 stops after that global step, writes dump/blocked<rank> and waits to be killed), tf1 (the task
@@ -330,13 +330,60 @@ def recurrent_dropout_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=_minimize(loss, params))
 
 
+def _grid_spec(mode, loss, logits, labels):
+  if mode == tf.estimator.ModeKeys.EVAL:
+    return _spec(mode, loss, logits, labels, None)
+  optimizer = tf.compat.v1.train.AdamOptimizer(0.05)
+  with tf.control_dependencies(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+    train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _token_weighted(features, labels, h):
+  logits = tf.compat.v1.layers.dense(h, testlib.NUM_CLASSES,
+                                     kernel_initializer=tf.compat.v1.glorot_uniform_initializer(2))
+  xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+  return tf.reduce_sum(xent * features['w']) / (tf.reduce_sum(features['w']) + 1e-5), logits
+
+
+def grid_bn_model_fn(features, labels, mode, params):
+  """A fixed shard grid's test model: a batch norm and dropout (keyed draws) under a
+  token-weighted loss; Adam."""
+  del params
+  train = mode == tf.estimator.ModeKeys.TRAIN
+  h = tf.compat.v1.layers.dense(features['x'], 8,
+                                kernel_initializer=tf.compat.v1.glorot_uniform_initializer(1))
+  h = tf.nn.relu(tf.compat.v1.layers.batch_normalization(h, training=train))
+  loss, logits = _token_weighted(features, labels,
+                                 tf.compat.v1.layers.dropout(h, 0.3, training=train))
+  return _grid_spec(mode, loss, logits, labels)
+
+
+def grid_softmax_model_fn(features, labels, mode, params):
+  """A fixed shard grid's test model: an in-batch softmax of two projections (the whole-batch
+  head) plus a token-weighted loss; Adam. No dropout: across workers, a head's first pass
+  (the grid's per-shard backward passes) cannot copy keyed draws, whose positions are an
+  all-reduce (an error at graph construction)."""
+  del params
+  init = tf.compat.v1.glorot_uniform_initializer
+  x = features['x']
+  q = tf.math.l2_normalize(tf.compat.v1.layers.dense(x, 4, kernel_initializer=init(seed=3)), -1)
+  d = tf.math.l2_normalize(tf.compat.v1.layers.dense(tf.nn.tanh(x), 4,
+                                                     kernel_initializer=init(seed=4)), -1)
+  in_batch = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=tf.range(tf.shape(q)[0]), logits=tf.matmul(q, d, transpose_b=True) / 0.1))
+  weighted, logits = _token_weighted(features, labels, x)
+  return _grid_spec(mode, weighted + in_batch, logits, labels)
+
+
 MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_model_fn,
           'bn': bn_model_fn, 'clip': clip_model_fn, 'top_k': top_k_model_fn,
           'clip_weighted': clip_weighted_model_fn, 'mixup': mixup_model_fn,
           'attention': attention_model_fn, 'batch_reductions': batch_reductions_model_fn,
           'random_draws': random_draws_model_fn,
           'recurrent_dropout': recurrent_dropout_model_fn, 'tf1_mix': tf1_mix_model_fn,
-          'finetune': finetune_model_fn}
+          'finetune': finetune_model_fn, 'grid_bn': grid_bn_model_fn,
+          'grid_softmax': grid_softmax_model_fn}
 
 
 def input_fn(data, suffix, batch, features_only=False):
@@ -478,7 +525,8 @@ def main(spec_path):
                       sync_batch_norm=spec.get('sync_batch_norm', False),
                       worker_timeout_secs=spec.get('timeout', 60),
                       random_draws=spec.get('random_draws', 'keyed'),
-                      resume_input=spec.get('resume_input', True))
+                      resume_input=spec.get('resume_input', True),
+                      shards=spec.get('shards'))
   model_fn = et.replicate_model_fn(MODELS[spec['model']], plan=plan)
   settings = dict(model_dir=spec['model_dir'], save_checkpoints_steps=spec.get('save_every', 1000),
                   keep_checkpoint_max=spec.get('keep', 5), save_summary_steps=1000,

@@ -21,7 +21,9 @@ and 3, the batch size known at run time only) and every variable strategy. The c
 differs from one device (rounding, which training amplifies), so the
 comparisons can fail; with the fixed summation order taken out
 (`fixed_order.FixedOrder.total` as a device-first AddN) the 4-device run
-differs too. The divisibility error names the divisors of S.
+differs too. EVAL's metrics (weighted means) are bit-identical on every topology
+too, their state adding the shards' parts in shard order; the control adds them
+in reverse order. The divisibility error names the divisors of S.
 """
 
 import tempfile
@@ -34,6 +36,7 @@ import testlib
 import estimator_towers as et
 from estimator_towers.gradients import fixed_order
 from estimator_towers.inputs import grid
+from estimator_towers.towers import metric_order
 
 B, F, T, S = 16, 6, 3, 4
 STEPS = 3
@@ -173,7 +176,10 @@ def test_control_without_the_grid_differs():
 
 
 def test_control_without_the_fixed_order_differs(monkeypatch):
-  """Summed by the placement's rule (a device-first AddN) instead of the fixed tree."""
+  """Summed by the placement's rule (a device-first AddN, on 4 devices: on 2, the two
+  devices' sums added either way are the same bits) instead of the fixed tree."""
+  reference = _reference('batch_norm')  # before the patch
+
   def unordered(self, parts, aggregation_device, on_node=None):
     del self, on_node
     present = [parts[k] for k in sorted(parts) if parts[k] is not None]
@@ -183,7 +189,7 @@ def test_control_without_the_fixed_order_differs(monkeypatch):
     with tf.device(aggregation_device):
       return tf.add_n([tf.add_n(group) for group in by_device.values()][::-1])
   monkeypatch.setattr(fixed_order.FixedOrder, 'total', unordered)
-  assert _differing(_train('batch_norm', 2), _reference('batch_norm'))
+  assert _differing(_train('batch_norm', 4), reference)
 
 
 def test_divisibility_error_names_the_divisors():
@@ -222,3 +228,55 @@ def test_shards_in_make_plan_make_config_and_plan_conflicts():
   assert et.make_config(num_cpu_devices=2, shards=8).plan.shards == 8
   with pytest.raises(ValueError, match=r'Give either plan or shards=8'):
     et.replicate_model_fn(dense_model, plan=et.make_plan(), shards=8)
+
+
+def eval_model(features, labels, mode):
+  """The dense model's EVAL with metrics that add fractional values: a weighted mean of
+  the per-example losses, a mean of the logits, an accuracy weighted by the tokens."""
+  logits = tf.compat.v1.layers.dense(
+      tf.compat.v1.layers.dense(features['x'], 8, tf.nn.relu,
+                                kernel_initializer=_const((F, 8), -1, 1)),
+      4, kernel_initializer=_const((8, 4), -0.5, 0.7))
+  per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+  loss = _weighted_loss(logits, labels, features['w'])
+  if mode == tf.estimator.ModeKeys.TRAIN:
+    return _spec(mode, loss)
+  return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+      'weighted_loss': tf.compat.v1.metrics.mean(per, weights=features['w']),
+      'mean_logit': tf.compat.v1.metrics.mean(logits),
+      'accuracy': tf.compat.v1.metrics.accuracy(labels, tf.argmax(logits, -1),
+                                                weights=features['w'])})
+
+
+@pytest.fixture(scope='module')
+def eval_checkpoint():
+  """A model_dir with the eval model trained one step on one device (the metrics' inputs)."""
+  estimator = testlib.make_estimator(
+      et.replicate_model_fn(eval_model, devices=['/cpu:0'], shards=S), num_cpus=4,
+      checkpoint_save_graph_def=False)
+  estimator.train(input_fn, steps=1)
+  return estimator.model_dir
+
+
+def _evaluate(model_dir, devices, micro=1, shards=S):
+  fn = et.replicate_model_fn(eval_model, devices=testlib.cpu_devices(devices),
+                             micro_batches=micro, shards=shards)
+  estimator = testlib.make_estimator(fn, num_cpus=4, model_dir=model_dir)
+  return estimator.evaluate(lambda: input_fn().take(4), name=f'{devices}x{micro}')
+
+
+@pytest.mark.parametrize('devices,micro', [(2, 1), (4, 1), (1, 2), (2, 2)])
+def test_eval_metrics_bit_identical_on_every_topology(eval_checkpoint, devices, micro):
+  """4 batches of 16: each metric's state adds the 4 shards' parts in shard order, per batch."""
+  reference = _evaluate(eval_checkpoint, 1)
+  metrics = _evaluate(eval_checkpoint, devices, micro)
+  assert {k: metrics[k] for k in reference if metrics[k] != reference[k]} == {}
+  assert reference['weighted_loss'] != reference['loss']  # the metrics are not the loss
+
+
+def test_eval_metrics_control_in_reverse_shard_order_differ(eval_checkpoint, monkeypatch):
+  reference = _evaluate(eval_checkpoint, 1)
+  chained = metric_order.in_shard_order
+  monkeypatch.setattr(metric_order, 'in_shard_order', lambda updates: chained(updates[::-1]))
+  reversed_order = _evaluate(eval_checkpoint, 4)
+  assert [k for k in ('weighted_loss', 'mean_logit') if reversed_order[k] != reference[k]]

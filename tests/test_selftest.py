@@ -20,11 +20,13 @@ import sys
 import tempfile
 
 from absl import flags
+import numpy as np
 import pytest
 
 from estimator_towers.selftest import cli
 from estimator_towers.selftest import report
 from estimator_towers.selftest import speed
+from estimator_towers.selftest import exactness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,9 +92,11 @@ def test_the_command_line_passes_on_two_virtual_cpus(runs):
   checks = {c['name']: c for c in found['checks']}
   assert list(checks) == ['environment', 'exactness', 'speed']
   assert checks['environment']['data']['towers'] == ['/device:CPU:0', '/device:CPU:1']
-  exact = checks['exactness']['data']['runs']
+  *exact, grid = checks['exactness']['data']['runs']
   assert [r['variable_strategy'] for r in exact] == ['cpu', 'gpu', 'replicated', 'collective']
   assert all(r['status'] == 'PASS' and r['max_difference'] <= 1e-5 for r in exact), exact
+  assert f'PASS  {"fixed grid (shards=2)":28s} bit-identical to one device on the grid' in lines, out
+  assert grid['status'] == 'PASS' and grid['differing'] == [] and grid['max_difference'] == 0
 
 
 def test_the_speed_report_gives_each_run_its_rate_and_scaling(monkeypatch):
@@ -122,9 +126,21 @@ def test_a_faulty_tower_fails_the_exactness_check_and_the_exit_status(runs):
   (row,) = [line for line in lines if line.startswith('FAIL  cpu ')]
   assert 'max difference' in row and ' at ' in row, row
   assert 'skipped (--speed_steps=0)' in lines
-  (run,) = next(c for c in found['checks'] if c['name'] == 'exactness')['data']['runs']
+  run, _ = next(c for c in found['checks'] if c['name'] == 'exactness')['data']['runs']
   assert found['status'] == 'FAIL' and run['status'] == 'FAIL'
   assert run['max_difference'] > 1e-5, run
+
+
+def test_the_fixed_grid_row_fails_when_a_variable_is_not_bit_identical(monkeypatch):
+  """One ulp in one variable of the towered run (stand-in trainings): FAIL, naming it."""
+  trained = iter([{'w': np.float32([1.0, 2.0]), 'b': np.float32(3.0)},
+                  {'w': np.float32([1.0, np.nextafter(np.float32(2.0), np.float32(3.0))]),
+                   'b': np.float32(3.0)}])
+  monkeypatch.setattr(exactness, '_trained', lambda *args: next(trained))
+  line, run = exactness.grid_run({'num_cpu_devices': 2}, ('/cpu:0', '/cpu:1'), None)
+  assert line.startswith(f'FAIL  {"fixed grid (shards=2)":28s} not bit-identical to one '
+                         "device on the grid: 1 variable(s) differ (['w'])"), line
+  assert run['status'] == 'FAIL' and run['differing'] == ['w'] and run['variable'] == 'w'
 
 
 def test_a_crashing_check_is_its_fail_and_the_others_still_report():

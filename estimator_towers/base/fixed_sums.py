@@ -17,7 +17,17 @@ import weakref
 
 import tensorflow as tf
 
+# The name scope of a sum across workers in the fixed order (`cluster.fixed_reduce`): its
+# ops (cutting, exchanging, adding, joining) are one op across workers to the row reader.
+ACROSS_WORKERS_SCOPE = 'fixed_order_across_workers'
+
 _GRIDS: 'weakref.WeakKeyDictionary[tf.Graph, int]' = weakref.WeakKeyDictionary()
+
+
+def in_sum_across_workers(op: tf.Operation) -> bool:
+  """Whether `op` is one of a fixed-order sum across workers' ops (its name scope's)."""
+  return any(part == ACROSS_WORKERS_SCOPE or part.startswith(ACROSS_WORKERS_SCOPE + '_')
+             for part in op.name.split('/')[:-1])
 
 
 def mark(graph: tf.Graph, shards: int) -> None:

@@ -20,7 +20,8 @@ Within a step:
 2. `global_total(t)`: a statistic's total over the cluster, whose gradient
    flows to this task's `t` only: stop_gradient(sum) + (t - stop_gradient(t)),
    equal to the sum bit for bit on every task.
-3. `sum(gradients)`: each task's part of the whole-batch gradient, summed.
+3. `sum(gradients)`: each task's part of the whole-batch gradient, summed
+   (on the fixed shard grid, floats in its fixed order: `fixed_reduce`).
 4. `gather(rows)` (`sync_batch_norm`): every task's rows of a statistics
    table, in rank order (an all-reduce of each task's rows in its own slot
    and zeros elsewhere: exact), so every task combines the same table; its
@@ -48,12 +49,15 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from estimator_towers.base import control_flow
+from estimator_towers.base import fixed_sums
 from estimator_towers.base import interception
 from estimator_towers.base import shapes
 from estimator_towers.base import updates
+from estimator_towers.cluster import fixed_reduce
 from estimator_towers.cluster import tf_config as cluster_lib
 
 GROUP_KEY = 0x2400
+FIXED_ORDER_GROUP_KEY = 0x2401  # the same tasks, for the fixed shard grid's sums
 LOCAL_GROUP_KEY_BASE = 0x2500
 _INSTANCE_KEY_BASE = 1 << 20
 _next_key: 'weakref.WeakKeyDictionary[tf.Graph, int]' = weakref.WeakKeyDictionary()
@@ -97,6 +101,20 @@ class CrossWorker:
     self._timeout = 0  # the collective's own timeout: only at session start
     self.live_workers: tf.Tensor | None = None
     self.source: tf.Tensor | None = None  # this task is the first with data
+    self._fixed = fixed_reduce.FixedReduce(
+        self.size, self.rank, FIXED_ORDER_GROUP_KEY, lambda: instance_key(self.graph),
+        self.device, lambda: self._timeout)
+
+  def _sum_of(self, flat: tf.Tensor, gated: bool, exact: bool) -> tf.Tensor:
+    """A step's sum of `flat` over the tasks: in the shard grid's fixed order for
+    floats on the grid (`fixed_reduce`), else an all-reduce (integers, and one
+    task's values with the others' zeros, are the same bits in any order)."""
+    if (gated and not exact and flat.dtype.is_floating
+        and fixed_sums.active(self.graph)):
+      controls = [self.gate] if self.gate is not None else []
+      with tf.control_dependencies(controls):
+        return self._fixed(tf.identity(flat))
+    return self._all_reduce(flat, gated)
 
   def _all_reduce(self, value: tf.Tensor, gated: bool) -> tf.Tensor:
     controls = [self.gate] if gated and self.gate is not None else []
@@ -106,8 +124,11 @@ class CrossWorker:
           communication_hint=self.communication_hint,
           timeout=self._timeout)
 
-  def sum(self, tensors: Sequence[Any], gated: bool = True) -> list:
-    """Each tensor summed over the tasks (None stays None); one all-reduce per dtype."""
+  def sum(self, tensors: Sequence[Any], gated: bool = True, exact: bool = False) -> list:
+    """Each tensor summed over the tasks (None stays None); one all-reduce per dtype.
+
+    `exact`: each element is one task's value and the others' zeros (a table of
+    the tasks' slots), which any order sums to the same bits."""
     dense = [None if t is None else tf.convert_to_tensor(t) for t in tensors]
     out: list = [None] * len(dense)
     by_dtype: dict = {}
@@ -124,7 +145,7 @@ class CrossWorker:
         with tf.device(self.device):
           shapes = [tf.shape(dense[i]) for i in members]
           flat = tf.concat([tf.reshape(dense[i], [-1]) for i in members], 0)
-        total = self._all_reduce(flat, gated)
+        total = self._sum_of(flat, gated, exact)
         with tf.device(self.device):
           sizes = [tf.reduce_prod(s) for s in shapes]
           pieces = tf.split(total, tf.stack(sizes), num=len(members))
@@ -184,7 +205,7 @@ class CrossWorker:
       with tf.device(self.device):
         slots = tf.scatter_nd([[self.rank]], mine[None],
                               tf.concat([[self.size], tf.shape(mine)], 0))
-      (total,) = self.sum([slots])
+      (total,) = self.sum([slots], exact=True)
       with tf.device(self.device):
         result = tf.reshape(total, tf.concat([[-1], tf.shape(mine)[1:]], 0))
 
@@ -324,7 +345,7 @@ def share_updates(across: CrossWorker, update_ops: Sequence[tf.Operation], train
     with tf.device(across.device):
       values = [tf.identity(v.read_value()) for v in written]
       chosen = [tf.where(across.source, value, tf.zeros_like(value)) for value in values]
-    totals = across.sum(chosen)
+    totals = across.sum(chosen, exact=True)
     with tf.device(across.device):
       assigns = [v.assign(t, read_value=False) for v, t in zip(written, totals)]
   return tf.group(train_op, *assigns, name='train_op_with_shared_updates')

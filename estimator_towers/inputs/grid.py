@@ -14,8 +14,10 @@ Every sum across shards follows one fixed binary tree over the shard indices
 lo + the largest power of two below hi - lo. A block of shards whose size is
 a power of two and that starts at a multiple of it is a subtree, so a
 device's (and a micro-batch tower's) local sum is a subtree when the shards
-per device, S / (W N), are a power of two; `check_grid` requires it, and
-that W N k divide S.
+per device, S / (W N), are a power of two; `check_grid` requires it, that
+W N k divide S, and across workers that a worker's S / W be a power of two
+too (its sum is then one node, and the tree above the workers is the tree
+over their ranks: `cluster.fixed_reduce`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,14 @@ def check_grid(shards: int, devices: int, micro_batches: int = 1, workers: int =
         f'number of whole shards. The divisors of {shards} are '
         f'{divisors(shards)}; choose a topology whose product is one of them, or '
         f'a shards count that {used} divides.')
+  per_worker = shards // workers
+  if workers > 1 and per_worker & (per_worker - 1):
+    raise GridError(
+        f'shards={shards} on {workers} workers gives {per_worker} shards per '
+        f'worker, not a power of two: a worker\'s shards must form a subtree of '
+        f'the fixed summation tree, so its own sum is one node of it. Use a '
+        f'worker count for which shards / workers is a power of two (the '
+        f'divisors of {shards}: {divisors(shards)}).')
   per_device = shards // (devices * workers)
   if devices * workers > 1 and per_device & (per_device - 1):
     raise GridError(
@@ -106,17 +116,23 @@ def layout(shards: int | None, num_towers: int, micro_batches: int,
            workers: int = 1) -> micro_batches_lib.Layout:
   """The plan's layout: the grid's with shards (the default graph is then marked as
   built on it: `fixed_sums.active`), else one shard per device and micro-batch.
-
-  Raises:
-    GridError: for the grid across workers (a TRAIN graph of a cluster).
-  """
+  Across `workers`, each worker's towers take its S / W shards."""
   if shards is None:
     return micro_batches_lib.Layout(num_towers, micro_batches)
-  if workers > 1:
-    raise GridError(
-        f'shards={shards} across {workers} workers is not supported: the sum '
-        f'across workers is a collective all-reduce, whose order is not fixed. '
-        f'Train with the fixed shard grid on one machine (any number of its '
-        f'devices), or across workers without shards.')
+  del workers  # the towers' devices are this worker's S / W shards (grid_devices)
   fixed_sums.mark(tf.compat.v1.get_default_graph(), shards)
   return GridLayout(num_towers, micro_batches)
+
+
+def check_cluster(shards: int | None, workers: int, synchronised: bool,
+                  variable_strategy: str) -> None:
+  """Raises GridError for the grid on W > 1 training tasks that do not meet at
+  all-reduces every step (a cluster under another strategy than 'collective')."""
+  if shards is None or workers < 2 or synchronised:
+    return
+  raise GridError(
+      f'shards={shards} across {workers} training tasks needs '
+      f"variable_strategy='collective' (got {variable_strategy!r}): only its "
+      f'all-reduces sum the workers\' gradients every step, which the fixed '
+      f'summation order takes over. Use variable_strategy=\'collective\', or '
+      f'train without shards.')

@@ -28,6 +28,7 @@ import weakref
 import tensorflow as tf
 
 from estimator_towers.base import control_flow
+from estimator_towers.base import fixed_sums
 from estimator_towers.rows import einsum
 from estimator_towers.rows import elementwise
 from estimator_towers.rows import flat
@@ -249,8 +250,8 @@ def _rule(reader: Reader, op: tf.Operation, kinds: list):
             f'values) ({t})')
   if t == 'ScatterNd' and any(k.tag in (FLAT, POSITIONS) for k in present):
     return flat.scatter_nd(reader, op, kinds)
-  if t.startswith('Collective') or t in ('ScatterNd', 'TensorScatterUpdate',
-                                         'TensorScatterAdd'):
+  if t.startswith('Collective') or t in ('ScatterNd', 'TensorScatterUpdate', 'TensorScatterAdd'
+                                         ) or fixed_sums.in_sum_across_workers(op):
     return statistics.across_workers(op, present)
   if t in SEGMENT_SUMS:
     return flat.segment_sum(op, kinds)

@@ -7,7 +7,9 @@ on the same global batches, once decorated for the first device alone
 (`replicate_model_fn(model_fn, devices=[first])`, the reference) and once
 towered on all the devices for each variable strategy (and
 `sync_batch_norm=True`, so that batch norm uses the global batch's
-statistics). Op determinism is on (`enable_op_determinism`), so the
+statistics), and on the fixed shard grid (`shards=N`), where every variable
+must be bit-identical to the first device on the same grid. Op determinism is on
+(`enable_op_determinism`), so the
 difference is the library's, not the kernels'. Every variable must be within
 `TOLERANCE` of the reference, relative to max(1, |reference|) (the
 project-wide rule); the report gives the largest difference and its
@@ -172,4 +174,36 @@ def check(device_settings: dict, devices: tuple[str, ...],
     if run['status'] == report.FAIL:
       status = report.FAIL
     data['runs'].append(run)
+  line, run = grid_run(device_settings, devices, input_fn)
+  lines.append(line)
+  data['runs'].append(run)
+  if run['status'] == report.FAIL:
+    status = report.FAIL
   return report.Result('exactness', status, lines, data)
+
+
+def grid_run(device_settings: dict, devices: tuple[str, ...], input_fn) -> tuple[str, dict]:
+  """The fixed shard grid (`shards=N`): every variable bit-identical to the first device
+  alone on the same grid (on GPUs this needs, and so checks, op determinism)."""
+  label = f'fixed grid (shards={len(devices)})'
+  run = {'label': label, 'shards': len(devices)}
+  try:
+    settings = dict(shards=len(devices), sync_batch_norm=True)
+    reference_config = et.make_config(devices=[devices[0]], **settings)
+    reference = _trained(reference_config.plan, reference_config, input_fn)
+    config = et.make_config(**device_settings, **settings)
+    towered = _trained(config.plan, config, input_fn)
+  except Exception as e:  # pylint: disable=broad-except  (its crash: its FAIL)
+    error = f'{type(e).__name__}: {e}'.splitlines()[0][:400]
+    run.update(status=report.FAIL, error=error)
+    return f'{report.FAIL}  {label:28s} crashed: {error}', run
+  differing = sorted(n for n in reference
+                     if n not in towered or not np.array_equal(towered[n], reference[n]))
+  diff = difference(towered, reference)
+  run.update(status=report.FAIL if differing else report.PASS, differing=differing,
+             max_difference=diff.value, variable=diff.variable)
+  if differing:
+    return (f'{report.FAIL}  {label:28s} not bit-identical to one device on the grid: '
+            f'{len(differing)} variable(s) differ ({differing[:3]}), max difference '
+            f'{diff.value:.2e} at {diff.variable}'), run
+  return f'{report.PASS}  {label:28s} bit-identical to one device on the grid', run

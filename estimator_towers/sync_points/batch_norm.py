@@ -56,6 +56,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import tensorflow as tf
 
+from estimator_towers.base import fixed_sums
 from estimator_towers.base import interception
 from estimator_towers.sync_points import batch_norm_calls as calls
 from estimator_towers.sync_points import batch_norm_kernels as kernels
@@ -369,8 +370,18 @@ class BatchNormSync:
     return self._points[i]
 
   def _check_devices(self) -> None:
-    """Towers sharing a device (the CPU fallback) cannot exchange statistics: an error,
-    raised when a batch norm is built."""
+    """Towers sharing a device (the CPU fallback) cannot exchange statistics, nor can the
+    fixed shard grid's towers across workers keep one order: errors, raised when a batch
+    norm is built."""
+    if self._across is not None and fixed_sums.active(self._graph):
+      raise BatchNormSyncError(
+          'sync_batch_norm (on by default) with shards=S across workers is not '
+          'supported: a synchronised batch norm\'s gradient reaches every shard\'s '
+          'rows, which across workers would be summed in another order than on one '
+          'device, so the checkpoints would not be bit-identical. Pass '
+          'sync_batch_norm=False (--nosync_batch_norm): each shard\'s own statistics '
+          '(over its B / S rows), the same on every topology of the grid; or train '
+          'the grid on one machine, or without shards across workers.')
     devices = self._devices
     if not self._shared_devices and len(set(devices.values())) != len(devices):
       raise BatchNormSyncError(

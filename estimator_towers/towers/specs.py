@@ -6,7 +6,9 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from estimator_towers.base import fixed_sums
 from estimator_towers.inputs import sharding
+from estimator_towers.towers import metric_order
 
 ModeKeys = tf.estimator.ModeKeys
 
@@ -116,7 +118,8 @@ def _is_mean_of(update: object, loss: tf.Tensor) -> bool:
 
 
 def merge_eval(specs, loss, built=None) -> tf.estimator.EstimatorSpec:
-  """Tower 0's metric values (the metric state is shared), every tower's updates.
+  """Tower 0's metric values (the metric state is shared), every tower's updates (on the
+  fixed shard grid in shard order: `metric_order`).
 
   A metric of the loss itself (`tf.compat.v1.metrics.mean(loss)`, as k-means'
   score) is a metric of a batch-level value: it is rebuilt on the whole
@@ -138,6 +141,8 @@ def merge_eval(specs, loss, built=None) -> tf.estimator.EstimatorSpec:
     if len(specs) > 1 and all(_is_mean_of(s.eval_metric_ops[key][1], s.loss) for s in built):
       metrics[key] = tf.compat.v1.metrics.mean(loss, name=f'whole_batch_{key}')
     else:
+      if fixed_sums.active():  # one order of the shards' additions to the state
+        metric_order.in_shard_order(updates)
       metrics[key] = (value, tf.group(*updates))
   return _respec(first, loss=loss, eval_metric_ops=metrics,
                         predictions=_concat_predictions(specs))

@@ -1,0 +1,129 @@
+"""shards=S across the workers of a cluster: bit-identical to one device.
+
+On W workers each worker's S / W shards are one subtree of the grid's
+summation tree, and the sums across workers take the tree above them in rank
+order (`cluster/fixed_reduce.py`: an all-to-all, each chunk's W pieces added
+over the tree on one worker, an all-gather). The references:
+
+- the fixed-order sum itself, on W members of one process (each a virtual CPU
+  device in a collective group, the ranks shuffled against the group's order),
+  against numpy's float32 tree; the control: TensorFlow's ring all-reduce of
+  the same values differs from the tree (so a sum taken in the ring's order
+  would fail the comparison);
+- a cluster of 2 workers x 2 devices (`shards=8`, two shards per device) of
+  two models, a batch norm (each shard's own statistics: a synchronised one
+  is refused across workers) with dropout (keyed draws) under a token-weighted loss, and an in-batch softmax plus a token-weighted loss
+  (`collective_task.grid_bn_model_fn`, `grid_softmax_model_fn`), against the same model_fn
+  decorated for one device on the same grid trained on the global batches from
+  the cluster's first checkpoint: every variable and optimizer slot after 3
+  steps `np.array_equal`.
+
+And the grid's conditions on a cluster, at graph construction: a worker's
+shards must be a power of two, the workers must meet at the collective's
+all-reduces every step, and a batch norm is not synchronised.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import collective_task
+import testlib
+import estimator_towers as et
+from estimator_towers.base import interception
+from estimator_towers.cluster import fixed_reduce
+from estimator_towers.inputs import grid
+from test_collective import Cluster
+from test_collective import _batches_input_fn
+from test_collective import _data
+from test_collective import _global_batches
+from test_collective import _plain_from
+from test_collective import _spec
+from test_collective import _train_graph
+
+_CLUSTER = {'chief': ['127.0.0.1:1'], 'worker': ['127.0.0.1:2']}
+
+
+def _tree(values):
+  """numpy's float32 sum over the grid's tree of len(values) leaves."""
+  if len(values) == 1:
+    return values[0]
+  power = 1
+  while power * 2 < len(values):
+    power *= 2
+  return _tree(values[:power]) + _tree(values[power:])
+
+
+@pytest.mark.parametrize('ranks', [[2, 0, 3, 1], [1, 2, 0]])
+def test_the_fixed_order_sum_adds_the_workers_over_the_tree_in_rank_order(ranks):
+  members = len(ranks)
+  rng = np.random.RandomState(members)
+  values = [(rng.randn(1001) * 10.0 ** rng.uniform(-3, 3, 1001)).astype(np.float32)
+            for _ in range(members)]
+  with tf.Graph().as_default():
+    fixed, ring = [], []
+    for member, rank in enumerate(ranks):
+      keys = iter(range(100, 200))  # every member's graph counts its instance keys alike
+      reduce = fixed_reduce.FixedReduce(members, rank, 9, lambda keys=keys: next(keys),
+                                        f'/cpu:{member}', lambda: 0)
+      with tf.device(f'/cpu:{member}'):
+        fixed.append(reduce(tf.constant(values[rank])))
+        ring.append(interception.all_reduce(tf.constant(values[rank]), members, 10, 1,
+                                            'Add', 'Id'))
+    with tf.compat.v1.Session(config=testlib.session_config(members)) as session:
+      fixed, ring = session.run([fixed, ring])
+  expected = _tree(values)
+  for total in fixed:
+    np.testing.assert_array_equal(total, expected)
+  # The control: the ring adds each chunk starting at another member.
+  assert not all(np.array_equal(total, expected) for total in ring)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize('model', ['grid_bn', 'grid_softmax'])
+def test_two_workers_of_two_devices_equal_one_device_bit_for_bit(tmp_path, model):
+  sizes = {0: 24, 1: 24}  # 3 steps of 8 rows per worker: global batches of 16
+  data = _data(tmp_path / 'data.npz', sizes)
+  batches = _global_batches(data, sizes, batch=8)
+  spec = _spec(tmp_path, model, 2, batch=8, shards=8, sync_batch_norm=False)
+  Cluster(tmp_path, spec).run()
+  one_device = et.replicate_model_fn(collective_task.MODELS[model], devices=['/cpu:0'],
+                                     shards=8, sync_batch_norm=False)
+  reference = _plain_from(spec['model_dir'], 'model.ckpt-0', one_device,
+                          {'learning_rate': 0.1}, tmp_path)
+  reference.train(_batches_input_fn(batches), steps=len(batches))
+  cluster = testlib.checkpoint_variables(tf.train.latest_checkpoint(spec['model_dir']))
+  expected = testlib.variables(reference)
+  assert cluster['global_step'] == expected['global_step'] == 3
+  first = testlib.checkpoint_variables(os.path.join(spec['model_dir'], 'model.ckpt-0'))
+  assert any(not np.array_equal(first[name], expected[name]) for name in expected
+             if name != 'global_step')  # trained
+  assert any('/Adam' in name for name in expected)  # the optimizer's slots compared too
+  differing = [name for name in expected if not np.array_equal(cluster[name], expected[name])]
+  assert not differing, differing
+
+
+def test_a_worker_s_shards_must_be_a_power_of_two(monkeypatch):
+  # 2 workers x 2 devices divide 12, but a worker's 6 shards are not one subtree.
+  with pytest.raises(grid.GridError, match=r'shards=12 on 2 workers gives 6 shards per '
+                                           r'worker, not a power of two.*\[1, 2, 3, 4, 6, 12\]'):
+    _train_graph(collective_task.mean_model_fn, monkeypatch, _CLUSTER, shards=12)
+
+
+def test_shards_across_workers_that_do_not_meet_every_step_are_an_error(monkeypatch):
+  parameter_servers = dict(_CLUSTER, ps=['127.0.0.1:3'])
+  with pytest.raises(grid.GridError, match=r"shards=4 across 2 training tasks needs "
+                                           r"variable_strategy='collective' \(got 'cpu'\)"):
+    _train_graph(collective_task.mean_model_fn, monkeypatch, parameter_servers,
+                 strategy='cpu', shards=4)
+
+
+def test_a_synchronised_batch_norm_across_workers_is_an_error(monkeypatch):
+  def model_fn(features, labels, mode):
+    return collective_task.grid_bn_model_fn(dict(features, w=tf.ones_like(labels, tf.float32)),
+                                            labels, mode, {})
+  with pytest.raises(ValueError, match=r'sync_batch_norm \(on by default\) with shards=S across '
+                                       r'workers is not supported.*sync_batch_norm=False'):
+    _train_graph(model_fn, monkeypatch, _CLUSTER, shards=4)
