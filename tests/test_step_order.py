@@ -245,7 +245,9 @@ WRITES = {
 }
 
 
-def _write_model_fn(write):
+def _write_model_fn(write, chief=False):
+  """A dropout model whose step `write` advances (a hook it returns: a training hook, or a
+  chief-only one with `chief`)."""
   def model_fn(features, labels, mode):
     x = tf.nn.dropout(features['x'], rate=0.5)
     logits = tf.compat.v1.layers.dense(x, testlib.NUM_CLASSES)
@@ -253,14 +255,17 @@ def _write_model_fn(write):
     train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
     made = write(tf.compat.v1.train.get_global_step())
     if isinstance(made, tf.compat.v1.train.SessionRunHook):
-      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
-                                        training_hooks=[made])
+      return tf.estimator.EstimatorSpec(
+          mode, loss=loss, train_op=train_op, training_hooks=[] if chief else [made],
+          training_chief_hooks=[made] if chief else [])
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=tf.group(train_op, made))
   return model_fn
 
 
-def _train_graph_with_hooks_begun(model_fn, ref_step=False, num_devices=2):
-  """The TRAIN graph as Estimator builds it, up to its hooks' begin() (before the session)."""
+def _train_graph_with_hooks_begun(model_fn, ref_step=False, num_devices=2, chief_last=False):
+  """The TRAIN graph as Estimator builds it, up to its hooks' begin() (before the session):
+  the chief hooks first, as MonitoredTrainingSession begins them, or last (`chief_last`), as
+  a distribute coordinator's chief does."""
   x, y = testlib.data(8)
   with tf.Graph().as_default() as graph:
     if ref_step:
@@ -272,7 +277,8 @@ def _train_graph_with_hooks_begun(model_fn, ref_step=False, num_devices=2):
       tf.compat.v1.train.create_global_step()
     towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices))
     spec = towered({'x': tf.constant(x)}, tf.constant(y), tf.estimator.ModeKeys.TRAIN)
-    for hook in spec.training_hooks:
+    hooks, chief = list(spec.training_hooks), list(spec.training_chief_hooks)
+    for hook in hooks + chief if chief_last else chief + hooks:
       hook.begin()
   return graph
 
@@ -286,6 +292,15 @@ def test_every_kind_of_write_of_the_step_waits_for_its_read(write):
                                           ref_step=write == 'a ref variable',
                                           num_devices=num_devices)
     _assert_every_writer_waits_for_the_read(graph)
+
+
+@pytest.mark.parametrize('chief_last', [False, True], ids=['chief first', 'chief last'])
+def test_a_chief_hook_s_increment_of_the_step_waits_for_its_read(chief_last):
+  """A chief-only hook's fetched assign_add, its begin() before or after the training
+  hooks' (a distribute coordinator's chief begins it last): it waits for the read."""
+  graph = _train_graph_with_hooks_begun(_write_model_fn(lambda step: _Advance(), chief=True),
+                                        chief_last=chief_last)
+  _assert_every_writer_waits_for_the_read(graph)
 
 
 def test_a_function_with_a_handle_of_its_own_to_the_step_is_refused():
