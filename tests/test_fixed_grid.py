@@ -26,6 +26,7 @@ too, their state adding the shards' parts in shard order; the control adds them
 in reverse order. The divisibility error names the divisors of S.
 """
 
+import re
 import tempfile
 
 import numpy as np
@@ -215,6 +216,28 @@ def test_divisibility_error_at_graph_construction():
     with pytest.raises(grid.GridError, match=r'The divisors of 6 are \[1, 2, 3, 6\]'):
       fn(features, labels, mode=tf.estimator.ModeKeys.TRAIN,
          config=testlib.run_config(4))
+
+
+def _build_with(plan):
+  staged = et.staged_input_fn(input_fn, plan)
+  with tf.Graph().as_default():
+    tf.compat.v1.train.get_or_create_global_step()
+    read = staged()
+    if isinstance(read, tf.data.Dataset):   # staging_depth=0: the input_fn unchanged
+      read = tf.compat.v1.data.make_one_shot_iterator(read).get_next()
+    features, labels = read
+    et.replicate_model_fn(dense_model, plan=plan)(
+        features, labels, mode=tf.estimator.ModeKeys.TRAIN, config=testlib.run_config(2))
+
+
+def test_staged_input_error_names_a_fix_of_make_plan():
+  """shards with staged_input_fn: an error whose fix is make_plan's argument (the plan's
+  function; replicate_model_fn has no staging_depth), and the fix builds the graph."""
+  plan = et.make_plan(devices=testlib.cpu_devices(2), shards=2)
+  with pytest.raises(grid.GridError, match=re.escape(
+      'shards=2 does not support staged_input_fn') + r'.*make_plan\(staging_depth=0\)'):
+    _build_with(plan)
+  _build_with(et.make_plan(devices=testlib.cpu_devices(2), shards=2, staging_depth=0))
 
 
 @pytest.mark.parametrize('value', [0, -2, 2.0, True, '4'])

@@ -14,7 +14,10 @@ dropout model whose step a hook advances, against the model_fn decorated for
 one device, whose step the optimizer advances after its update. Without the
 order, the hook's increment races the read, and the draws of a step are made
 with the next step's key (seen on the code before the order: the hook model
-differed on most repeats).
+differed on most repeats, through a handle of its own). BERT's runs did not
+differ on that code here, nor with no order at all (in this harness and under
+Estimator.train): its step's read ran first in every repeat, so the graph
+tests are what fail when BERT's assign is not ordered.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ import testlib
 import estimator_towers as et
 
 LAYOUTS = {'3 towers': (3, 1), '1x2 micro-batches': (1, 2), '2x2': (2, 2)}
+# BERT's runs: the towers under 'collective', as the reported runs that differed (its
+# replicas are local variables, which `_Repeats` sets back too).
+BERT_STRATEGIES = {'3 towers': 'collective', '1x2 micro-batches': 'auto', '2x2': 'collective'}
 REPEATS = 8
 STEPS = 3
 
@@ -82,10 +88,11 @@ def _dropout_model_fn(advance):
 
 class _Repeats(tf.compat.v1.train.SessionRunHook):
   """Records every variable after each step; after every `STEPS` steps sets them all (the
-  global step and slots too) back to their values at session start: one graph, many runs."""
+  global step, slots and collective's replicas too) back to their values at session start:
+  one graph, many runs."""
 
   def begin(self):
-    self._variables = [v for v in tf.compat.v1.global_variables()
+    self._variables = [v for v in tf.compat.v1.global_variables() + tf.compat.v1.local_variables()
                        if not v.op.name.startswith('input_position')]
     self._feeds = [tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape) for v in self._variables]
     self._reset = tf.group([v.assign(p) for v, p in zip(self._variables, self._feeds)])
@@ -98,7 +105,7 @@ class _Repeats(tf.compat.v1.train.SessionRunHook):
     session = run_context.session
     values = session.run(self._variables)
     self.runs[-1].append({v.op.name: x for v, x in zip(self._variables, values)
-                          if v.op.name != 'global_step'})
+                          if v.op.name != 'global_step' and '/replica_' not in v.op.name})
     self._steps += 1
     if self._steps % STEPS == 0:
       session.run(self._reset, dict(zip(self._feeds, self._first)))
@@ -163,14 +170,15 @@ def _bert_input_fn():
 
 @pytest.mark.parametrize('layout', sorted(LAYOUTS))
 def test_bert_with_dropout_equals_one_device_in_every_run(layout):
-  """BERT's own model_fn, its dropout and `global_step.assign(global_step + 1)` unchanged:
-  every repeat equals the model_fn decorated for one device."""
+  """BERT's own model_fn, its dropout and `global_step.assign(global_step + 1)` unchanged,
+  its towers under 'collective': every repeat equals the model_fn decorated for one device."""
   reference = _runs(et.replicate_model_fn(bert_model.model_fn(dropout=True),
                                           devices=['/cpu:0']), _bert_input_fn, 1, 1)[0]
   num_devices, micro_batches = LAYOUTS[layout]
   towered = et.replicate_model_fn(bert_model.model_fn(dropout=True),
                                   devices=testlib.cpu_devices(num_devices),
-                                  micro_batches=micro_batches)
+                                  micro_batches=micro_batches,
+                                  variable_strategy=BERT_STRATEGIES[layout])
   _assert_every_run_equals(_runs(towered, _bert_input_fn, num_devices, REPEATS), reference)
 
 
@@ -240,7 +248,9 @@ WRITES = {
 }
 
 
-def _write_model_fn(write):
+def _write_model_fn(write, chief=False):
+  """A dropout model whose step `write` advances (a hook it returns: a training hook, or a
+  chief-only one with `chief`)."""
   def model_fn(features, labels, mode):
     x = tf.nn.dropout(features['x'], rate=0.5)
     logits = tf.compat.v1.layers.dense(x, testlib.NUM_CLASSES)
@@ -248,14 +258,17 @@ def _write_model_fn(write):
     train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
     made = write(tf.compat.v1.train.get_global_step())
     if isinstance(made, tf.compat.v1.train.SessionRunHook):
-      return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
-                                        training_hooks=[made])
+      return tf.estimator.EstimatorSpec(
+          mode, loss=loss, train_op=train_op, training_hooks=[] if chief else [made],
+          training_chief_hooks=[made] if chief else [])
     return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=tf.group(train_op, made))
   return model_fn
 
 
-def _train_graph_with_hooks_begun(model_fn, ref_step=False, num_devices=2):
-  """The TRAIN graph as Estimator builds it, up to its hooks' begin() (before the session)."""
+def _train_graph_with_hooks_begun(model_fn, ref_step=False, num_devices=2, chief_last=False):
+  """The TRAIN graph as Estimator builds it, up to its hooks' begin() (before the session):
+  the chief hooks first, as MonitoredTrainingSession begins them, or last (`chief_last`), as
+  a distribute coordinator's chief does."""
   x, y = testlib.data(8)
   with tf.Graph().as_default() as graph:
     if ref_step:
@@ -267,7 +280,8 @@ def _train_graph_with_hooks_begun(model_fn, ref_step=False, num_devices=2):
       tf.compat.v1.train.create_global_step()
     towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices))
     spec = towered({'x': tf.constant(x)}, tf.constant(y), tf.estimator.ModeKeys.TRAIN)
-    for hook in spec.training_hooks:
+    hooks, chief = list(spec.training_hooks), list(spec.training_chief_hooks)
+    for hook in hooks + chief if chief_last else chief + hooks:
       hook.begin()
   return graph
 
@@ -281,6 +295,15 @@ def test_every_kind_of_write_of_the_step_waits_for_its_read(write):
                                           ref_step=write == 'a ref variable',
                                           num_devices=num_devices)
     _assert_every_writer_waits_for_the_read(graph)
+
+
+@pytest.mark.parametrize('chief_last', [False, True], ids=['chief first', 'chief last'])
+def test_a_chief_hook_s_increment_of_the_step_waits_for_its_read(chief_last):
+  """A chief-only hook's fetched assign_add, its begin() before or after the training
+  hooks' (a distribute coordinator's chief begins it last): it waits for the read."""
+  graph = _train_graph_with_hooks_begun(_write_model_fn(lambda step: _Advance(), chief=True),
+                                        chief_last=chief_last)
+  _assert_every_writer_waits_for_the_read(graph)
 
 
 def test_a_function_with_a_handle_of_its_own_to_the_step_is_refused():

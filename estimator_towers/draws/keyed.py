@@ -120,12 +120,16 @@ def positions_for(graph: tf.Graph, k: int) -> dict:
 
 def with_step_order(spec: tf.estimator.EstimatorSpec) -> tf.estimator.EstimatorSpec:
   """A TRAIN `spec` whose last hook orders the global step's writes that hooks build
-  (`step_order.StepOrderHook`), where the default graph has keyed draws."""
+  (`step_order.StepOrderHook`), where the default graph has keyed draws: the last training
+  hook and the last chief hook (a chief's session begins its chief hooks after the others
+  under a distribute coordinator, before them otherwise; a second `begin` orders nothing)."""
   draws = _of_graph.get(tf.compat.v1.get_default_graph())
   if draws is None:
     return spec
+  hook = draws.step_order_hook()
   return spec._replace(
-      training_hooks=tuple(spec.training_hooks or ()) + (draws.step_order_hook(),))
+      training_hooks=tuple(spec.training_hooks or ()) + (hook,),
+      training_chief_hooks=tuple(spec.training_chief_hooks or ()) + (hook,))
 
 
 class KeyedDraws:

@@ -96,7 +96,8 @@ def make_shards(features, labels, mode, tower_devices, staged,
     raise grid.GridError(
         f'shards={layout.num_shards} does not support staged_input_fn: its device '
         f'shards are cut per device, not by the fixed grid. Read the input without '
-        f'staging (staging_depth=0), or train without shards.')
+        f'staging (make_plan(staging_depth=0), with which staged_input_fn returns the '
+        f'input_fn unchanged), or train without shards.')
   host = getattr(tf.nest.flatten(features, expand_composites=True)[0], 'device', '') or '/cpu:0'
   with tf.device(host), tf.name_scope('shard_inputs'):
     if staged is None:
