@@ -6,10 +6,10 @@ SPEC: model_dir, data (an .npz with x<r>, y<r>, w<r> per training rank r, and
 xe, ye, we for the evaluator), model (a key of MODELS), towers, micro_batches,
 batch (per worker), sync_batch_norm, timeout (worker_timeout_secs), max_steps (None: until the
 inputs end), dump (a directory: each training task writes its variables there
-as rank<r>.npz at the end, and its global_step at session start in
-rank<r>.npz.start), step_sleep (seconds each step of this task waits,
-to let a test kill it mid-training), eval (the evaluator writes its metrics to
-dump/eval.json), features_only (the input_fn yields features only, the
+as rank<r>.npz at the end, its global_step at session start in
+rank<r>.npz.start, and rank<r>.npz.stepped once its first step has ended),
+step_sleep (seconds each step of this task waits, to let a test kill it
+mid-training), eval (the evaluator writes its metrics to dump/eval.json), features_only (the input_fn yields features only, the
 labels among them as 'y', as BERT's pre-training input_fn does),
 user_session_config (the RunConfig's session_config is a ConfigProto built by
 hand, not make_run_config's), save_every and keep (the chief's checkpoints: every so many
@@ -412,6 +412,8 @@ class DumpVariables(tf.compat.v1.train.SessionRunHook):
     return tf.compat.v1.train.SessionRunArgs(self._batch)
 
   def after_run(self, run_context, run_values):
+    if not self._examples:
+      open(self._path + '.stepped', 'w').close()
     self._examples += int(run_values.results)
 
   def end(self, session):
