@@ -9,8 +9,9 @@ inputs end), dump (a directory: each training task writes its variables there
 as rank<r>.npz at the end, its global_step at session start in
 rank<r>.npz.start, and rank<r>.npz.stepped once its first step has ended),
 step_sleep (seconds each step of this task waits, to let a test kill it
-mid-training), eval (the evaluator writes its metrics to dump/eval.json), features_only (the input_fn yields features only, the
-labels among them as 'y', as BERT's pre-training input_fn does),
+mid-training), eval (the evaluator writes its metrics to dump/eval.json),
+features_only (the input_fn yields features only, the labels among them as
+'y', as BERT's pre-training input_fn does),
 user_session_config (the RunConfig's session_config is a ConfigProto built by
 hand, not make_run_config's), save_every and keep (the chief's checkpoints: every so many
 steps, so many kept; 0 keeps all), random_draws and resume_input (make_plan's; 'keyed' and
@@ -20,7 +21,8 @@ stops after that global step, writes dump/blocked<rank> and waits to be killed),
 calls tf.compat.v1.disable_v2_behavior() first), heavy_ops (each training task writes the plain
 model_fn's heavy ops and its TRAIN graph's per device to dump/heavy_ops<rank>.json), pretrained
 (a checkpoint of `pretrain_model_fn`: `finetune_model_fn` warm-starts from it, the Estimator's
-warm_start_from `warm_start_settings`; its Scaffold's init_fn writes dump/init_fn_<task type>).
+warm_start_from `warm_start_settings`; its Scaffold's init_fn writes dump/init_fn_<task type>),
+log_info (absl's verbosity INFO: the library's INFO lines in the task's log).
 """
 
 import json
@@ -28,6 +30,7 @@ import os
 import sys
 import time
 
+from absl import logging as absl_logging
 import numpy as np
 import tensorflow as tf
 
@@ -462,6 +465,8 @@ def main(spec_path):
     spec = json.load(f)
   if spec.get('tf1'):  # before any graph: TF1 behaviour is process-global
     tf.compat.v1.disable_v2_behavior()
+  if spec.get('log_info'):
+    absl_logging.set_verbosity(absl_logging.INFO)
   data = np.load(spec['data'])
   tf_config = json.loads(os.environ['TF_CONFIG'])
   task = tf_config['task']

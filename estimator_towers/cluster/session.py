@@ -227,8 +227,8 @@ class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
   def _report_start(self):
     logs.error(
         'estimator_towers: %s (rank %d of %d training tasks) has waited %.0f s '
-        '(make_plan(worker_timeout_secs=...)) at its start for the other training '
-        'tasks (%s) to take the chief\'s variables: one of them has not started, or '
+        '(worker_timeout_secs of make_config or make_plan) at its start for the other '
+        'training tasks (%s) to take the chief\'s variables: one of them has not started, or '
         'cannot reach this one (check TF_CONFIG\'s addresses). If it does not '
         'answer, the start fails with DeadlineExceededError; start every task of '
         'the cluster.', self._cluster.device, self._cluster.rank,
@@ -239,7 +239,7 @@ class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
     lost = unreachable_tasks(self._cluster)
     logs.error(
         'estimator_towers: %s (rank %d of %d training tasks: %s) has waited %.0f s '
-        '(the step timeout, make_plan(worker_timeout_secs=...)) for the other '
+        '(the step timeout, worker_timeout_secs of make_config or make_plan) for the other '
         'workers\' all-reduce: %s. This step fails '
         'with DeadlineExceededError; restart the job, which resumes from the '
         'chief\'s last checkpoint.', self._cluster.device, self._cluster.rank,
