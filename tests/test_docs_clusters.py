@@ -4,7 +4,8 @@ The page's `train.py` (its first python block) and its shell block: a chief and
 a worker on two machines (`host0:2222`, `host1:2222`, replaced by free
 127.0.0.1 ports) train 20 steps with `save_checkpoints_steps`, then the same
 program restarted on one task (no TF_CONFIG) resumes at step 20 and trains
-to 30.
+to 30. `train_and_evaluate` returns None on the cluster's tasks, and the
+evaluation's metrics on one machine, which the program prints.
 Each task is a subprocess, bounded in time and killed by its own pid.
 """
 
@@ -77,11 +78,17 @@ def test_clusters_page_program_runs_on_two_tasks_and_resumes_on_one(tmp_path):
   assert len(restart) == 1 and restart[0][0] is None
   _finish({json.loads(c)['task']['type']: _start(tmp_path, c, args, json.loads(c)['task']['type'])
            for c, args in cluster}, tmp_path)
+  for task_type in ('chief', 'worker'):  # train_and_evaluate returned None on both
+    assert 'metrics:' not in (tmp_path / f'{task_type}.log').read_text(errors='replace')
   model_dir = tmp_path / 'model'
   checkpoints = tf.train.get_checkpoint_state(str(model_dir)).all_model_checkpoint_paths
   assert [int(p.rsplit('-', 1)[1]) for p in checkpoints][-2:] == [10, 20], checkpoints
   tenth = (model_dir / 'model.ckpt-10.index').stat().st_mtime_ns
   _finish({'restart': _start(tmp_path, None, restart[0][1], 'restart')}, tmp_path)
   assert tf.train.latest_checkpoint(str(model_dir)).endswith('-30')
+  # on one machine it trains, evaluates and returns the evaluation: the page prints it
+  printed = [l for l in (tmp_path / 'restart.log').read_text(errors='replace').splitlines()
+             if l.startswith('metrics: ')]
+  assert len(printed) == 1 and "'global_step': 30" in printed[0], printed
   # resumed from step 20: step 10 was not trained (nor saved) again
   assert (model_dir / 'model.ckpt-10.index').stat().st_mtime_ns == tenth
