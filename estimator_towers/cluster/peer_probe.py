@@ -4,18 +4,20 @@ Rule: while a training step runs, each training task of a collective cluster
 asks every other training task, every `INTERVAL_SECS`, to run an empty op
 (a separate session of its own server, RunOptions.timeout_in_ms of
 `PROBE_TIMEOUT_SECS`). A task that is dead does not answer (gRPC's
-UnavailableError at once, or the probe's deadline): after two such probes in
+UnavailableError at once), nor does a frozen one whose connections stay open
+(the probe's deadline; gRPC alone would wait for the step timeout): after two
+such probes in
 a row within the same step, the hook records the lost task (in the list the
 session's start reads), asks the session's coordinator to stop with an
 UnavailableError, and closes the step's session, which cancels the step
 waiting in its all-reduce. MonitoredSession then recreates the session, whose
 start refuses to wait for a lost task (`session._StartOnce`), and training
 stops with that error, the one that names the lost task (TensorFlow logs the
-coordinator's error, twice, so it does not name it).
+coordinator's error, so it does not name it).
 Between steps nothing is probed, so a task that ends its training first is
 not taken for a lost one while the others save their last checkpoint. A task
-alive but hung still answers: the step timeout (`session.StepTimeoutHook`)
-bounds that case.
+hung in Python (its server still runs) answers: the step timeout
+(`session.StepTimeoutHook`) bounds that case.
 """
 
 from __future__ import annotations
