@@ -2,13 +2,16 @@
 
 The reference is a plain Estimator's run of the same model_fn in a fresh
 process: the towered run prints TensorFlow's lines as often as it does, and
-the library's own lines (absl's verbosity INFO) once each.
+the library's own lines (absl's verbosity INFO) once each, with no
+deprecation warning of the library's making.
 """
 
 import os
 import subprocess
 import sys
 import textwrap
+
+import testlib
 
 SCRIPT = textwrap.dedent('''
     import sys, tempfile
@@ -62,6 +65,9 @@ def test_the_library_lines_print_once_at_absl_info(tmp_path):
       'variables on /device:CPU:0 (variable_strategy=cpu, chosen for towers on CPU devices: '
       'the host adds their gradients, loss_reduction=auto).'], placement
   assert sum('Loss for final step' in l for l in lines) == 1
+  # and no deprecation warning of its making (Estimator's own aside: a plain run makes them)
+  log = '\n'.join(lines)
+  assert not testlib.library_deprecations(log), testlib.library_deprecations(log)
 
 
 def test_the_library_logs_only_through_base_logs():

@@ -29,22 +29,12 @@ import time
 import pytest
 
 from test_collective import Cluster, _data, _spec
+import testlib
 
 TIMEOUT = 60
 LOST_WITHIN = 15
 # A line of Python's logging (LEVEL:logger:message) or an exception's last traceback line.
 _PYTHON_ERROR = re.compile(r'^(?:(?:ERROR|WARNING|CRITICAL):[\w.]+:|\w+(?:Error|Exception): )')
-_DEPRECATED = re.compile(r'^WARNING:tensorflow:From (\S+): (.*) is deprecated', re.M)
-
-
-def _deprecations(log):
-  """(the library's line, what it calls, the instructions) of each deprecation warning."""
-  found = []
-  for match in _DEPRECATED.finditer(log):
-    rest = log[match.end():].split('Instructions for updating:\n', 1)
-    found.append((match.group(1), match.group(2),
-                  rest[1].splitlines()[0] if len(rest) > 1 else ''))
-  return [f for f in found if '/estimator_towers/' in f[0]]
 
 
 @pytest.mark.timeout(180)
@@ -87,5 +77,4 @@ def test_a_killed_task_stops_the_other_within_seconds_while_stepping(tmp_path, k
             and (address in line or f'/job:{killed}/' in line or f'{name} (' in line)]
   assert len(naming) == 1 and naming[0].startswith('RuntimeError: '), naming
   assert stopped < LOST_WITHIN, stopped
-  ours = [d for d in _deprecations(log) if d[2] != 'Use tf.keras instead.']
-  assert not ours, ours
+  assert not testlib.library_deprecations(log), testlib.library_deprecations(log)
