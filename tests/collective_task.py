@@ -6,14 +6,16 @@ SPEC: model_dir, data (an .npz with x<r>, y<r>, w<r> per training rank r, and
 xe, ye, we for the evaluator), model (a key of MODELS), towers, micro_batches,
 batch (per worker), sync_batch_norm, timeout (worker_timeout_secs), max_steps (None: until the
 inputs end), dump (a directory: each training task writes its variables there
-as rank<r>.npz at the end, and its global_step at session start in
-rank<r>.npz.start), step_sleep (seconds each step of this task waits,
-to let a test kill it mid-training), eval (the evaluator writes its metrics to
-dump/eval.json), features_only (the input_fn yields features only, the
-labels among them as 'y', as BERT's pre-training input_fn does),
+as rank<r>.npz at the end, its global_step at session start in
+rank<r>.npz.start, and rank<r>.npz.stepped once its first step has ended),
+step_sleep (seconds each step of this task waits, to let a test kill it
+mid-training), eval (the evaluator writes its metrics to dump/eval.json),
+features_only (the input_fn yields features only, the labels among them as
+'y', as BERT's pre-training input_fn does),
 user_session_config (the RunConfig's session_config is a ConfigProto built by
 hand, not make_run_config's), save_every and keep (the chief's checkpoints: every so many
-steps, so many kept; 0 keeps all), shards (make_plan's fixed shard grid), random_draws and resume_input (make_plan's; 'keyed' and
+steps, so many kept; 0 keeps all), shards (make_plan's fixed shard grid), random_draws and
+resume_input (make_plan's; 'keyed' and
 True unless given), global_batch (every task reads `global_input_fn`'s global batches of that
 size, from the data's xg, yg, wg, shuffled with shuffle_seed), block_at (each training task
 stops after that global step, writes dump/blocked<rank> and waits to be killed), tf1 (the task
@@ -21,7 +23,8 @@ first switches on that TF1 behaviour, a name of testlib.TF1_BEHAVIOURS: 'v1' is
 tf.compat.v1.disable_v2_behavior()), heavy_ops (each training task writes the plain
 model_fn's heavy ops and its TRAIN graph's per device to dump/heavy_ops<rank>.json), pretrained
 (a checkpoint of `pretrain_model_fn`: `finetune_model_fn` warm-starts from it, the Estimator's
-warm_start_from `warm_start_settings`; its Scaffold's init_fn writes dump/init_fn_<task type>).
+warm_start_from `warm_start_settings`; its Scaffold's init_fn writes dump/init_fn_<task type>),
+log_info (absl's verbosity INFO: the library's INFO lines in the task's log).
 """
 
 import json
@@ -29,6 +32,7 @@ import os
 import sys
 import time
 
+from absl import logging as absl_logging
 import numpy as np
 import tensorflow as tf
 
@@ -460,6 +464,8 @@ class DumpVariables(tf.compat.v1.train.SessionRunHook):
     return tf.compat.v1.train.SessionRunArgs(self._batch)
 
   def after_run(self, run_context, run_values):
+    if not self._examples:
+      open(self._path + '.stepped', 'w').close()
     self._examples += int(run_values.results)
 
   def end(self, session):
@@ -508,6 +514,8 @@ def main(spec_path):
     spec = json.load(f)
   if spec.get('tf1'):  # before any graph: TF1 behaviour is process-global
     testlib.TF1_BEHAVIOURS[spec['tf1']]()
+  if spec.get('log_info'):
+    absl_logging.set_verbosity(absl_logging.INFO)
   data = np.load(spec['data'])
   tf_config = json.loads(os.environ['TF_CONFIG'])
   task = tf_config['task']

@@ -391,8 +391,8 @@ def test_a_dead_worker_stops_the_chief_within_the_timeout_and_a_restart_resumes(
           'training tasks) failed a training step after')
   named = re.search(r'step\(s\): worker 0 \(127\.0\.0\.1:\d+\) is lost \(no server answers there\)'
                     r'\. variable_strategy=\'collective\' cannot continue', log)
-  timed_out = (f'has waited {timeout} s (the step timeout, make_plan(worker_timeout_secs=...)) '
-               'for the other workers\' all-reduce: ')
+  timed_out = (f'has waited {timeout} s (the step timeout, worker_timeout_secs of make_config '
+               'or make_plan) for the other workers\' all-reduce: ')
   assert ((lost in log and named and log.count(lost) == 1) or
           (timed_out in log and 'DeadlineExceededError' in log)), log[-3000:]
   assert stopped < timeout + 30, stopped
@@ -489,8 +489,8 @@ def test_a_worker_that_never_starts_stops_the_chief_after_the_timeout(waiting_ch
   log = chief.log
   assert chief.code != 0
   assert 'DeadlineExceededError' in log and 'broadcast_from_chief' in log, log[-3000:]
-  assert (f'has waited {NEVER_STARTS_TIMEOUT} s (make_plan(worker_timeout_secs=...)) at its '
-          'start for the other training tasks (/job:chief/replica:0/task:0, '
+  assert (f'has waited {NEVER_STARTS_TIMEOUT} s (worker_timeout_secs of make_config or '
+          'make_plan) at its start for the other training tasks (/job:chief/replica:0/task:0, '
           '/job:worker/replica:0/task:0)' in log), log[-3000:]
   print(f'chief stopped {chief.seconds:.1f} s after its start')
   # the process's start and graph, then the timeout
@@ -505,8 +505,8 @@ def test_a_hung_worker_fails_the_chief_step_after_the_timeout(waiting_chiefs):
   log = chief.log
   assert chief.code != 0
   assert 'DeadlineExceededError' in log, log[-3000:]
-  assert (f'has waited {HUNG_TIMEOUT} s (the step timeout, make_plan(worker_timeout_secs=...)) '
-          'for the other workers\' all-reduce' in log), log[-3000:]
+  assert (f'has waited {HUNG_TIMEOUT} s (the step timeout, worker_timeout_secs of '
+          'make_config or make_plan) for the other workers\' all-reduce' in log), log[-3000:]
   # The session had started (the start's broadcast met the worker): a step failed.
   started = os.path.getmtime(chief.cluster.tmp_path / 'dump' / 'rank0.npz.start')
   print(f'chief stopped {chief.stopped - started:.1f} s after its session started')

@@ -176,11 +176,21 @@ def test_workers_reading_their_own_shards_resume_as_one_uninterrupted_device(
     shards_killed_after_a_checkpoint):
   """Restarted on 2 workers from the checkpoint of step 4, which holds both workers'
   positions: at step 7 every variable and slot equals the one-device model_fn trained in
-  one call on the global batches the shards make, and the worker's the chief's."""
+  one call on the global batches the shards make, and the worker's the chief's; the chief
+  logs once what it resumed, each worker's position."""
   tmp, spec, _ = shards_killed_after_a_checkpoint
-  Cluster(tmp, dict(spec, block_at=None)).run()
+  restarted = Cluster(tmp, dict(spec, block_at=None, log_info=True))
+  restarted.run()
   for rank in (0, 1):
     assert (tmp / 'dump' / f'rank{rank}.npz.start').read_text() == str(KILLED_AT)
+  # The chief's one INFO line: the checkpoint, its step, each worker's position.
+  said = [l for l in restarted.log('chief').splitlines() if 'estimator_towers: resumed' in l]
+  assert said == [
+      f'INFO:absl:estimator_towers: resumed training from {spec["model_dir"]}/model.ckpt-'
+      f'{KILLED_AT} (global step {KILLED_AT}) with the input position of step {KILLED_AT}: '
+      'the chief (/job:chief/replica:0/task:0) reads on from its own position; worker 0 '
+      '(/job:worker/replica:0/task:0) reads on from its own position.'], said
+  assert 'estimator_towers: resumed' not in restarted.log('worker')
   features, labels = _shard_stream(np.load(spec['data']), RESUMED_TO)
   one_device = et.replicate_model_fn(collective_task.random_draws_model_fn, devices=['/cpu:0'],
                                      resume_input=False)

@@ -2,13 +2,16 @@
 
 The reference is a plain Estimator's run of the same model_fn in a fresh
 process: the towered run prints TensorFlow's lines as often as it does, and
-the library's own lines (absl's verbosity INFO) once each.
+the library's own lines (absl's verbosity INFO) once each, with no
+deprecation warning of the library's making.
 """
 
 import os
 import subprocess
 import sys
 import textwrap
+
+import testlib
 
 SCRIPT = textwrap.dedent('''
     import sys, tempfile
@@ -62,3 +65,27 @@ def test_the_library_lines_print_once_at_absl_info(tmp_path):
       'variables on /device:CPU:0 (variable_strategy=cpu, chosen for towers on CPU devices: '
       'the host adds their gradients, loss_reduction=auto).'], placement
   assert sum('Loss for final step' in l for l in lines) == 1
+  # and no deprecation warning of its making (Estimator's own aside: a plain run makes them)
+  log = '\n'.join(lines)
+  assert not testlib.library_deprecations(log), testlib.library_deprecations(log)
+
+
+def test_the_library_logs_only_through_base_logs():
+  """absl's `logging.info` (and the standard `logging.info`) install a handler on the root
+  logger when it has none, after which each of TensorFlow's lines prints twice: every
+  module logs through `estimator_towers.base.logs`."""
+  import re  # pylint: disable=g-import-not-at-top
+  root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      'estimator_towers')
+  calls = re.compile(r'^\s*(?:from absl import logging|import absl\.logging|from absl\.logging '
+                     r'import)|(?<![.\w])logging\.(?:debug|info|warning|warn|error|exception|log|'
+                     r'fatal|critical)\(', re.M)
+  found = []
+  for folder, _, names in os.walk(root):
+    for name in names:
+      path = os.path.join(folder, name)
+      if name.endswith('.py') and path != os.path.join(root, 'base', 'logs.py'):
+        with open(path, encoding='utf-8') as f:
+          found += [f'{os.path.relpath(path, root)}: {m.group(0).strip()}'
+                    for m in calls.finditer(f.read())]
+  assert not found, found

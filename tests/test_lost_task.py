@@ -44,7 +44,7 @@ def cluster(chief: str, workers: list[str], task_type: str, index: int) -> clust
 def started_scaffold(task: cluster_lib.Cluster, steps: int, progress=None):
   """The Scaffold of `task`'s session, in a graph of one variable; `steps` steps run."""
   progress = progress or cluster_session._Progress()  # pylint: disable=protected-access
-  progress.steps = steps
+  progress.steps, progress.begun = steps, steps > 0
   tf.compat.v1.get_variable('w', [2], initializer=tf.compat.v1.zeros_initializer())
   return cluster_session.scaffold(None, cross_worker.CrossWorker(task, timeout_secs=5), progress)
 
@@ -80,7 +80,7 @@ def test_the_error_is_raised_once_in_python_before_any_op_runs(addresses):
     # As Estimator gets it: with the input's position (inputs.resume), a copy of it.
     built = resume._scaffold(built, None, built.local_init_op)  # pylint: disable=protected-access
     assert built.finalize() is built   # the first session starts
-    progress.steps = 1                 # a step ran: the session is being recreated
+    progress.steps, progress.begun = 1, True  # a step ran: the session is being recreated
     with pytest.raises(RuntimeError) as raised:
       built.finalize()
     assert not [op for op in graph.get_operations() if 'PyFunc' in op.type]
@@ -99,3 +99,36 @@ def test_building_the_session_start_emits_no_deprecation_warning(addresses, capl
   said = [r.getMessage() for r in caplog.records] + [str(w.message) for w in recwarn]
   ours = [m for m in said if 'deprecat' in m.lower() and 'estimator_towers' in m]
   assert not ours, ours
+
+
+def test_a_first_step_that_fails_stops_the_session_start_too(addresses):
+  """The peer lost during this task's first step: no step ended, one began (the hook's
+  before_run, no after_run); the recreated session raises instead of starting again."""
+  alive, other, dead = addresses
+  task = cluster(dead, [alive, other], 'worker', 0)
+  progress = cluster_session._Progress()  # pylint: disable=protected-access
+  with tf.Graph().as_default():
+    built = started_scaffold(task, 0, progress)
+    assert built.finalize() is built
+    hook = cluster_session.StepTimeoutHook(60, task, progress)
+    hook.before_run(None)  # the first step fails: after_run never comes
+    with pytest.raises(RuntimeError, match=r'after 0 step\(s\): the chief \(.*\) is lost'):
+      built.finalize()
+  assert not progress.timer.is_alive() or progress.timer.finished.is_set()
+
+
+def test_a_task_the_probe_found_lost_is_named_by_its_index_and_address(addresses):
+  """Every address accepts connections (a hung task): the probe's finding names it."""
+  alive, other, _ = addresses
+  task = cluster(alive, [other, alive], 'chief', 0)
+  progress = cluster_session._Progress()  # pylint: disable=protected-access
+  progress.steps, progress.begun = 4, True
+  progress.lost.append('/job:worker/replica:0/task:1')
+  with tf.Graph().as_default():
+    built = started_scaffold(task, 4, progress)
+    with pytest.raises(RuntimeError) as raised:
+      built.finalize()
+  message = str(raised.value)
+  assert (f'after 4 step(s): worker 1 ({alive}) stopped answering (it did not answer 2 probes '
+          'in a row during a step') in message, message
+  assert 'worker 0' not in message

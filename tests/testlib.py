@@ -199,6 +199,24 @@ def assert_close(actual, expected, err_msg: str = '', tol: float = TOLERANCE) ->
         f'{actual[worst]!r}, expected {expected[worst]!r} (|d| = {diff[worst]:.3g})')
 
 
+_DEPRECATED = re.compile(r'^WARNING:tensorflow:From (\S+): (.*) is deprecated', re.M)
+
+
+def library_deprecations(log: str) -> list[tuple[str, str, str]]:
+  """TensorFlow's deprecation warnings that a line of the library makes, in a process's log,
+  as (the library's file:line, what it calls, the instructions), except Estimator's own.
+
+  Every part of Estimator is deprecated ("Use tf.keras instead."), and a plain Estimator
+  program makes those warnings too; any other is of the library's making.
+  """
+  found = []
+  for match in _DEPRECATED.finditer(log):
+    rest = log[match.end():].split('Instructions for updating:\n', 1)
+    found.append((match.group(1), match.group(2),
+                  rest[1].splitlines()[0] if len(rest) > 1 else ''))
+  return [f for f in found if '/estimator_towers/' in f[0] and f[2] != 'Use tf.keras instead.']
+
+
 def logged_warnings(monkeypatch) -> list:
   """The library's warnings logged from now on in this test (each test sees its own)."""
   from estimator_towers.base import logs  # pylint: disable=g-import-not-at-top

@@ -4,16 +4,20 @@ Rule: while a training step runs, each training task of a collective cluster
 asks every other training task, every `INTERVAL_SECS`, to run an empty op
 (a separate session of its own server, RunOptions.timeout_in_ms of
 `PROBE_TIMEOUT_SECS`). A task that is dead does not answer (gRPC's
-UnavailableError at once, or the probe's deadline): after two such probes in
-a row within the same step, the hook logs an error naming the lost task, asks
-the session's coordinator to stop with an UnavailableError that says so, and
-closes the step's session, which cancels the step waiting in its all-reduce.
-MonitoredSession then recreates the session, whose start refuses to wait for
-a lost worker (`session._first_session`), and training stops with that error.
+UnavailableError at once), nor does a frozen one whose connections stay open
+(the probe's deadline; gRPC alone would wait for the step timeout): after two
+such probes in
+a row within the same step, the hook records the lost task (in the list the
+session's start reads), asks the session's coordinator to stop with an
+UnavailableError, and closes the step's session, which cancels the step
+waiting in its all-reduce. MonitoredSession then recreates the session, whose
+start refuses to wait for a lost task (`session._StartOnce`), and training
+stops with that error, the one that names the lost task (TensorFlow logs the
+coordinator's error, so it does not name it).
 Between steps nothing is probed, so a task that ends its training first is
 not taken for a lost one while the others save their last checkpoint. A task
-alive but hung still answers: the step timeout (`session.StepTimeoutHook`)
-bounds that case.
+hung in Python (its server still runs) answers: the step timeout
+(`session.StepTimeoutHook`) bounds that case.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ import sys
 import threading
 import time
 
-from absl import logging
 import tensorflow as tf
 
+from estimator_towers.base import logs
 from estimator_towers.cluster import tf_config as cluster_lib
 
 INTERVAL_SECS = 0.5
@@ -35,8 +39,9 @@ FAILURES_TO_STOP = 2
 class PeerProbeHook(tf.compat.v1.train.SessionRunHook):
   """Stops this task's training within seconds of another training task's death."""
 
-  def __init__(self, cluster: cluster_lib.Cluster, timeout_secs: float):
+  def __init__(self, cluster: cluster_lib.Cluster, timeout_secs: float, lost: list):
     self._cluster = cluster
+    self._lost = lost  # the peers found lost, read by the session's start
     self._peers = [t for t in cluster.training_tasks if not cluster.device.startswith(t + '/')]
     self._probe_timeout = min(PROBE_TIMEOUT_SECS, timeout_secs)
     self._lock = threading.Lock()
@@ -97,23 +102,20 @@ class PeerProbeHook(tf.compat.v1.train.SessionRunHook):
 
   def _stop_training(self, session, coord, lost):
     peer, error = lost
-    message = (
-        f'estimator_towers: {self._cluster.device} (rank {self._cluster.rank} of '
-        f'{self._cluster.num_workers} training tasks: '
-        f'{", ".join(self._cluster.training_tasks)}) lost the training task {peer}: it '
-        f'did not answer {FAILURES_TO_STOP} probes in a row during a step '
-        f'({type(error).__name__}: {error.message.splitlines()[0] if error.message else ""}). '
-        f'The step is cancelled; variable_strategy=\'collective\' cannot continue without '
-        f'every training task. Restart the job: it resumes from the chief\'s last checkpoint.')
-    logging.error('%s', message)
+    self._lost.append(peer)
+    logs.info('estimator_towers: %s lost the training task %s: it did not answer %d probes '
+              'in a row during a step (%s); the step is cancelled.', self._cluster.device,
+              peer, FAILURES_TO_STOP, type(error).__name__)
     try:  # the coordinator keeps an exception with its traceback
-      raise tf.errors.UnavailableError(None, None, message)
+      raise tf.errors.UnavailableError(None, None, (
+          f'estimator_towers: a training task did not answer {FAILURES_TO_STOP} probes in a '
+          f'row during a step, which is cancelled; the error raised next names the task.'))
     except tf.errors.UnavailableError:
       coord.request_stop(sys.exc_info())
     try:
       session.close()  # cancels the step waiting in its all-reduce
     except Exception as e:  # pylint: disable=broad-except
-      logging.warning('estimator_towers: closing the session after losing %s: %s', peer, e)
+      logs.warning('estimator_towers: closing the session after losing %s: %s', peer, e)
 
 
 class _Probe:
@@ -142,8 +144,8 @@ class _Probe:
       except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
               tf.errors.AbortedError, tf.errors.CancelledError,
               tf.errors.InternalError) as e:
-        logging.info('estimator_towers: %s did not answer a probe after %.1f s: %s', peer,
-                     time.time() - started, e.message.splitlines()[0] if e.message else e)
+        logs.info('estimator_towers: %s did not answer a probe after %.1f s: %s', peer,
+                  time.time() - started, e.message.splitlines()[0] if e.message else e)
         return peer, e
     return None
 

@@ -7,8 +7,9 @@ does not wait for the chief to initialise variables it never sees); the
 towers' copies are set after it. Every training step runs with
 RunOptions.timeout_in_ms (`StepTimeoutHook`), so a lost worker makes the
 others fail instead of wait, and a session that MonitoredSession recreates
-after a lost task raises instead of waiting for it again, with one message
-that names the lost task (the chief, or worker k).
+once a step has begun (a failed first step included) raises instead of
+waiting for the lost task again, with one message that names the lost task
+(the chief, or worker k).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def attach(spec: tf.estimator.EstimatorSpec, across: cross_worker.CrossWorker
   probe of the other training tasks (`peer_probe`)."""
   progress = _Progress()
   hook = StepTimeoutHook(across.timeout_secs, across.cluster, progress)
-  probe = peer_probe.PeerProbeHook(across.cluster, across.timeout_secs)
+  probe = peer_probe.PeerProbeHook(across.cluster, across.timeout_secs, progress.lost)
   return spec._replace(scaffold=scaffold(spec.scaffold, across, progress),
                        training_hooks=tuple(spec.training_hooks) + (hook, probe))
 
@@ -86,10 +87,10 @@ class _StartOnce(tf.compat.v1.train.Scaffold):
 
   A peer that dies makes a step fail with UnavailableError, on which
   MonitoredSession recreates the session and runs the local init again,
-  whose broadcast would wait for the lost peer, again and again. Every
-  session MonitoredSession creates calls `finalize` first: once a step has
-  run in this process, it raises, in Python (one message, naming the lost
-  task), before any op runs.
+  whose broadcast fails at once (the process's collectives are aborted),
+  again and again. Every session MonitoredSession creates calls `finalize`
+  first: once a step has begun in this process (the first one included), it
+  raises, in Python (one message, naming the lost task), before any op runs.
   """
 
   def __init__(self, cluster: cluster_lib.Cluster, progress: '_Progress', **kwargs):
@@ -98,15 +99,24 @@ class _StartOnce(tf.compat.v1.train.Scaffold):
     self._progress = progress
 
   def finalize(self):
-    if self._progress.steps:
-      raise RuntimeError(lost_task_message(self._cluster, self._progress.steps,
-                                           unreachable_tasks(self._cluster)))
+    if self._progress.begun:
+      self._progress.cancel_timer()
+      raise RuntimeError(lost_task_message(
+          self._cluster, self._progress.steps, unreachable_tasks(self._cluster),
+          [named(self._cluster, peer) for peer in self._progress.lost]))
     return super().finalize()
 
 
 def task_name(job: str, index: int) -> str:
   """'the chief' or 'worker k', as TF_CONFIG names the task."""
   return 'the chief' if job == 'chief' else f'{job} {index}'
+
+
+def named(cluster: cluster_lib.Cluster, peer: str) -> str:
+  """'worker k (address)' for a training task's device name ('/job:worker/replica:0/task:k')."""
+  parts = dict(part.split(':', 1) for part in peer.strip('/').split('/'))
+  job, index = parts['job'], int(parts['task'])
+  return f'{task_name(job, index)} ({cluster.jobs[job][index]})'
 
 
 def unreachable_tasks(cluster: cluster_lib.Cluster, timeout_secs: float = 2.0) -> list[str]:
@@ -131,10 +141,23 @@ def _lost(lost: list[str]) -> str:
   return f'{" and ".join(lost)} {"is" if len(lost) == 1 else "are"} lost (no server answers there)'
 
 
-def lost_task_message(cluster: cluster_lib.Cluster, steps: int, lost: list[str]) -> str:
-  """The error of a task whose step failed because another training task is lost."""
-  who = _lost(lost) or ('another training task stopped answering (every task\'s address accepts '
-           'connections: one of them hangs or restarted)')
+def lost_task_message(cluster: cluster_lib.Cluster, steps: int, lost: list[str],
+                      unanswered: list[str] = ()) -> str:
+  """The error of a task whose step failed because another training task is lost.
+
+  Args:
+    cluster: this task's cluster.
+    steps: the training steps this task ran.
+    lost: the tasks whose address accepts no connection ('worker k (address)').
+    unanswered: the tasks that did not answer the probes (`peer_probe`), by name.
+  """
+  if unanswered and not lost:
+    who = (f'{" and ".join(unanswered)} stopped answering (it did not answer '
+           f'{peer_probe.FAILURES_TO_STOP} probes in a row during a step, though its address '
+           f'accepts connections: it hangs or restarted)')
+  else:
+    who = _lost(lost) or ('another training task stopped answering (every task\'s address '
+                          'accepts connections: one of them hangs or restarted)')
   return (f'estimator_towers: {task_name(cluster.task_type, cluster.task_index)} '
           f'({cluster.device}, rank {cluster.rank} of {cluster.num_workers} training tasks) '
           f'failed a training step after {steps} step(s): {who}. '
@@ -143,10 +166,18 @@ def lost_task_message(cluster: cluster_lib.Cluster, steps: int, lost: list[str])
 
 
 class _Progress:
-  """Training steps run in this process (shared by the hook and the scaffold)."""
+  """Training steps in this process (shared by the hooks and the scaffold): whether one
+  began, how many ended, the step timeout's timer, the tasks the probe found lost."""
 
   def __init__(self):
+    self.begun = False
     self.steps = 0
+    self.timer = None
+    self.lost = []
+
+  def cancel_timer(self):
+    if self.timer is not None:
+      self.timer.cancel()
 
 
 class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
@@ -176,7 +207,9 @@ class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
     self._timer.cancel()
 
   def before_run(self, run_context):
-    self._timer = threading.Timer(self._timeout_secs, self._report)
+    self._progress.begun = True
+    self._progress.cancel_timer()  # a failed step's (no after_run)
+    self._timer = self._progress.timer = threading.Timer(self._timeout_secs, self._report)
     self._timer.daemon = True
     self._timer.start()
     return tf.compat.v1.train.SessionRunArgs(
@@ -194,8 +227,8 @@ class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
   def _report_start(self):
     logs.error(
         'estimator_towers: %s (rank %d of %d training tasks) has waited %.0f s '
-        '(make_plan(worker_timeout_secs=...)) at its start for the other training '
-        'tasks (%s) to take the chief\'s variables: one of them has not started, or '
+        '(worker_timeout_secs of make_config or make_plan) at its start for the other '
+        'training tasks (%s) to take the chief\'s variables: one of them has not started, or '
         'cannot reach this one (check TF_CONFIG\'s addresses). If it does not '
         'answer, the start fails with DeadlineExceededError; start every task of '
         'the cluster.', self._cluster.device, self._cluster.rank,
@@ -206,7 +239,7 @@ class StepTimeoutHook(tf.compat.v1.train.SessionRunHook):
     lost = unreachable_tasks(self._cluster)
     logs.error(
         'estimator_towers: %s (rank %d of %d training tasks: %s) has waited %.0f s '
-        '(the step timeout, make_plan(worker_timeout_secs=...)) for the other '
+        '(the step timeout, worker_timeout_secs of make_config or make_plan) for the other '
         'workers\' all-reduce: %s. This step fails '
         'with DeadlineExceededError; restart the job, which resumes from the '
         'chief\'s last checkpoint.', self._cluster.device, self._cluster.rank,

@@ -74,10 +74,10 @@ def _identity(grad: Any) -> Any:
   if grad is None:
     return None
   if isinstance(grad, tf.IndexedSlices):
-    with tf.compat.v1.colocate_with(grad.values.op):
+    with tf.compat.v1.get_default_graph().colocate_with(grad.values.op):
       return tf.IndexedSlices(tf.identity(grad.values), tf.identity(grad.indices),
                               grad.dense_shape)
-  with tf.compat.v1.colocate_with(grad.op):
+  with tf.compat.v1.get_default_graph().colocate_with(grad.op):
     return tf.identity(grad)
 
 

@@ -33,7 +33,7 @@ def gate_inputs(shard: Any, nonempty: tf.Tensor) -> Any:
   if shard is None:
     return None
   def gate(t):
-    with tf.compat.v1.colocate_with(t):
+    with tf.compat.v1.get_default_graph().colocate_with(t):
       return _switch(t, nonempty)[1]
   return tf.nest.map_structure(gate, shard, expand_composites=True)
 

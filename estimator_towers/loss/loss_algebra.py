@@ -222,7 +222,7 @@ class Statistic:
     """This statistic of a shard whose counterpart of `source` is `source`."""
     if self.reduce is None:
       return source
-    with tf.compat.v1.colocate_with(source.op):
+    with tf.compat.v1.get_default_graph().colocate_with(source.op):
       if self.reduce == 'sum':
         return tf.reduce_sum(source)
       return tf.cast(tf.size(source), source.dtype)

@@ -203,7 +203,8 @@ def _clone(source: tf.Tensor, expression: Expression, inputs: Sequence[tf.Tensor
     memo[t.name] = loss_algebra.copy_op(op, [clone(i) for i in op.inputs]).outputs[t.value_index]
     return memo[t.name]
 
-  with tf.compat.v1.colocate_with(inputs[0].op) if inputs else tf.device(None), \
+  graph = tf.compat.v1.get_default_graph()
+  with graph.colocate_with(inputs[0].op) if inputs else tf.device(None), \
       tf.name_scope('micro_batch_normaliser'):
     return clone(source)
 

@@ -430,7 +430,7 @@ def for_train(setting: bool | None, graph: tf.Graph, shards: Any, tower_devices:
     if isinstance(ne, bool):
       present[k] = 1.0
     else:
-      with tf.compat.v1.colocate_with(ne), tf.name_scope('shard_inputs'):
+      with tf.compat.v1.get_default_graph().colocate_with(ne), tf.name_scope('shard_inputs'):
         present[k] = tf.cast(ne, tf.float32)
   return BatchNormSync(graph, {k: tower_devices[k] for k in shards.active}, present, across,
                        shared_devices=getattr(shards.layout, 'shares_devices', False))
