@@ -46,13 +46,15 @@ def register_inputs(graph: tf.Graph, tower: int, tensors: Iterable) -> None:
 
 def others(graph: tf.Graph, input_names: Iterable[str]):
   """`skip(op)`: the input indices of a table `op` that are other towers' parts than the one
-  tower whose shard inputs `input_names` are; None where no walk need skip anything."""
+  tower whose shard inputs are among `input_names` (the others there: values declared of a
+  kind, rows cut on the whole batch); None where they are no one tower's, or there is no
+  table."""
   found = _tables.get(graph)
   if not found:
     return None
   registered = _inputs.get(graph, {})
-  towers = {registered.get(name) for name in input_names}
-  if len(towers) != 1 or None in towers:
+  towers = {registered[name] for name in input_names if name in registered}
+  if len(towers) != 1:   # no one tower's inputs (others: declared kinds, cut rows)
     return None
   own = towers.pop()
 
