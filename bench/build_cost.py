@@ -24,7 +24,8 @@ bench/towers_bench.py's models at N = --n (plain: one device):
   python bench/build_cost.py --model=resnet --n=8 --profile_contenders=plain,towered,synced
   # the readers following every tower's part of a sync point's table (as before
   # `base.tower_parts`), against their own tower's part only:
-  python bench/build_cost.py --model=resnet --n=8 --profile_contenders=synced,synced_every_part --build_rounds=6
+  python bench/build_cost.py --model=resnet --n=8 \
+      --profile_contenders=synced,synced_every_part --build_rounds=7
   PYTHONPATH=<other checkout> python bench/build_cost.py ...   # the same for another build
 """
 

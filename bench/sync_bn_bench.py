@@ -37,7 +37,8 @@ collections walk every object still alive).
   python bench/sync_bn_bench.py            # the full run (about 4 minutes on 2 cores)
   python bench/sync_bn_bench.py --quick    # smoke run
   # time to first step only, each round's ratio to plain (process CPU seconds):
-  python bench/sync_bn_bench.py --first_step_only --first_step_contenders=plain,synced,towered --build_rounds=6
+  python bench/sync_bn_bench.py --first_step_only --first_step_contenders=plain,synced,towered \
+      --build_rounds=9
   python bench/sync_bn_bench.py --first_step_only --first_step_model=bert \
       --first_step_contenders=plain,towered --build_rounds=3
 
@@ -217,7 +218,8 @@ def first_steps(n: int, strategies: dict, started: float) -> dict:
             f'{t["first_run_cpu_sec"]:.2f})', flush=True)
   for contender, ts in times.items():   # within a round: each round's ratio to plain's
     if contender != 'plain' and 'plain' in times:
-      ratios = [t['first_step_cpu_sec'] / p['first_step_cpu_sec'] for t, p in zip(ts, times['plain'])]
+      ratios = [t['first_step_cpu_sec'] / p['first_step_cpu_sec']
+                for t, p in zip(ts, times['plain'])]
       print(f'first step {contender} / plain, process CPU, per round: '
             f'{", ".join(f"{r:.2f}" for r in ratios)} (median {_median(ratios):.2f})', flush=True)
   return {c: {key: _median([t[key] for t in ts]) for key in ts[0]} for c, ts in times.items()}
