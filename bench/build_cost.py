@@ -21,13 +21,19 @@ bench/towers_bench.py's models at N = --n (plain: one device):
    histogram), which tells whether a change to graph construction changed
    what a step executes.
 
-  python bench/build_cost.py --model=resnet --n=8 --contenders=plain,towered,synced
+  python bench/build_cost.py --model=resnet --n=8 --profile_contenders=plain,towered,synced
+  # the readers following every tower's part of a sync point's table (as before
+  # `base.tower_parts`), against their own tower's part only:
+  python bench/build_cost.py --model=resnet --n=8 \
+      --profile_contenders=synced,synced_every_part --build_rounds=7
   PYTHONPATH=<other checkout> python bench/build_cost.py ...   # the same for another build
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import gc
 import statistics
 import time
 
@@ -36,12 +42,15 @@ from absl import flags
 from absl import logging as absl_logging
 import tensorflow as tf
 
+from estimator_towers.base import tower_parts
 import benchlib
 import towers_bench as tb
 
 flags.DEFINE_string('model', 'resnet', 'mlp, resnet or bert (bench/bert_pretraining.py).')
 flags.DEFINE_integer('n', 8, 'Devices of the towered contenders.')
-flags.DEFINE_list('profile_contenders', ['plain', 'towered', 'synced'], 'Contenders.')
+flags.DEFINE_list('profile_contenders', ['plain', 'towered', 'synced'], 'Contenders (and '
+                  'synced_every_part: synced, with the row reader and the loss algebra '
+                  'following every tower\'s part of a sync point\'s table).')
 flags.DEFINE_bool('show_types', False, 'Print the executed graph\'s node types.')
 FLAGS = flags.FLAGS
 
@@ -50,11 +59,12 @@ def build_seconds(contender: str) -> tuple[float, int, float, float]:
   """CPU seconds of the model_fn call building a TRAIN graph, its ops, CPU seconds to import
   it, and the seconds of garbage collection during the model_fn call."""
   n = 1 if contender == 'plain' else FLAGS.n
-  estimator, input_fn = tb.make_estimator(FLAGS.model, contender, n, {})
-  with tf.Graph().as_default() as graph:
+  estimator, input_fn = tb.make_estimator(FLAGS.model, _built(contender), n, {})
+  with _every_part(contender), tf.Graph().as_default() as graph:
     tf.compat.v1.train.create_global_step()
     batch = tf.compat.v1.data.make_one_shot_iterator(input_fn()).get_next()
     features, labels = batch if isinstance(batch, tuple) else (batch, None)  # bert: no labels
+    gc.collect()   # each build from a collected heap: earlier builds' garbage is not its cost
     start = time.thread_time()
     with benchlib.collections_timed() as collected:
       estimator._call_model_fn(features, labels, tf.estimator.ModeKeys.TRAIN,  # pylint: disable=protected-access
@@ -66,6 +76,24 @@ def build_seconds(contender: str) -> tuple[float, int, float, float]:
     tf.graph_util.import_graph_def(graph_def, name='')
     imported = time.thread_time() - start
   return seconds, len(graph.get_operations()), imported, collected[0]
+
+
+def _built(contender: str) -> str:
+  return 'synced' if contender == 'synced_every_part' else contender
+
+
+@contextlib.contextmanager
+def _every_part(contender: str):
+  """For synced_every_part: walks over one tower's graph follow every part of a table."""
+  if contender != 'synced_every_part':
+    yield
+    return
+  others = tower_parts.others
+  tower_parts.others = lambda graph, names: None
+  try:
+    yield
+  finally:
+    tower_parts.others = others
 
 
 class _Partitions(tf.compat.v1.train.SessionRunHook):
@@ -89,9 +117,10 @@ class _Partitions(tf.compat.v1.train.SessionRunHook):
 def executed(contender: str) -> collections.Counter:
   """Node types of the graphs a training step executes."""
   n = 1 if contender == 'plain' else FLAGS.n
-  estimator, input_fn = tb.make_estimator(FLAGS.model, contender, n, {})
+  estimator, input_fn = tb.make_estimator(FLAGS.model, _built(contender), n, {})
   hook = _Partitions()
-  estimator.train(input_fn, steps=3, hooks=[hook])
+  with _every_part(contender):
+    estimator.train(input_fn, steps=3, hooks=[hook])
   return collections.Counter(node.op for graph in hook.graphs for node in graph.node)
 
 

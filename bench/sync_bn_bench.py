@@ -36,6 +36,11 @@ collections walk every object still alive).
 
   python bench/sync_bn_bench.py            # the full run (about 4 minutes on 2 cores)
   python bench/sync_bn_bench.py --quick    # smoke run
+  # time to first step only, each round's ratio to plain (process CPU seconds):
+  python bench/sync_bn_bench.py --first_step_only --first_step_contenders=plain,synced,towered \
+      --build_rounds=9
+  python bench/sync_bn_bench.py --first_step_only --first_step_model=bert \
+      --first_step_contenders=plain,towered --build_rounds=3
 
 Where a step's time goes op by op:
   python bench/towers_profile.py --model=resnet --n=4 --profile_contenders=towered,synced
@@ -68,6 +73,8 @@ flags.DEFINE_list('first_step_contenders', ['plain', 'towered', 'synced', 'mirro
 flags.DEFINE_string('first_step_model', 'resnet', 'Model of the first-step comparison: resnet '
                     '(ResNet-8) or bert (BERT\'s pre-training model_fn, bench/bert_pretraining.py; '
                     'no batch norm: synced is towered).')
+flags.DEFINE_bool('first_step_only', False, 'Only the first-step comparison (table 2), with each '
+                  'round\'s ratio to plain in the same round.')
 flags.DEFINE_string('measure_first_step', '', 'Internal: "contender:n"; time that first step '
                     'in this process, print it as JSON and exit.')
 FLAGS = flags.FLAGS
@@ -209,14 +216,21 @@ def first_steps(n: int, strategies: dict, started: float) -> dict:
             f'{t["first_step_cpu_sec"]:.2f} s (graph {t["graph_cpu_sec"]:.2f} of which model_fn '
             f'{t["model_fn_cpu_sec"]:.2f}, session {t["session_cpu_sec"]:.2f}, run '
             f'{t["first_run_cpu_sec"]:.2f})', flush=True)
+  for contender, ts in times.items():   # within a round: each round's ratio to plain's
+    if contender != 'plain' and 'plain' in times:
+      ratios = [t['first_step_cpu_sec'] / p['first_step_cpu_sec']
+                for t, p in zip(ts, times['plain'])]
+      print(f'first step {contender} / plain, process CPU, per round: '
+            f'{", ".join(f"{r:.2f}" for r in ratios)} (median {_median(ratios):.2f})', flush=True)
   return {c: {key: _median([t[key] for t in ts]) for key in ts[0]} for c, ts in times.items()}
 
 
-def print_tables(rates: list[dict], firsts: dict, n: int) -> None:
-  print('\nsynced (sync_batch_norm=True) / unsynced towers, ResNet-8:\n')
-  print('| N | unsynced ex/s | synced ex/s | synced / unsynced | unsynced first step (s) | '
-        'synced first step (s) | synced / unsynced |')
-  print('|---|---|---|---|---|---|---|')
+def print_tables(rates: list[dict], firsts: dict, n: int, rates_table: bool = True) -> None:
+  if rates_table:
+    print('\nsynced (sync_batch_norm=True) / unsynced towers, ResNet-8:\n')
+    print('| N | unsynced ex/s | synced ex/s | synced / unsynced | unsynced first step (s) | '
+          'synced first step (s) | synced / unsynced |')
+    print('|---|---|---|---|---|---|---|')
   for r in rates:
     print(f"| {r['n']} | {r['towered_examples_per_sec']:,.0f} | "
           f"{r['synced_examples_per_sec']:,.0f} | {r['ratio_examples_per_sec']:.2f} | "
@@ -262,9 +276,9 @@ def main(argv):
     for contender in ('plain', 'towered', 'synced', 'mirrored')[:4 if n else 3]:
       tb.time_first_step('mlp', contender, 1 if contender == 'plain' else n or 2, strategies)
   firsts = first_steps(n, strategies, started) if n else {}
-  rates = sync_rates(counts, strategies, started)
+  rates = [] if FLAGS.first_step_only else sync_rates(counts, strategies, started)
   print(f'\n# {header}; {(time.perf_counter() - started) / 60:.1f} min; {tb.load()} at end')
-  print_tables(rates, firsts, n)
+  print_tables(rates, firsts, n, rates_table=not FLAGS.first_step_only)
   sys.stdout.flush()
   os._exit(0)  # pylint: disable=protected-access  # sessions of MirroredStrategy: see towers_bench
 

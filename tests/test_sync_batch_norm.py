@@ -441,3 +441,52 @@ def test_training_does_not_accumulate_threads():
   before = _threads()
   towered.train(testlib.input_fn(x, y, 10, epochs=40), steps=40)  # 40 steps x 12 collectives
   assert _threads() - before < 100
+
+
+def _dropout_norm_model_fn(features, labels, mode, params):
+  """Dropout (keyed draws: values declared rows) before a fused batch norm."""
+  training = mode == ModeKeys.TRAIN
+  h = tf.compat.v1.layers.conv2d(
+      features, 4, 3, kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=1))
+  h = tf.compat.v1.layers.dropout(h, 0.3, training=training)
+  h = tf.compat.v1.layers.batch_normalization(h, training=training, fused=True)
+  loss = _head(tf.reduce_mean(tf.nn.relu(h), [1, 2]), labels, mode)
+  return _train_spec(mode, loss, tf.compat.v1.get_collection(UPDATE_OPS))
+
+
+def _readings(monkeypatch, model_fn, every_part: bool) -> list:
+  """The row reader's readings while a synced model is built on 3 towers (tower 0's);
+  with `every_part`, behind a join's table every tower's part is followed, as before the
+  tables' parts were recorded by tower (`base.tower_parts`)."""
+  from estimator_towers.base import tower_parts  # pylint: disable=g-import-not-at-top
+  from estimator_towers.rows import row_dependence  # pylint: disable=g-import-not-at-top
+  readings, read = [], row_dependence.read
+
+  def spy(*args):
+    readings.append(read(*args))
+    return readings[-1]
+  with monkeypatch.context() as patch:
+    patch.setattr(row_dependence, 'read', spy)
+    if every_part:
+      patch.setattr(tower_parts, 'others', lambda graph, names: None)
+    x, y = _images(6)
+    with tf.Graph().as_default():
+      tf.compat.v1.train.create_global_step()
+      _towered(model_fn)(tf.constant(x), tf.constant(y), ModeKeys.TRAIN, {})
+  return readings
+
+
+@pytest.mark.parametrize('model_fn', [resnet_model_fn, _dropout_norm_model_fn])
+def test_tower_zeros_readings_follow_only_its_own_part_of_a_join(model_fn, monkeypatch):
+  """Read back from tower 0's loss, a join's table leads to every tower's statistics and, behind
+  them, every tower's forward pass: the reader follows tower 0's part only (the others are other
+  shards' values) and reads every tensor it reads as when it followed them all."""
+  own, every = _readings(monkeypatch, model_fn, False), _readings(monkeypatch, model_fn, True)
+  assert len(own) == len(every) > 0
+  others = ('tower_1/', 'tower_2/')
+  assert any(op.name.startswith(others) for reading in every for op in reading.order)
+  for mine, theirs in zip(own, every):
+    assert not [op.name for op in mine.order if op.name.startswith(others)]
+    assert mine.kinds == {name: theirs.kinds[name] for name in mine.kinds}
+    assert [m.op.name for m in mine.mixing] == [m.op.name for m in theirs.mixing]
+    assert len(mine.order) < len(theirs.order)

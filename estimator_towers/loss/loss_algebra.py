@@ -60,6 +60,7 @@ import weakref
 import tensorflow as tf
 
 from estimator_towers.base import logs
+from estimator_towers.base import tower_parts
 from estimator_towers.draws import keyed
 from estimator_towers.rows import row_dependence
 from estimator_towers.towers import tower_context
@@ -137,6 +138,9 @@ class Dependence:
   def __init__(self, inputs: Sequence[tf.Tensor], variables: Sequence[Any] = ()):
     self.input_tensors = list(inputs)
     self.inputs = {t.op.name for t in inputs if isinstance(t, tf.Tensor)}
+    tensors = [t for t in inputs if isinstance(t, tf.Tensor)]
+    # of a sync point's table, this shard's tower's part only (`base.tower_parts`)
+    self.skip = tower_parts.others(tensors[0].graph, [t.name for t in tensors]) if tensors else None
     self._variables = set()
     for v in variables:
       handle = getattr(v, 'handle', None)
@@ -151,7 +155,8 @@ class Dependence:
     """
     key = (tensor.op.name, values)
     if key not in self._memo:
-      self._memo[key] = _search(tensor.op, self.inputs, self._variables, values, draws=True)
+      self._memo[key] = _search(tensor.op, self.inputs, self._variables, values, draws=True,
+                                skip=self.skip)
     return self._memo[key]
 
   def shard(self, tensor: tf.Tensor) -> bool:
@@ -159,9 +164,10 @@ class Dependence:
 
 
 def _search(start: tf.Operation, inputs: set, variables: set, values: bool,
-            draws: bool = False) -> tuple[bool, bool]:
+            draws: bool = False, skip: Callable | None = None) -> tuple[bool, bool]:
   """(reaches an op of `inputs`, reaches one of `variables`); `draws`: a keyed draw counts
-  as the shard's inputs (values of its examples, by their positions)."""
+  as the shard's inputs (values of its examples, by their positions); `skip(op)`: inputs of
+  a sync point's table that are other towers' parts, not followed."""
   shard = variable = False
   pending, seen = [start], set()
   while pending and len(seen) < _SEARCH_LIMIT and not (shard and variable):
@@ -175,9 +181,15 @@ def _search(start: tf.Operation, inputs: set, variables: set, values: bool,
     shard = shard or op.name in inputs
     variable = variable or op.name in variables
     if not (values and op.type in SHAPE_OPS):
-      pending.extend(t.op for t in op.inputs)
+      _extend(pending, op, skip)
     pending.extend(op.control_inputs)
   return shard, variable
+
+
+def _extend(pending: list, op: tf.Operation, skip: Callable | None) -> None:
+  """`pending` plus the ops of `op`'s inputs, but other towers' parts of a table (`skip`)."""
+  others = skip(op) if skip is not None else ()
+  pending.extend(t.op for i, t in enumerate(op.inputs) if i not in others)
 
 
 def depends_on(tensor: tf.Tensor, op_names: set) -> bool:
@@ -388,7 +400,7 @@ class _Parser:
       if op.type in _VALUE_SHAPED and self.dependence.shard(op.outputs[0]):
         return False
       if not keyed.built_by_draws(op):   # a keyed draw has one value per example
-        pending.extend(t.op for t in op.inputs)
+        _extend(pending, op, self.dependence.skip)
     return True
 
   def _nests(self, x: tf.Tensor) -> bool:
@@ -415,7 +427,7 @@ class _Parser:
           not self.batch_norms(op.outputs[0])):
         found = self.dependence.of(op.outputs[0], values=True)[0]
       if not keyed.built_by_draws(op):   # a keyed draw's own arithmetic is no statistic
-        pending.extend(t.op for t in op.inputs)
+        _extend(pending, op, self.dependence.skip)
     self._nested[x.op.name] = found
     return found
 

@@ -1,7 +1,8 @@
 """The reader: tower 0's graph from the shard's inputs to the targets, op by op.
 
 The rule. `read` walks back from the targets to the shard's inputs (not
-into what computes a declared statistic, nor into another shard's inputs)
+into what computes a declared statistic, nor into another shard's inputs, nor
+behind another tower's part of a sync point's table: `base.tower_parts`)
 and visits the ops in between in graph order, each after its inputs. An op
 that depends on no input of the shard gives no kind; one fed by a mixed
 tensor is mixed; otherwise its op type picks the family that reads it
@@ -29,6 +30,7 @@ import tensorflow as tf
 
 from estimator_towers.base import control_flow
 from estimator_towers.base import fixed_sums
+from estimator_towers.base import tower_parts
 from estimator_towers.rows import einsum
 from estimator_towers.rows import elementwise
 from estimator_towers.rows import flat
@@ -96,7 +98,8 @@ def read(targets: Sequence[tf.Tensor], input_kinds: dict, examples: int | None,
     # another shard's inputs (a row borrowed from this one): not this shard's
     return t.op.name.startswith('shard_inputs')
 
-  ops = _ops_before([t.op for t in targets if not declared(t)], stop)
+  ops = _ops_before([t.op for t in targets if not declared(t)], stop,
+                    tower_parts.others(targets[0].graph, input_kinds))
   reader = Reader(examples, declared)
   reader.kinds.update(input_kinds)
   reader.kinds.update(declared_stats)
@@ -117,8 +120,10 @@ def extend(reader: 'Reader', targets: Sequence[tf.Tensor]) -> None:
     reader.visit(op)
 
 
-def _ops_before(pending: list, stop: Callable[[tf.Tensor], bool]) -> list:
-  """The ops `pending` and what computes their inputs up to `stop`, in graph order."""
+def _ops_before(pending: list, stop: Callable[[tf.Tensor], bool],
+                skip: Callable[[tf.Operation], frozenset] | None = None) -> list:
+  """The ops `pending` and what computes their inputs up to `stop`, in graph order; of a
+  join's table (`skip`: its inputs that are other towers' parts), this tower's part only."""
   ops, seen = [], set()
   while pending and len(seen) < _SEARCH_LIMIT:
     op = pending.pop()
@@ -126,7 +131,8 @@ def _ops_before(pending: list, stop: Callable[[tf.Tensor], bool]) -> list:
       continue
     seen.add(op)
     ops.append(op)
-    pending.extend(t.op for t in op.inputs if not stop(t))
+    others = skip(op) if skip is not None else ()
+    pending.extend(t.op for i, t in enumerate(op.inputs) if i not in others and not stop(t))
   if ops:  # graph order (ops hash by identity: no name built per op of the graph)
     order = {op: i for i, op in enumerate(ops[0].graph.get_operations())}
     ops.sort(key=lambda op: order.get(op, -1))

@@ -58,6 +58,7 @@ import tensorflow as tf
 
 from estimator_towers.base import fixed_sums
 from estimator_towers.base import interception
+from estimator_towers.base import tower_parts
 from estimator_towers.sync_points import batch_norm_calls as calls
 from estimator_towers.sync_points import batch_norm_kernels as kernels
 from estimator_towers.sync_points import join as sync_points
@@ -425,6 +426,8 @@ def for_train(setting: bool | None, graph: tf.Graph, shards: Any, tower_devices:
     return unsynced.Unsynced(graph, shards.active[0], unsynced.REFUSE, micro_batches)
   if not setting:
     return unsynced.Unsynced(graph, shards.active[0], unsynced.OPT_OUT, micro_batches)
+  for k in shards.active:   # whose part of a join's table is whose (`base.tower_parts`)
+    tower_parts.register_inputs(graph, k, shards.flat(k))
   present = {}
   for k, ne in zip(shards.active, shards.nonempty):
     if isinstance(ne, bool):

@@ -14,24 +14,23 @@ the result back.
 `SyncPoint` is one statistic's joins: forward, and one per backward pass.
 `tables(graph)` names the joins' tables built in a graph: an op that reads
 one reads every tower's part (what a copy of a tower's ops must not copy).
+Each table's parts are recorded by tower (`base.tower_parts`): a walk over
+one tower's graph follows its own part only.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
-import weakref
 
 import tensorflow as tf
 
 from estimator_towers.base import interception
-
-
-_tables: 'weakref.WeakKeyDictionary[tf.Graph, set]' = weakref.WeakKeyDictionary()
+from estimator_towers.base import tower_parts
 
 
 def tables(graph: tf.Graph) -> frozenset:
   """The names of the joins' tables (every tower's part stacked) built in `graph`."""
-  return frozenset(_tables.get(graph, ()))
+  return tower_parts.tables(graph)
 
 
 class Exchange:
@@ -74,7 +73,7 @@ class Exchange:
     first = graph.version
     table = tf.stack([self._values.get(k, value) for k in self._towers])
     self._table = table.op
-    _tables.setdefault(graph, set()).add(table.op.name)
+    tower_parts.add_table(table.op, self._towers)   # input i: tower self._towers[i]'s part
     self._slots = {k: i for i, k in enumerate(self._towers) if k not in self._values}
     self._result, self._per_tower = fn(table), per_tower
     self.made = graph.get_operations()[first:]
