@@ -846,11 +846,15 @@ def test_worker_timeout_must_be_positive():
 # --- One machine: the same strategy between devices ----------------------------
 
 
+ONE_MACHINE_DATA = testlib.data(21)
+ONE_MACHINE_INPUT = testlib.input_fn(*ONE_MACHINE_DATA, 7, epochs=10)
+# Plain's runs, each computed once for both cases.
+ONE_MACHINE_REFERENCE = testlib.PlainTraining(testlib.v1_model_fn, ONE_MACHINE_INPUT)
+
+
 @pytest.mark.parametrize('micro_batches', [1, 2])
 def test_collective_on_one_machine_trains_as_plain(micro_batches):
-  x, y = testlib.data(21)
-  fn = testlib.input_fn(x, y, 7, epochs=10)
-  reference = testlib.PlainTraining(testlib.v1_model_fn, fn)
+  fn, reference = ONE_MACHINE_INPUT, ONE_MACHINE_REFERENCE
   towered = et.replicate_model_fn(testlib.v1_model_fn, devices=testlib.cpu_devices(2),
                                   variable_strategy='collective', micro_batches=micro_batches)
   testlib.check_towered_training(testlib.v1_model_fn, towered, 2, fn, reference,
