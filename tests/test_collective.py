@@ -132,12 +132,10 @@ class TogetherRuns:
   (tests/collective_scenarios_task.py): each task process imports TensorFlow once for all
   of them (most of a two-task cluster's CPU when each had processes of its own). Each run
   keeps its own cluster (ports), directory, spec and per-task log; a run that failed because
-  a port was taken, or after a run that failed, runs again alone (`Cluster.run`, fresh ports;
-  `fresh`: from an empty model_dir and dump, as the runs start)."""
+  a port was taken runs again alone (`Cluster.run`, fresh ports)."""
 
-  def __init__(self, clusters, timeout_per_run=150, fresh=True):
+  def __init__(self, clusters, timeout_per_run=150):
     self.clusters = clusters  # {key: Cluster}, run in this order
-    self.fresh = fresh
     self.timeout = timeout_per_run * max(len(clusters), 1)
     self.failures = {}  # {key: why}
 
@@ -176,12 +174,11 @@ class TogetherRuns:
       # A run after a failed one may have failed of it (its tasks then out of step): alone.
       if why and (_PORT_TAKEN in why or earlier_failed):
         earlier_failed = True
-        if self.fresh:
-          with open(cluster.spec_path) as f:
-            spec = json.load(f)
-          shutil.rmtree(spec['model_dir'], ignore_errors=True)
-          for name in os.listdir(spec['dump']):
-            os.remove(os.path.join(spec['dump'], name))
+        with open(cluster.spec_path) as f:
+          spec = json.load(f)
+        shutil.rmtree(spec['model_dir'], ignore_errors=True)  # a fresh start
+        for name in os.listdir(spec['dump']):
+          os.remove(os.path.join(spec['dump'], name))
         try:
           cluster.run()
           why = None

@@ -30,7 +30,6 @@ from estimator_towers.cluster import cross_worker
 from estimator_towers.inputs import position
 from estimator_towers.inputs import worker_positions
 from test_collective import Cluster
-from test_collective import TogetherRuns
 from test_collective import _spec
 
 # 20 examples, global batches of 6 (3 rows a worker): the checkpoint at step 4 is 4 examples
@@ -80,41 +79,16 @@ def uninterrupted(killed_after_a_checkpoint):
   return expected
 
 
-# The killed clusters' restarts on 2 workers (which of them the selected tests check), one
-# after the other by one chief and one worker process (test_collective.TogetherRuns).
-RESTARTS = {
-    'test_two_workers_killed_mid_epoch_resume_as_one_uninterrupted_device':
-        'killed_after_a_checkpoint',
-    'test_workers_reading_their_own_shards_resume_as_one_uninterrupted_device':
-        'shards_killed_after_a_checkpoint',
-}
-
-
-@pytest.fixture(scope='module')
-def restarted(request, tmp_path_factory):
-  """{killed fixture's name: the TogetherRuns of its restart (check(name) fails if it did)}."""
-  names = [RESTARTS[item.originalname] for item in request.session.items
-           if item.module is request.module and getattr(item, 'originalname', None) in RESTARTS]
-  clusters = {}
-  for name in dict.fromkeys(names):
-    tmp, spec, _ = request.getfixturevalue(name)
-    clusters[name] = Cluster(tmp, dict(spec, block_at=None))
-  runs = TogetherRuns(clusters, fresh=False)  # each resumes its checkpoint of step 4
-  started = time.time()
-  runs.run(tmp_path_factory.mktemp('restarts'))
-  print(f'{len(clusters)} clusters from step {KILLED_AT} to {RESUMED_TO}: '
-        f'{time.time() - started:.1f} s')
-  return runs
-
-
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(240)
 def test_two_workers_killed_mid_epoch_resume_as_one_uninterrupted_device(
-    killed_after_a_checkpoint, uninterrupted, restarted):
+    killed_after_a_checkpoint, uninterrupted):
   """Restarted on 2 workers from the checkpoint of step 4: the chief restores the input's
   position, each worker takes it from the chief; every variable and slot at step 7 equals
   the uninterrupted one-device run, and the worker's the chief's."""
   tmp, spec, _ = killed_after_a_checkpoint
-  restarted.check('killed_after_a_checkpoint')
+  started = time.time()
+  Cluster(tmp, dict(spec, block_at=None)).run()
+  print(f'cluster from step {KILLED_AT} to {RESUMED_TO}: {time.time() - started:.1f} s')
   for rank in (0, 1):
     assert (tmp / 'dump' / f'rank{rank}.npz.start').read_text() == str(KILLED_AT)
   chief = testlib.variables(testlib.make_estimator(collective_task.random_draws_model_fn,
@@ -197,14 +171,14 @@ def _killed(tmp, spec):
   return str(copy)
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(240)
 def test_workers_reading_their_own_shards_resume_as_one_uninterrupted_device(
-    shards_killed_after_a_checkpoint, restarted):
+    shards_killed_after_a_checkpoint):
   """Restarted on 2 workers from the checkpoint of step 4, which holds both workers'
   positions: at step 7 every variable and slot equals the one-device model_fn trained in
   one call on the global batches the shards make, and the worker's the chief's."""
   tmp, spec, _ = shards_killed_after_a_checkpoint
-  restarted.check('shards_killed_after_a_checkpoint')
+  Cluster(tmp, dict(spec, block_at=None)).run()
   for rank in (0, 1):
     assert (tmp / 'dump' / f'rank{rank}.npz.start').read_text() == str(KILLED_AT)
   features, labels = _shard_stream(np.load(spec['data']), RESUMED_TO)
