@@ -6,7 +6,10 @@ first checkpoint (with random draws: the model_fn decorated for one device,
 whose keyed draws every layout must draw); every worker's variables must be
 bit-equal to the chief's.
 Each cluster is a set of subprocesses (tests/collective_task.py) with free
-127.0.0.1 ports, bounded in time, killed by their own pids.
+127.0.0.1 ports, bounded in time, killed by their own pids. The two-worker
+training clusters run one after another in one process per task
+(tests/collective_scenarios_task.py, `TogetherRuns`): each still its own
+cluster, ports, directory and log, TensorFlow imported once for all of them.
 
 The input's position across workers: tests/test_collective_position.py.
 """
