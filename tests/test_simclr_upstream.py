@@ -171,29 +171,10 @@ def _plain_graph():
   return heavy_ops.train_graph(lambda f, l, m, p, c: model_fn(f, l, m, p), x, y, _params())
 
 
-class _HeavyOps(tf1.train.SessionRunHook):
-  """The heavy ops per device of the TRAIN graph Estimator built."""
-
-  def begin(self):
-    self.per_device = heavy_ops.per_device(tf1.get_default_graph())
-
-
-@functools.lru_cache(maxsize=None)
-def _towered_run(devices, dtype=np.float32):
-  """(variables after 2 steps, its TRAIN graph's heavy ops per device, the library's warnings
-  while it was built and trained) of the towered model_fn (sync batch norm)."""
+def _towered(devices, dtype=np.float32, sync_batch_norm=True):
   towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(devices),
-                                  sync_batch_norm=True)
-  hook = _HeavyOps()
-  with pytest.MonkeyPatch.context() as patch:
-    warned = testlib.logged_warnings(patch)
-    estimator = testlib.make_estimator(towered, num_cpus=devices, params=_params())
-    estimator.train(_input_fn(dtype), steps=2, hooks=[hook])
-  return testlib.variables(estimator), hook.per_device, list(warned)
-
-
-def _towered(devices, dtype=np.float32):
-  return _towered_run(devices, dtype)[0]
+                                  sync_batch_norm=sync_batch_norm)
+  return _train(towered, devices, dtype=dtype)
 
 
 def _largest_difference(actual: dict, expected: dict) -> float:
@@ -221,16 +202,12 @@ def _rounding_floor() -> float:
 def test_the_head_is_built_on_every_shard(devices, monkeypatch):
   """No warning: each shard's split views are found (main: 'shard 1 built no counterpart of
   split_1:0', the head split per shard, 0.47 off plain), and every device holds its share."""
-  if devices == 2:  # the graph test_two_steps_equal_plain_to_its_rounding_floor trains
-    _, per_device, warned = _towered_run(2)
-  else:
-    warned = testlib.logged_warnings(monkeypatch)
-    towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(devices),
-                                    sync_batch_norm=True)
-    x, y = _data()
-    per_device = heavy_ops.per_device(heavy_ops.train_graph(towered, x, y, _params()))
-  share = min(per_device.get(f'CPU:{i}', 0) for i in range(devices)) / heavy_ops.total(
-      _plain_graph())
+  warned = testlib.logged_warnings(monkeypatch)
+  towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(devices),
+                                  sync_batch_norm=True)
+  x, y = _data()
+  share = heavy_ops.least_share(heavy_ops.train_graph(towered, x, y, _params()), _plain_graph(),
+                                devices)
   assert not warned, warned
   assert share >= 0.9, share
 
