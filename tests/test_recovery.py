@@ -13,7 +13,6 @@ model_fn decorated for one device trained in one call on the same input_fn
 (within 1e-5).
 """
 
-import functools
 import json
 import os
 import queue
@@ -97,21 +96,12 @@ def restored_checkpoint(output: str) -> str:
   return os.path.basename(lines[-1].split('Restoring parameters from')[-1].strip())
 
 
-@functools.lru_cache(maxsize=None)
-def _one_device_variables(num_examples: int, max_steps: int) -> dict:
-  x, y = testlib.data(num_examples)
+def one_device_variables(x, y, max_steps: int) -> dict:
+  """The model_fn decorated for one device, one train() call on the same input_fn."""
   one_device = testlib.make_estimator(
       replicate_model_fn(testlib.v1_model_fn, devices=['/cpu:0']))
   one_device.train(recovery_task.input_fn(x, y), max_steps=max_steps)
   return testlib.variables(one_device)
-
-
-def one_device_variables(x, y, max_steps: int) -> dict:
-  """The model_fn decorated for one device, one train() call on the same input_fn (the data:
-  testlib.data(len(x)); computed once per data and step count, for both staging depths)."""
-  expected_x, expected_y = testlib.data(len(x))
-  assert np.array_equal(x, expected_x) and np.array_equal(y, expected_y)
-  return _one_device_variables(len(x), max_steps)
 
 
 @pytest.mark.timeout(420)
