@@ -134,8 +134,10 @@ class TogetherRuns:
   """Clusters run one after another by one process per task type
   (tests/collective_scenarios_task.py): each task process imports TensorFlow once for all
   of them (most of a two-task cluster's CPU when each had processes of its own). Each run
-  keeps its own cluster (ports), directory, spec and per-task log; a run that failed because
-  a port was taken runs again alone (`Cluster.run`, fresh ports)."""
+  keeps its own cluster (ports), directory, spec and per-task log, and its tasks' exit status
+  (`check`). A run that failed because a port was taken, or that followed a failed run (its
+  tasks may have been out of step), runs again alone from a fresh start (`Cluster.run`, fresh
+  ports): a failure that stays is the run's own."""
 
   def __init__(self, clusters, timeout_per_run=150):
     self.clusters = clusters  # {key: Cluster}, run in this order
