@@ -6,7 +6,10 @@ first checkpoint (with random draws: the model_fn decorated for one device,
 whose keyed draws every layout must draw); every worker's variables must be
 bit-equal to the chief's.
 Each cluster is a set of subprocesses (tests/collective_task.py) with free
-127.0.0.1 ports, bounded in time, killed by their own pids.
+127.0.0.1 ports, bounded in time, killed by their own pids. The two-worker
+training clusters run one after another in one process per task
+(tests/collective_scenarios_task.py, `TogetherRuns`): each still its own
+cluster, ports, directory and log, TensorFlow imported once for all of them.
 
 The input's position across workers: tests/test_collective_position.py.
 """
@@ -73,15 +76,19 @@ class Cluster:
     self.tasks = [('chief', 0), ('worker', 0)] + ([('evaluator', 0)] if evaluator else [])
     self.procs = {}
 
+  def tf_config(self, task_type, index=0):
+    return {'cluster': self.cluster, 'task': {'type': task_type, 'index': index}}
+
   def start(self, task_type, index=0):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES='', PYTHONPATH=ROOT, TF_CONFIG=json.dumps(
-        {'cluster': self.cluster, 'task': {'type': task_type, 'index': index}}))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES='', PYTHONPATH=ROOT,
+               TF_CONFIG=json.dumps(self.tf_config(task_type, index)))
     log = open(self.tmp_path / f'{task_type}{index}.log', 'wb')
     self.procs[task_type] = subprocess.Popen([sys.executable, SCRIPT, self.spec_path], env=env,
                                              stdout=log, stderr=subprocess.STDOUT)
 
   def log(self, task_type):
-    return (self.tmp_path / f'{task_type}0.log').read_text(errors='replace')
+    path = self.tmp_path / f'{task_type}0.log'
+    return path.read_text(errors='replace') if path.exists() else f'(no {path})'
 
   def wait(self, task_type, timeout):
     try:
@@ -117,6 +124,91 @@ class Cluster:
       self.cluster = {t: [f'127.0.0.1:{_free_port()}'] for t in self.cluster}
     for task_type, code in codes.items():
       assert code == 0, f'{task_type} exited with {code}:\n' + self.log(task_type)[-3000:]
+
+
+RUNS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                           'collective_scenarios_task.py')
+
+
+class TogetherRuns:
+  """Clusters run one after another by one process per task type
+  (tests/collective_scenarios_task.py): each task process imports TensorFlow once for all
+  of them (most of a two-task cluster's CPU when each had processes of its own). Each run
+  keeps its own cluster (ports), directory, spec and per-task log, and its tasks' exit status
+  (`check`). A run that failed because a port was taken, or that followed a failed run (its
+  tasks may have been out of step), runs again alone from a fresh start (`Cluster.run`, fresh
+  ports): a failure that stays is the run's own."""
+
+  def __init__(self, clusters, timeout_per_run=150):
+    self.clusters = clusters  # {key: Cluster}, run in this order
+    self.timeout = timeout_per_run * max(len(clusters), 1)
+    self.failures = {}  # {key: why}
+
+  def run(self, tmp):
+    plans = {}
+    for task_type in ('chief', 'worker', 'evaluator'):
+      plan = [{'spec': c.spec_path,
+               'tf_config': c.tf_config(task_type) if (task_type, 0) in c.tasks else None}
+              for c in self.clusters.values()]
+      if any(run['tf_config'] for run in plan):
+        plans[task_type] = plan
+    procs = {}
+    try:
+      for task_type, plan in plans.items():
+        with open(tmp / f'{task_type}.plan.json', 'w') as f:
+          json.dump(plan, f)
+        log = open(tmp / f'{task_type}.log', 'wb')
+        procs[task_type] = subprocess.Popen(
+            [sys.executable, RUNS_SCRIPT, task_type, str(tmp / f'{task_type}.plan.json')],
+            env=dict(os.environ, CUDA_VISIBLE_DEVICES='', PYTHONPATH=ROOT),
+            stdout=log, stderr=subprocess.STDOUT)
+      deadline = time.time() + self.timeout
+      for proc in procs.values():
+        try:
+          proc.wait(timeout=max(deadline - time.time(), 1))
+        except subprocess.TimeoutExpired:
+          break
+    finally:
+      for proc in procs.values():
+        if proc.poll() is None:
+          proc.kill()
+          proc.wait()
+    earlier_failed = False
+    for key, cluster in self.clusters.items():
+      why = self._failure(cluster, tmp)
+      # A run after a failed one may have failed of it (its tasks then out of step): alone.
+      if why and (_PORT_TAKEN in why or earlier_failed):
+        earlier_failed = True
+        with open(cluster.spec_path) as f:
+          spec = json.load(f)
+        shutil.rmtree(spec['model_dir'], ignore_errors=True)  # a fresh start
+        for name in os.listdir(spec['dump']):
+          os.remove(os.path.join(spec['dump'], name))
+        try:
+          cluster.run()
+          why = None
+        except AssertionError as e:
+          why = str(e)
+      elif why:
+        earlier_failed = True
+      if why:
+        self.failures[key] = why
+
+  def _failure(self, cluster, tmp):
+    """Why `cluster`'s run failed (None: every task ended with 0)."""
+    for task_type, _ in cluster.tasks:
+      status = cluster.tmp_path / f'{task_type}0.status'
+      if not status.exists():
+        process_log = (tmp / f'{task_type}.log').read_text(errors='replace')
+        return (f'{task_type} did not end its run within {self.timeout} s (all runs):\n'
+                + process_log[-2000:] + '\n' + cluster.log(task_type)[-3000:])
+      if status.read_text() != '0':
+        return f'{task_type} failed:\n' + cluster.log(task_type)[-3000:]
+    return None
+
+  def check(self, key):
+    assert key not in self.failures, self.failures[key]
+    return self.clusters[key]
 
 
 def _global_batches(data, sizes, batch=BATCH):
@@ -163,22 +255,118 @@ def _spec(tmp_path, model, towers, micro_batches=1, **extra):
   return spec
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize('model, micro_batches, evaluator', [
+# The two-worker training runs below, each a cluster of its own, are run one after another by
+# one chief and one worker process (`together`, `TogetherRuns`): a run's spec, its data's sizes
+# and whether an evaluator joins it, by key.
+TWO_WORKERS = [
     ('mean', 1, True),        # plain gradient descent on a mean; an evaluator
     ('bert', 2, False),       # a token-weighted ratio + a mean + an L2 penalty (one
                               # machine's two_terms), BERT's AdamWeightDecay, micro-batches,
                               # features only (the labels a feature), as BERT is fed
-])
+]
+CROSS_EXAMPLE = [('clip_weighted', 1), ('mixup', 1), ('attention', 1), ('clip', 2),
+                 ('batch_reductions', 1)]  # a batch top-k's head is CLIP's: on one machine only
+# The chief's input ends first: the worker's rows start after the chief's 6, then its 2, then 0.
+CHIEF_ENDS_FIRST = {0: 14, 1: 30}
+# Two global batches of 12: each worker's 6, then 6.
+TWO_STEPS = {0: 12, 1: 12}
+# Without synchronised batch norm: smaller batches (4 towers' shards while both have data).
+BN_UNSYNCED_SIZES, BN_UNSYNCED_BATCH = {0: 8, 1: 16}, 4
+
+
+def _run_sizes(key):
+  return {'random_draws': CHIEF_ENDS_FIRST, 'loop_draws': TWO_STEPS,
+          'bn_False': BN_UNSYNCED_SIZES}.get(key, SIZES)
+
+
+def _run_spec(key, tmp):
+  """(spec, evaluator) of the run `key`, its data written in `tmp`."""
+  data = _data(tmp / 'data.npz', _run_sizes(key))
+  batches = _global_batches(data, _run_sizes(key))
+  for model, micro_batches, evaluator in TWO_WORKERS:
+    if key == f'two_workers_{model}':
+      return _spec(tmp, model, 2, micro_batches, max_steps=len(batches) if evaluator else None,
+                   features_only=model == 'bert'), evaluator
+  for model, micro_batches in CROSS_EXAMPLE:
+    if key == f'cross_example_{model}':
+      return _spec(tmp, model, 2, micro_batches), False
+  if key == 'random_draws':
+    return _spec(tmp, 'random_draws', 2, save_every=1, keep=0), False
+  if key == 'loop_draws':
+    return _spec(tmp, 'recurrent_dropout', 2, save_every=1, keep=0), False
+  if key in ('bn_True', 'bn_False'):
+    sync = key == 'bn_True'
+    return _spec(tmp, 'bn', 2, batch=BATCH if sync else BN_UNSYNCED_BATCH,
+                 sync_batch_norm=sync), False
+  if key == 'finetune':
+    return _spec(tmp, 'finetune', 2, pretrained=_pretrained(tmp, batches)), False
+  raise KeyError(key)
+
+
+# Each test that checks a run: its key from its parameters.
+RUN_KEYS = {
+    'test_two_workers_of_two_towers_train_as_plain_on_the_global_batches':
+        lambda p: f"two_workers_{p['model']}",
+    'test_cross_example_losses_across_two_workers_of_two_towers':
+        lambda p: f"cross_example_{p['model']}",
+    'test_random_draws_across_two_workers_of_two_towers_equal_one_device':
+        lambda p: 'random_draws',
+    'test_loop_draws_across_two_workers_of_two_towers': lambda p: 'loop_draws',
+    'test_batch_norm_across_workers_trains_as_on_one_machine': lambda p: f"bn_{p['sync']}",
+    'test_warm_starts_across_two_workers_of_two_towers_train_as_plain': lambda p: 'finetune',
+}
+
+
+def _run_key(item):
+  callspec = getattr(item, 'callspec', None)
+  return RUN_KEYS[item.originalname](callspec.params if callspec else {})
+
+
+class _Together:
+  """The runs of the selected tests, run together at the first test that asks."""
+
+  def __init__(self, items, tmp_path_factory):
+    self._keys = list(dict.fromkeys(_run_key(item) for item in items))
+    self._factory = tmp_path_factory
+    self._runs = None
+
+  def run_of(self, item):
+    """(the Cluster of `item`'s run, its data) once every selected run has ended."""
+    if self._runs is None:
+      clusters = {}
+      for key in self._keys:
+        tmp = self._factory.mktemp(key)
+        spec, evaluator = _run_spec(key, tmp)
+        clusters[key] = Cluster(tmp, spec, evaluator=evaluator)
+      self._runs = TogetherRuns(clusters)
+      started = time.time()
+      self._runs.run(self._factory.mktemp('together'))
+      print(f'{len(clusters)} clusters: {time.time() - started:.1f} s')
+    cluster = self._runs.check(_run_key(item))
+    return cluster, dict(np.load(cluster.tmp_path / 'data.npz'))
+
+
+@pytest.fixture(scope='module')
+def together(request, tmp_path_factory):
+  items = [item for item in request.session.items
+           if item.module is request.module and getattr(item, 'originalname', None) in RUN_KEYS]
+  return _Together(items, tmp_path_factory)
+
+
+# The first test to ask runs them all: its time limit is theirs.
+TOGETHER_TIMEOUT = 1800
+
+
+@pytest.mark.timeout(TOGETHER_TIMEOUT)
+@pytest.mark.parametrize('model, micro_batches, evaluator', TWO_WORKERS)
 def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
-    tmp_path, model, micro_batches, evaluator):
-  data = _data(tmp_path / 'data.npz', SIZES)
+    tmp_path, together, request, model, micro_batches, evaluator):
+  del micro_batches  # the run's
+  cluster, data = together.run_of(request.node)
+  run_dir = cluster.tmp_path
   batches = _global_batches(data, SIZES)
-  spec = _spec(tmp_path, model, 2, micro_batches,
-               max_steps=len(batches) if evaluator else None, features_only=model == 'bert')
-  started = time.time()
-  Cluster(tmp_path, spec, evaluator=evaluator).run()
-  print(f'cluster: {time.time() - started:.1f} s')
+  with open(cluster.spec_path) as f:
+    spec = json.load(f)
 
   params = {'learning_rate': 0.1}
   model_fn = collective_task.MODELS[model]
@@ -187,11 +375,11 @@ def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
   moved = max(np.max(np.abs(first.get_tensor(n) - expected[n])) for n in expected
               if n != 'global_step')
   assert moved > 1e-2, moved  # training moved the weights far more than the tolerance
-  _assert_workers_equal_the_chief(tmp_path, chief, SIZES)
+  _assert_workers_equal_the_chief(run_dir, chief, SIZES)
   if evaluator:
-    with open(tmp_path / 'dump' / 'eval.json') as f:
+    with open(run_dir / 'dump' / 'eval.json') as f:
       reported = json.load(f)
-    data_e = np.load(tmp_path / 'data.npz')
+    data_e = np.load(run_dir / 'data.npz')
     eval_fn = collective_task.input_fn(data_e, 'e', BATCH)
     final = testlib.make_estimator(model_fn, model_dir=spec['model_dir'], params=params)
     plain_metrics = final.evaluate(eval_fn)
@@ -200,11 +388,10 @@ def test_two_workers_of_two_towers_train_as_plain_on_the_global_batches(
       testlib.assert_close(reported[key], plain_metrics[key], err_msg=key)
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize('model, micro_batches', [
-    ('clip_weighted', 1), ('mixup', 1), ('attention', 1), ('clip', 2),
-    ('batch_reductions', 1)])  # a batch top-k's head is CLIP's: on one machine only
-def test_cross_example_losses_across_two_workers_of_two_towers(tmp_path, model, micro_batches):
+@pytest.mark.timeout(TOGETHER_TIMEOUT)
+@pytest.mark.parametrize('model, micro_batches', CROSS_EXAMPLE)
+def test_cross_example_losses_across_two_workers_of_two_towers(tmp_path, together, request,
+                                                               model, micro_batches):
   """Issue 33: an in-batch softmax with a trained temperature (and a trained weight of its
   two terms), a batch top-k: the head on the cluster's rows (all-gathered in rank order; CLIP's
   row-wise, each worker its own rows against the cluster's columns; the worker's input ends
@@ -214,12 +401,13 @@ def test_cross_example_losses_across_two_workers_of_two_towers(tmp_path, model, 
   reductions: a max, a min, an arg-max's row and a logsumexp over the cluster's batch.
   With micro-batches the head reads a first pass's rows, gathered across the workers once
   per step."""
-  data = _data(tmp_path / 'data.npz', SIZES)
+  del micro_batches  # the run's
+  cluster, data = together.run_of(request.node)
   batches = _global_batches(data, SIZES)
-  spec = _spec(tmp_path, model, 2, micro_batches)
-  Cluster(tmp_path, spec).run()
+  with open(cluster.spec_path) as f:
+    spec = json.load(f)
   chief, _ = _chief_against_plain(tmp_path, spec, model, batches)
-  _assert_workers_equal_the_chief(tmp_path, chief, SIZES)
+  _assert_workers_equal_the_chief(cluster.tmp_path, chief, SIZES)
 
 
 def _chief_against_plain(tmp_path, spec, model, batches):
@@ -248,22 +436,19 @@ def _assert_workers_equal_the_chief(tmp_path, chief, sizes):
       np.testing.assert_array_equal(values[name], chief[name], err_msg=f'rank {rank} {name}')
 
 
-# The chief's input ends first: the worker's rows start after the chief's 6, then its 2, then 0.
-CHIEF_ENDS_FIRST = {0: 14, 1: 30}
-
-
-@pytest.mark.timeout(240)
-def test_random_draws_across_two_workers_of_two_towers_equal_one_device(tmp_path):
+@pytest.mark.timeout(TOGETHER_TIMEOUT)
+def test_random_draws_across_two_workers_of_two_towers_equal_one_device(tmp_path, together,
+                                                                        request):
   """Keyed draws (every common kind: `collective_task.random_draws_model_fn`) on 2
   workers x 2 towers draw what the model_fn decorated for one device draws on the global
   batches, each worker's rows at their global positions (the chief's input ends after 3
   steps: the batches are 12, 12, 8, 6, 6, the worker's rows after 6, 6, 2, 0, 0 of the
   chief's): every variable and slot after steps 1, 3 and 5 (the chief's checkpoint of every
   step, all kept)."""
-  data = _data(tmp_path / 'data.npz', CHIEF_ENDS_FIRST)
+  cluster, data = together.run_of(request.node)
   batches = _global_batches(data, CHIEF_ENDS_FIRST)
-  spec = _spec(tmp_path, 'random_draws', 2, save_every=1, keep=0)
-  Cluster(tmp_path, spec).run()
+  with open(cluster.spec_path) as f:
+    spec = json.load(f)
   one_device = et.replicate_model_fn(collective_task.random_draws_model_fn, devices=['/cpu:0'])
   reference = _plain_from(spec['model_dir'], 'model.ckpt-0', one_device,
                           {'learning_rate': 0.1}, tmp_path, save_checkpoints_steps=1,
@@ -277,23 +462,19 @@ def test_random_draws_across_two_workers_of_two_towers_equal_one_device(tmp_path
   chief = testlib.variables(testlib.make_estimator(collective_task.random_draws_model_fn,
                                                    model_dir=spec['model_dir']))
   assert chief['global_step'] == len(batches) == 5
-  _assert_workers_equal_the_chief(tmp_path, chief, CHIEF_ENDS_FIRST)
+  _assert_workers_equal_the_chief(cluster.tmp_path, chief, CHIEF_ENDS_FIRST)
 
 
-# Two global batches of 12: each worker's 6, then 6.
-TWO_STEPS = {0: 12, 1: 12}
-
-
-@pytest.mark.timeout(240)
-def test_loop_draws_across_two_workers_of_two_towers(tmp_path):
+@pytest.mark.timeout(TOGETHER_TIMEOUT)
+def test_loop_draws_across_two_workers_of_two_towers(tmp_path, together, request):
   """An LSTM's input, state and output dropout in `dynamic_rnn` (draws inside its while loop,
   keyed by the iteration too: `draws/loop_keys.py`) on 2 workers x 2 towers draw what the model_fn
   decorated for one device draws on the global batches: every variable and slot after
   steps 1 and 2, and every worker holds the chief's."""
-  data = _data(tmp_path / 'data.npz', TWO_STEPS)
+  cluster, data = together.run_of(request.node)
   batches = _global_batches(data, TWO_STEPS)
-  spec = _spec(tmp_path, 'recurrent_dropout', 2, save_every=1, keep=0)
-  Cluster(tmp_path, spec).run()
+  with open(cluster.spec_path) as f:
+    spec = json.load(f)
   model_fn = collective_task.recurrent_dropout_model_fn
   reference = _plain_from(spec['model_dir'], 'model.ckpt-0',
                           et.replicate_model_fn(model_fn, devices=['/cpu:0']),
@@ -307,12 +488,12 @@ def test_loop_draws_across_two_workers_of_two_towers(tmp_path):
         testlib.checkpoint_variables(os.path.join(reference.model_dir, checkpoint)))
   chief = testlib.variables(testlib.make_estimator(model_fn, model_dir=spec['model_dir']))
   assert chief['global_step'] == len(batches) == 2
-  _assert_workers_equal_the_chief(tmp_path, chief, TWO_STEPS)
+  _assert_workers_equal_the_chief(cluster.tmp_path, chief, TWO_STEPS)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(TOGETHER_TIMEOUT)
 @pytest.mark.parametrize('sync', [True, False])
-def test_batch_norm_across_workers_trains_as_on_one_machine(tmp_path, sync):
+def test_batch_norm_across_workers_trains_as_on_one_machine(tmp_path, together, request, sync):
   """Batch norm, its moving averages (UPDATE_OPS) and a static loss scale across workers.
 
   sync_batch_norm: plain on the global batches (statistics of the global batch,
@@ -321,13 +502,11 @@ def test_batch_norm_across_workers_trains_as_on_one_machine(tmp_path, sync):
   with the same shards: 4 towers while both workers have data, then 2 once
   the chief's input has ended (the moving averages are then the worker's).
   """
-  sizes, batch = (SIZES, BATCH) if sync else ({0: 8, 1: 16}, 4)
-  data = _data(tmp_path / 'data.npz', sizes)
+  sizes, batch = (SIZES, BATCH) if sync else (BN_UNSYNCED_SIZES, BN_UNSYNCED_BATCH)
+  cluster, data = together.run_of(request.node)
   batches = _global_batches(data, sizes, batch)
-  spec = _spec(tmp_path, 'bn', 2, batch=batch, sync_batch_norm=sync)
-  started = time.time()
-  Cluster(tmp_path, spec).run()
-  print(f'cluster: {time.time() - started:.1f} s')
+  with open(cluster.spec_path) as f:
+    spec = json.load(f)
 
   params = {'learning_rate': 0.1}
   model_fn = collective_task.bn_model_fn
@@ -354,7 +533,7 @@ def test_batch_norm_across_workers_trains_as_on_one_machine(tmp_path, sync):
   for name in averages:  # they moved (the second layer's mean: of tanh of normalised pairs, 0)
     if name != 'batch_normalization_1/moving_mean':
       assert np.max(np.abs(first.get_tensor(name) - chief[name])) > 1e-2, name
-  _assert_workers_equal_the_chief(tmp_path, chief, sizes)
+  _assert_workers_equal_the_chief(cluster.tmp_path, chief, sizes)
 
 
 @pytest.mark.timeout(240)
@@ -669,11 +848,15 @@ def test_worker_timeout_must_be_positive():
 # --- One machine: the same strategy between devices ----------------------------
 
 
+ONE_MACHINE_DATA = testlib.data(21)
+ONE_MACHINE_INPUT = testlib.input_fn(*ONE_MACHINE_DATA, 7, epochs=10)
+# Plain's runs, each computed once for both cases.
+ONE_MACHINE_REFERENCE = testlib.PlainTraining(testlib.v1_model_fn, ONE_MACHINE_INPUT)
+
+
 @pytest.mark.parametrize('micro_batches', [1, 2])
 def test_collective_on_one_machine_trains_as_plain(micro_batches):
-  x, y = testlib.data(21)
-  fn = testlib.input_fn(x, y, 7, epochs=10)
-  reference = testlib.PlainTraining(testlib.v1_model_fn, fn)
+  fn, reference = ONE_MACHINE_INPUT, ONE_MACHINE_REFERENCE
   towered = et.replicate_model_fn(testlib.v1_model_fn, devices=testlib.cpu_devices(2),
                                   variable_strategy='collective', micro_batches=micro_batches)
   testlib.check_towered_training(testlib.v1_model_fn, towered, 2, fn, reference,
@@ -760,8 +943,9 @@ def _pretrained(tmp_path, batches):
   return estimator.latest_checkpoint()
 
 
-@pytest.mark.timeout(240)
-def test_warm_starts_across_two_workers_of_two_towers_train_as_plain(tmp_path):
+@pytest.mark.timeout(TOGETHER_TIMEOUT)
+def test_warm_starts_across_two_workers_of_two_towers_train_as_plain(tmp_path, together,
+                                                                     request):
   """Fine-tuning from a pre-training checkpoint on 2 workers x 2 towers
   (`collective_task.finetune_model_fn`): `init_from_checkpoint` in the model_fn (BERT's
   pattern), Estimator's `warm_start_from` and a Scaffold's `init_fn`, each for a layer of its
@@ -771,11 +955,12 @@ def test_warm_starts_across_two_workers_of_two_towers_train_as_plain(tmp_path):
   its values from the broadcast), and the run equals the plain model_fn warm-started the same
   three ways and trained on the global batches from its own start (not the chief's checkpoint),
   the worker bit-equal to the chief."""
-  data = _data(tmp_path / 'data.npz', SIZES)
+  cluster, data = together.run_of(request.node)
+  run_dir = cluster.tmp_path
   batches = _global_batches(data, SIZES)
-  pretrained = _pretrained(tmp_path, batches)
-  spec = _spec(tmp_path, 'finetune', 2, pretrained=pretrained)
-  Cluster(tmp_path, spec).run()
+  with open(cluster.spec_path) as f:
+    spec = json.load(f)
+  pretrained = spec['pretrained']
 
   start = testlib.checkpoint_variables(os.path.join(spec['model_dir'], 'model.ckpt-0'))
   source = testlib.checkpoint_variables(pretrained)
@@ -783,8 +968,8 @@ def test_warm_starts_across_two_workers_of_two_towers_train_as_plain(tmp_path):
     for name in (f'{layer}/kernel', f'{layer}/bias'):
       np.testing.assert_array_equal(start[name], source[name], err_msg=name)
   assert np.max(np.abs(source['encoder/bias'])) > 1e-3  # pre-training moved them
-  assert (tmp_path / 'dump' / 'init_fn_chief').read_text() == 'ran\n'
-  assert not (tmp_path / 'dump' / 'init_fn_worker').exists()
+  assert (run_dir / 'dump' / 'init_fn_chief').read_text() == 'ran\n'
+  assert not (run_dir / 'dump' / 'init_fn_worker').exists()
 
   params = {'learning_rate': 0.1, 'pretrained': pretrained,
             'init_fn_marker': str(tmp_path / 'plain_init_fn')}
@@ -798,4 +983,4 @@ def test_warm_starts_across_two_workers_of_two_towers_train_as_plain(tmp_path):
                                                    model_dir=spec['model_dir'], params=params))
   assert chief['global_step'] == len(batches) == 5
   testlib.assert_variables_close(chief, expected)
-  _assert_workers_equal_the_chief(tmp_path, chief, SIZES)
+  _assert_workers_equal_the_chief(run_dir, chief, SIZES)
