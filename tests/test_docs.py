@@ -22,12 +22,11 @@ import collections
 import fnmatch
 import os
 import re
-import subprocess
-import sys
 
 from absl import flags
 
 from estimator_towers import define_flags
+import testlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, 'docs')
@@ -177,13 +176,7 @@ def quick_start() -> str:
 
 
 def test_readme_quick_start_runs_as_written(tmp_path):
-  script = tmp_path / 'quick_start.py'
-  script.write_text(quick_start())
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''),
-             TMPDIR=str(tmp_path), CUDA_VISIBLE_DEVICES='')
-  done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                        capture_output=True, text=True, timeout=240, check=False)
-  output = done.stdout + done.stderr
+  done, output = testlib.run_script(quick_start(), tmp_path, 240, 'quick_start.py')
   assert done.returncode == 0, output[-3000:]
   assert "'global_step': 20" in done.stdout, done.stdout[-2000:]
   # The model_dir (a mkdtemp under TMPDIR) holds the training graph: two towers.

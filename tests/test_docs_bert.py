@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import estimator_towers as et
+import testlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BERT_MD = os.path.join(ROOT, 'docs', 'bert.md')
@@ -53,13 +52,7 @@ def _section(heading: str) -> tuple[str, list[str]]:
 
 def test_try_it_on_cpu_runs_as_written_and_logs_what_the_page_shows(tmp_path):
   code, texts = _section('Try it on CPU')
-  script = tmp_path / 'bert_on_cpu.py'
-  script.write_text(code + _CHECKS)
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''),
-             TMPDIR=str(tmp_path), CUDA_VISIBLE_DEVICES='')
-  done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                        capture_output=True, text=True, timeout=300, check=False)
-  output = done.stdout + done.stderr
+  done, output = testlib.run_script(code + _CHECKS, tmp_path, 300, 'bert_on_cpu.py')
   assert done.returncode == 0, output[-3000:]
   trained = [d for d in tmp_path.iterdir() if (d / 'model.ckpt-5.index').exists()]
   assert len(trained) == 1, list(tmp_path.iterdir())   # the recipe's 5 steps

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -63,6 +64,20 @@ TF1_BEHAVIOURS = {
 NUM_FEATURES = 5
 NUM_CLASSES = 3
 LEARNING_RATE = 0.5
+
+
+def run_script(code: str, directory, timeout: int, name: str = 'snippet.py'):
+  """Runs `code` as a fresh Python program in `directory` (its TMPDIR too), this checkout on
+  its path and no GPUs: the CompletedProcess (text) and its stdout + stderr."""
+  script = os.path.join(str(directory), name)
+  with open(script, 'w') as f:
+    f.write(code)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get('PYTHONPATH', ''),
+             TMPDIR=str(directory), CUDA_VISIBLE_DEVICES='')
+  done = subprocess.run([sys.executable, script], cwd=str(directory), env=env,
+                        capture_output=True, text=True, timeout=timeout, check=False)
+  return done, done.stdout + done.stderr
 
 
 def cpu_devices(n: int) -> list[str]:
