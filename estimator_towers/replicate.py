@@ -445,7 +445,7 @@ def _build_train(builder: builder_lib.TowerBuilder, plan: plan_lib.DevicePlan, f
   if across is None:
     return merged
   merged = merged._replace(train_op=cross_worker.share_updates(
-      across, kept.get(GraphKeys.UPDATE_OPS, []), merged.train_op))
+      across, kept.get(GraphKeys.UPDATE_OPS, []), views.in_step(merged.train_op)))
   cross_worker.gate_updates(across, merged.train_op)
   return cluster_session.attach(merged, across)
 

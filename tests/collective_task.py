@@ -24,7 +24,8 @@ tf.compat.v1.disable_v2_behavior()), heavy_ops (each training task writes the pl
 model_fn's heavy ops and its TRAIN graph's per device to dump/heavy_ops<rank>.json), pretrained
 (a checkpoint of `pretrain_model_fn`: `finetune_model_fn` warm-starts from it, the Estimator's
 warm_start_from `warm_start_settings`; its Scaffold's init_fn writes dump/init_fn_<task type>),
-log_info (absl's verbosity INFO: the library's INFO lines in the task's log).
+log_info (absl's verbosity INFO: the library's INFO lines in the task's log),
+summary_every (the chief's summaries: every so many steps).
 """
 
 import json
@@ -380,6 +381,27 @@ def grid_softmax_model_fn(features, labels, mode, params):
   return _grid_spec(mode, weighted + in_batch, logits, labels)
 
 
+def summaries_model_fn(features, labels, mode, params):
+  """mean_model_fn with scalar summaries of batch values (the loss, an accuracy, the max
+  and min logit, a count of correct predictions, the number of examples, a token-weighted
+  mean) and a histogram of the logits (rows: this task's across workers)."""
+  logits = _dense(features['x'])
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  correct = tf.cast(tf.equal(tf.argmax(logits, 1, output_type=labels.dtype), labels),
+                    tf.float32)
+  tf.compat.v1.summary.scalar('my_loss', loss)
+  tf.compat.v1.summary.scalar('accuracy', tf.reduce_mean(correct))
+  tf.compat.v1.summary.scalar('max_logit', tf.reduce_max(logits))
+  tf.compat.v1.summary.scalar('min_logit', tf.reduce_min(logits))
+  tf.compat.v1.summary.scalar('correct', tf.reduce_sum(correct))
+  tf.compat.v1.summary.scalar('examples', tf.cast(tf.size(labels), tf.float32))
+  tf.compat.v1.summary.scalar('weighted', tf.reduce_sum(correct * features['w']) /
+                              (tf.reduce_sum(features['w']) + 1e-5))
+  tf.compat.v1.summary.histogram('logits', logits)
+  return _spec(mode, loss, logits, labels,
+               tf.compat.v1.train.GradientDescentOptimizer(params['learning_rate']))
+
+
 MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_model_fn,
           'bn': bn_model_fn, 'clip': clip_model_fn, 'top_k': top_k_model_fn,
           'clip_weighted': clip_weighted_model_fn, 'mixup': mixup_model_fn,
@@ -387,6 +409,7 @@ MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_m
           'random_draws': random_draws_model_fn,
           'recurrent_dropout': recurrent_dropout_model_fn, 'tf1_mix': tf1_mix_model_fn,
           'finetune': finetune_model_fn, 'grid_bn': grid_bn_model_fn,
+          'summaries': summaries_model_fn,
           'grid_softmax': grid_softmax_model_fn}
 
 
@@ -537,7 +560,8 @@ def main(spec_path):
                       shards=spec.get('shards'))
   model_fn = et.replicate_model_fn(MODELS[spec['model']], plan=plan)
   settings = dict(model_dir=spec['model_dir'], save_checkpoints_steps=spec.get('save_every', 1000),
-                  keep_checkpoint_max=spec.get('keep', 5), save_summary_steps=1000,
+                  keep_checkpoint_max=spec.get('keep', 5),
+                  save_summary_steps=spec.get('summary_every', 1000),
                   log_step_count_steps=1000)
   if spec.get('user_session_config'):  # the usual hand-made ConfigProto: no device filters
     run_config = tf.estimator.RunConfig(session_config=tf.compat.v1.ConfigProto(

@@ -14,7 +14,11 @@ WARNING per name at graph construction. A summary op reads its new input in
 place (`interception.replace_input`); a hook runs inside `Rebound`, which
 fetches the whole batch's tensor wherever the hook asks for tower 0's (the
 tensors a LoggingTensorHook logs or a NanTensorHook checks are known when the
-graph is built; any other hook gets the loss).
+graph is built; any other hook gets the loss). Across workers a scalar's view
+is the cluster's (its all-reduces run in every step on every task, `in_step`: a
+summary only the chief runs could not meet the others' alone); a view of rows
+is this task's, with one WARNING (the cluster's rows would cross the network in
+every step).
 """
 
 from __future__ import annotations
@@ -48,20 +52,30 @@ class WholeBatchViews:
     counterparts: tower 0's tensor -> every built tower's (None if unknown).
     shards: the towers' shards.
     graph: the graph.
-    batch: unused (this task's batch is the shards'); across: the cluster's
-      all-reduces, if any (the loss is the cluster's; other views this task's).
+    batch: the global batch's size (across workers the cluster's; on one machine the
+      shards' is used); across: the cluster's
+      all-reduces, if any: a scalar's view is the cluster's, its all-reduces run
+      in every step (`in_step`); a view of rows is this task's.
   """
 
   def __init__(self, loss: tuple, counterparts: Callable[[tf.Tensor], Sequence | None],
                shards: Any, graph: tf.Graph, batch: Any = None, across: Any = None):
     self._counterparts, self._shards, self._graph = counterparts, shards, graph
-    # Across workers a view is this task's share of the global batch: an all-reduce only
-    # a summary or a hook on one task reads would wait for the others forever.
-    self._batch, self._across, self._workers = shards.batch, None, across is not None
-    del batch
+    self._batch, self._across = (shards.batch if across is None else batch), across
     self._inputs = shards.flat(shards.active[0])
     self._views = {loss[0].name: loss[1]}
     self._dependence = loss_algebra.Dependence(self._inputs)
+    # Across workers: the cluster's views, whose all-reduces every task must run in every
+    # step (only the chief's summaries and hooks read them: alone, they would wait for the
+    # others forever); the views of this task's rows.
+    self._cluster_views: list[tf.Tensor] = []
+    self._task_rows: set[str] = set()
+
+  def in_step(self, train_op: Any) -> Any:
+    """`train_op`, running the cluster's views' all-reduces too (every task, every step)."""
+    if not self._cluster_views:
+      return train_op
+    return tf.group(train_op, *self._cluster_views, name='train_op_with_whole_batch_views')
 
   def whole(self, tensor: tf.Tensor, name: str) -> tf.Tensor:
     """The whole batch's `tensor` (tower 0's), or `tensor` itself, warned once by `name`."""
@@ -76,12 +90,15 @@ class WholeBatchViews:
           f'rows): on towers it shows tower 0\'s value, not one device\'s.',
           key=f'whole_batch_views:{name}')
       view = tensor
-    elif self._workers and view is not tensor:
+    elif tensor.name in self._task_rows:
       logs.warning_once(
-          f'estimator_towers: across workers, {name} reads {tensor.name} of this task\'s '
-          f'share of the global batch (its towers\' rows), not the whole cluster\'s: only '
-          f'the loss is the whole global batch\'s in a summary or hook.',
+          f'estimator_towers: across workers, {name} reads {tensor.name}, rows of the '
+          f'batch: it shows this task\'s rows (its towers\'), not the whole cluster\'s, '
+          f'which would cross the network in every step. Scalars (means, sums, ratios, '
+          f'maxima, minima over the batch) are the whole cluster\'s.',
           key='whole_batch_views:workers')
+    elif self._across is not None and view is not tensor:
+      self._cluster_views.append(view)
     self._views[tensor.name] = view
     return view
 
@@ -90,6 +107,8 @@ class WholeBatchViews:
       return tensor
     with tf.name_scope('whole_batch_views'):
       if self._is_rows(tensor):
+        if self._across is not None:
+          self._task_rows.add(tensor.name)
         return self._joined(tensor)
       if tensor.shape.num_elements() != 1:
         return None
@@ -97,7 +116,9 @@ class WholeBatchViews:
       if reduce is not None and self._is_rows(tensor.op.inputs[0]):   # over the batch
         rows = self._joined(tensor.op.inputs[0])
         if rows is not None:
-          return tf.reshape(reduce(rows), tf.shape(tensor))
+          total = (reduce(rows) if self._across is None
+                   else _across_workers(self._across, tensor.op.type, rows))
+          return None if total is None else tf.reshape(total, tf.shape(tensor))
       values = self._counterparts(tensor)
       if values is None or len(values) != len(self._shards.active):
         return None
@@ -144,6 +165,28 @@ class WholeBatchViews:
           self.whole(tensor, f'the hook {type(hook).__name__}')
       rebound.append(Rebound(hook, dict(self._views)))
     return tuple(rebound)
+
+
+def _across_workers(across: Any, reduction: str, rows: tf.Tensor) -> tf.Tensor | None:
+  """A reduction over every axis of the cluster's rows, from this task's `rows`: a sum
+  or a mean by an all-reduce, a max or a min over the tasks' own (a task whose input has
+  ended counts none); None for another (a product)."""
+  live = across.has_data
+  if reduction in ('Sum', 'Mean'):
+    if reduction == 'Mean' and not rows.dtype.is_floating:
+      return None
+    total = tf.reduce_sum(rows)
+    parts = [tf.where(live, total, tf.zeros_like(total))]
+    if reduction == 'Mean':
+      parts.append(tf.where(live, tf.cast(tf.size(rows), rows.dtype), tf.zeros([], rows.dtype)))
+    sums = across.sum(parts)
+    return sums[0] if reduction == 'Sum' else sums[0] / tf.maximum(sums[1], 1)
+  if reduction not in ('Max', 'Min'):
+    return None
+  reduce = tf.reduce_max if reduction == 'Max' else tf.reduce_min
+  bound = rows.dtype.min if reduction == 'Max' else rows.dtype.max
+  mine = tf.where(live, reduce(rows), tf.constant(bound, rows.dtype))
+  return reduce(across.gather(mine[None]))
 
 
 def _existing(graph: tf.Graph, name: str) -> Any:
