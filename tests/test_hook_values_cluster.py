@@ -13,8 +13,6 @@ on every task: the cluster finishes (a summary only the chief ran would wait
 for the worker forever).
 """
 
-import glob
-import os
 
 import numpy as np
 import pytest
@@ -33,19 +31,6 @@ SCALARS = ('loss', 'my_loss', 'accuracy', 'max_logit', 'min_logit', 'correct', '
            'weighted')
 
 
-def _events(model_dir):
-  """{tag: {step: value}}: scalars, and a histogram's count."""
-  found = {}
-  for path in glob.glob(os.path.join(model_dir, 'events.out.tfevents.*')):
-    for event in tf.compat.v1.train.summary_iterator(path):
-      for value in event.summary.value:
-        if value.HasField('simple_value'):
-          found.setdefault(value.tag, {})[event.step] = value.simple_value
-        elif value.HasField('histo'):
-          found.setdefault(value.tag, {})[event.step] = value.histo.num
-  return found
-
-
 @pytest.mark.timeout(240)
 def test_the_chief_s_summaries_show_the_cluster_s_values(tmp_path):
   sizes = {0: 24, 1: 24}   # 3 global batches of 16: 8 rows per task
@@ -56,7 +41,8 @@ def test_the_chief_s_summaries_show_the_cluster_s_values(tmp_path):
   plain = _plain_from(spec['model_dir'], 'model.ckpt-0', collective_task.summaries_model_fn,
                       {'learning_rate': 0.1}, tmp_path, save_summary_steps=1)
   plain.train(_batches_input_fn(batches), steps=len(batches))
-  cluster, expected = _events(spec['model_dir']), _events(plain.model_dir)
+  cluster, expected = (testlib.summary_values(d, histogram=lambda h: h.num)
+                       for d in (spec['model_dir'], plain.model_dir))
   for tag in SCALARS:
     steps = sorted(expected[tag])
     assert steps == [1, 2, 3] and sorted(cluster[tag]) == steps, (tag, cluster.get(tag))

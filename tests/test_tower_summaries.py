@@ -8,9 +8,7 @@ own global_step/sec (examples/sec is the batch size times that).
 
 from __future__ import annotations
 
-import glob
 import logging
-import os
 
 import numpy as np
 import pytest
@@ -48,17 +46,6 @@ def accuracy_model_fn(features, labels, mode, params):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
-def scalars(model_dir: str) -> dict[str, dict[int, float]]:
-  """tag -> {step: value} from every events file in model_dir."""
-  values = {}
-  for path in glob.glob(os.path.join(model_dir, 'events.out.tfevents.*')):
-    for event in tf.compat.v1.train.summary_iterator(path):
-      for value in event.summary.value:
-        if value.HasField('simple_value'):
-          values.setdefault(value.tag, {})[event.step] = value.simple_value
-  return values
-
-
 def first(values: dict[int, float]) -> float:
   """The value of the first step's summary (computed with the initial variables)."""
   return values[min(values)]
@@ -71,7 +58,7 @@ def train(model_fn, x, y, model_dir, num_cpus=1, steps=1, hooks=None, every=1,
   hooks = [h(estimator) for h in hooks or []]
   estimator.train(testlib.input_fn(x, y, len(x), static_batch=static_batch, epochs=steps),
                   steps=steps, hooks=hooks)
-  return scalars(model_dir)
+  return testlib.summary_values(model_dir)
 
 
 # Neither 2 nor 3 divides the batch of 7; the batch size is known in the graph

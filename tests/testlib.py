@@ -6,6 +6,7 @@ a plain Estimator on the same data.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shutil
@@ -78,6 +79,20 @@ def run_script(code: str, directory, timeout: int, name: str = 'snippet.py'):
   done = subprocess.run([sys.executable, script], cwd=str(directory), env=env,
                         capture_output=True, text=True, timeout=timeout, check=False)
   return done, done.stdout + done.stderr
+
+
+def summary_values(model_dir: str, histogram=None) -> dict[str, dict[int, object]]:
+  """tag -> {step: value} from every events file in model_dir: scalars, and with
+  `histogram`, each histogram as histogram(its HistogramProto)."""
+  values = {}
+  for path in glob.glob(os.path.join(model_dir, 'events.out.tfevents.*')):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        if value.HasField('simple_value'):
+          values.setdefault(value.tag, {})[event.step] = value.simple_value
+        elif histogram is not None and value.HasField('histo'):
+          values.setdefault(value.tag, {})[event.step] = histogram(value.histo)
+  return values
 
 
 def cpu_devices(n: int) -> list[str]:
