@@ -904,7 +904,7 @@ def test_a_session_config_without_device_filters_gets_the_task_s_own():
 # --- TF1 behaviour and warm starts across workers ------------------------------
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize('behaviour', ['v1', 'tensorshape', 'ref_variables', 'control_flow_v1'])
 def test_tf1_behaviour_across_two_workers_of_two_towers_trains_as_plain(tmp_path, behaviour):
   """Every task calls `disable_v2_behavior()` first (TF1 shapes, ref variables, control flow
@@ -916,8 +916,11 @@ def test_tf1_behaviour_across_two_workers_of_two_towers_trains_as_plain(tmp_path
   plain TRAIN graph's heavy ops (matrix products and einsums)."""
   data = _data(tmp_path / 'data.npz', SIZES)
   batches = _global_batches(data, SIZES)
-  spec = _spec(tmp_path, 'tf1_mix', 2, tf1=behaviour, sync_batch_norm=True, heavy_ops=True)
-  Cluster(tmp_path, spec).run()
+  # The session start's broadcast waits worker_timeout_secs for the other task, which under
+  # TF1 behaviour builds two graphs (its heavy ops' count): 120 s on a loaded machine.
+  spec = _spec(tmp_path, 'tf1_mix', 2, tf1=behaviour, sync_batch_norm=True, heavy_ops=True,
+               timeout=120)
+  Cluster(tmp_path, spec).run(timeout=210)
   chief, expected = _chief_against_plain(tmp_path, spec, 'tf1_mix', batches)
   assert {'query', 'key', 'batch_normalization/moving_mean',
           'batch_normalization/moving_variance', 'query/Momentum'} <= set(chief)
