@@ -16,12 +16,8 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from estimator_towers.base import interception
+from estimator_towers.base import updates
 
-# The ops that write a variable's state (resource and ref variables).
-_WRITES = frozenset({
-    'AssignAddVariableOp', 'AssignSubVariableOp', 'AssignVariableOp', 'AssignAdd',
-    'AssignSub', 'Assign', 'ResourceScatterAdd', 'ResourceScatterUpdate', 'ScatterAdd',
-    'ScatterUpdate'})
 _MOST_OPS = 10_000  # an update's own ops before its writes: a handful
 
 
@@ -31,7 +27,7 @@ def writes_of(update: Any) -> list[tf.Operation]:
   seen, queue, writes = {start}, [start], []
   while queue and len(seen) < _MOST_OPS:
     op = queue.pop()
-    if op.type in _WRITES:
+    if updates.is_update(op):
       writes.append(op)
       continue
     for parent in [t.op for t in op.inputs] + list(op.control_inputs):
