@@ -343,8 +343,7 @@ def _towered_spec(run, features, labels, mode, plan, placement, tower_devices, s
 
 def _build_towers(run, features, labels, mode, plan, placement, staged=None, across=None):
   """Shards -> towers -> the merged EstimatorSpec of `mode`."""
-  layout = grid.layout(plan.shards, len(placement.tower_devices), plan.micro_batches,
-                       across.size if across is not None else 1)
+  layout = grid.layout(plan.shards, len(placement.tower_devices), plan.micro_batches)
   shards = shards_lib.make_shards(features, labels, mode, placement.tower_devices, staged,
                                   layout, across.has_data if across is not None else None)
   draws = None

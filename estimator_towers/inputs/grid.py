@@ -112,14 +112,12 @@ def grid_devices(shards: int | None, devices: Sequence[str], micro_batches: int,
   return tower_devices(devices, shards // workers, micro_batches)
 
 
-def layout(shards: int | None, num_towers: int, micro_batches: int,
-           workers: int = 1) -> micro_batches_lib.Layout:
+def layout(shards: int | None, num_towers: int, micro_batches: int) -> micro_batches_lib.Layout:
   """The plan's layout: the grid's with shards (the default graph is then marked as
   built on it: `fixed_sums.active`), else one shard per device and micro-batch.
-  Across `workers`, each worker's towers take its S / W shards."""
+  Across workers, the towers are this worker's S / W shards (`grid_devices`)."""
   if shards is None:
     return micro_batches_lib.Layout(num_towers, micro_batches)
-  del workers  # the towers' devices are this worker's S / W shards (grid_devices)
   fixed_sums.mark(tf.compat.v1.get_default_graph(), shards)
   return GridLayout(num_towers, micro_batches)
 
