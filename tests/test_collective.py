@@ -123,7 +123,15 @@ class Cluster:
         break
       self.cluster = {t: [f'127.0.0.1:{_free_port()}'] for t in self.cluster}
     for task_type, code in codes.items():
-      assert code == 0, f'{task_type} exited with {code}:\n' + self.log(task_type)[-3000:]
+      assert code == 0, f'{task_type} exited with {code}:\n' + self.report(task_type)
+
+  def report(self, failed):
+    """The failed task's log's end, and every task's error lines (a task's own error is
+    often far above its log's end, under the op's creation stack)."""
+    lines = [f'{task_type}: {line}' for task_type, _ in self.tasks
+             for line in self.log(task_type).splitlines()
+             if re.match(r'^[\w.]*(Error|Exception|Exceeded)\b', line)]
+    return self.log(failed)[-2000:] + '\nerror lines of every task:\n' + '\n'.join(lines[-20:])
 
 
 RUNS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -780,6 +788,47 @@ def test_mixing_across_workers_is_cut_on_the_cluster_rows(monkeypatch, model, mi
   gathers = [op for op in graph.get_operations() if op.type.startswith('CollectiveReduce')
              and 'batch_mixing' in op.name]
   assert len(gathers) == reduces, [op.name for op in gathers]
+
+
+@pytest.mark.parametrize('use_resource', [False, True])
+def test_a_workers_tower_copies_read_their_variables_after_the_broadcast(monkeypatch,
+                                                                         use_resource):
+  """A worker initialises its own variables, then takes the chief's (the broadcast): every op
+  that reads a variable to initialise a tower's copy of it waits for the broadcast. A ref
+  variable's copy reads it through TensorFlow's `cond(is_variable_initialized(v), ...)`,
+  whose ops take the variable itself; reading it sooner fails ('uninitialized value') or
+  copies the worker's own initial value."""
+  def model_fn(features, labels, mode):
+    w = tf.compat.v1.get_variable('w', initializer=tf.ones([testlib.NUM_FEATURES, 3]),
+                                  use_resource=use_resource)
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, features['x'] @ w)
+    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+        loss, tf.compat.v1.train.get_or_create_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  graph = _train_graph(model_fn, monkeypatch, CHIEF_AND_WORKER)
+  variables = {v.op.name for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)}
+  copies = [v for v in graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES)
+            if '/replica_' in v.op.name]
+  assert copies
+  for copy in copies:
+    reads = [op for op in _input_closure(copy.initializer) if any(
+        t.op.name in variables for t in op.inputs)]
+    assert reads
+    for op in reads:
+      assert any(a.name.startswith('broadcast_from_chief/') for a in _input_closure(op, True)), (
+          f'{op.name} ({op.type}) reads {copy.op.name}\'s variable before the broadcast')
+
+
+def _input_closure(op, controls=False):
+  """The ops `op` waits for through its inputs (and, with `controls`, control inputs)."""
+  seen, stack, found = set(), [op], []
+  while stack:
+    op = stack.pop()
+    if op.name not in seen:
+      seen.add(op.name)
+      found.append(op)
+      stack.extend([t.op for t in op.inputs] + (list(op.control_inputs) if controls else []))
+  return found[1:]
 
 
 def test_chief_and_workers_without_ps_need_the_collective_strategy(monkeypatch):

@@ -53,12 +53,10 @@ def scaffold(base: tf.compat.v1.train.Scaffold | None, across: cross_worker.Cros
     broadcast = across.broadcast_from_chief(variables)
   # Local variables (the towers' copies of the variables) start from the
   # chief's values: their initial values are read after the broadcast.
+  before = _ancestors(broadcast)  # a read the broadcast waits for cannot wait for it
   for v in tf.compat.v1.local_variables():
-    initial = getattr(v, 'initial_value', None)
-    for op in [v.initializer] + ([initial.op] if initial is not None else []) + [
-        t.op for t in (initial.op.inputs if initial is not None else [])
-        if t.op.type == 'ReadVariableOp']:
-      if op.type != 'Const' and broadcast not in op.control_inputs:
+    for op in [v.initializer] + _variable_reads(v.initializer):
+      if broadcast not in op.control_inputs and op.name not in before:
         interception.add_control_inputs(op, [broadcast])
   local = (base.local_init_op if base.local_init_op is not None
            else tf.compat.v1.train.Scaffold.default_local_init_op())
@@ -75,6 +73,43 @@ def scaffold(base: tf.compat.v1.train.Scaffold | None, across: cross_worker.Cros
       local_init_op=tf.group(broadcast, local, name='local_init_from_chief'),
       summary_op=base.summary_op, saver=base.saver,
       local_init_feed_dict=base.local_init_feed_dict)
+
+
+def _variable_reads(initializer: tf.Operation) -> list[tf.Operation]:
+  """The ops computing `initializer`'s value that read a variable.
+
+  A resource variable's copy reads its original with a ReadVariableOp. A ref
+  variable's is rebuilt by TensorFlow as `cond(is_variable_initialized(v),
+  v, v.initial_value)`, whose IsVariableInitialized and RefSwitch take the
+  variable itself, on its device: each of these must wait for the broadcast,
+  or a worker's copy is read before its variable is initialised (an error)
+  or set (the worker's own initial value, silently).
+  """
+  reads, seen, stack = [], set(), list(initializer.inputs)
+  while stack:
+    op = stack.pop().op
+    if op.name in seen or op.type in _VARIABLE_OPS:
+      continue
+    seen.add(op.name)
+    if op.type == 'ReadVariableOp' or any(
+        t.dtype != t.dtype.base_dtype or t.op.type in _VARIABLE_OPS for t in op.inputs):
+      reads.append(op)
+    stack.extend(op.inputs)
+  return reads
+
+
+_VARIABLE_OPS = ('VariableV2', 'Variable', 'VarHandleOp')
+
+
+def _ancestors(op: tf.Operation) -> set[str]:
+  """The names of the ops `op` waits for (inputs and control inputs, transitively)."""
+  seen, stack = set(), [op]
+  while stack:
+    op = stack.pop()
+    if op.name not in seen:
+      seen.add(op.name)
+      stack.extend([t.op for t in op.inputs] + list(op.control_inputs))
+  return seen
 
 
 def _rebound(init_fn):
