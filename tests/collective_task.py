@@ -352,15 +352,17 @@ def _token_weighted(features, labels, h):
 
 
 def grid_bn_model_fn(features, labels, mode, params):
-  """A fixed shard grid's test model: a batch norm and dropout (keyed draws) under a
-  token-weighted loss; Adam."""
+  """A fixed shard grid's test model: two batch norms (the tf.nn.moments path on rank 2,
+  the fused kernel's on rank 4) and dropout (keyed draws) under a token-weighted loss;
+  Adam."""
   del params
   train = mode == tf.estimator.ModeKeys.TRAIN
-  h = tf.compat.v1.layers.dense(features['x'], 8,
+  h = tf.compat.v1.layers.dense(features['x'], 8, use_bias=False,
                                 kernel_initializer=tf.compat.v1.glorot_uniform_initializer(1))
   h = tf.nn.relu(tf.compat.v1.layers.batch_normalization(h, training=train))
-  loss, logits = _token_weighted(features, labels,
-                                 tf.compat.v1.layers.dropout(h, 0.3, training=train))
+  h = tf.compat.v1.layers.batch_normalization(tf.reshape(h, [-1, 2, 2, 2]), training=train)
+  loss, logits = _token_weighted(features, labels, tf.compat.v1.layers.dropout(
+      tf.reshape(h, [-1, 8]), 0.3, training=train))
   return _grid_spec(mode, loss, logits, labels)
 
 

@@ -11,16 +11,18 @@ over the tree on one worker, an all-gather). The references:
   the same values differs from the tree (so a sum taken in the ring's order
   would fail the comparison);
 - a cluster of 2 workers x 2 devices (`shards=8`, two shards per device) of
-  two models, a batch norm (each shard's own statistics: a synchronised one
-  is refused across workers) with dropout (keyed draws) under a token-weighted loss, and an in-batch softmax plus a token-weighted loss
+  two models, two synchronised batch norms (the tf.nn.moments path and the
+  fused kernel's: every shard's statistics gathered, the gradients' sums in
+  the grid's order) with dropout (keyed draws) under a token-weighted loss,
+  and an in-batch softmax plus a token-weighted loss
   (`collective_task.grid_bn_model_fn`, `grid_softmax_model_fn`), against the same model_fn
   decorated for one device on the same grid trained on the global batches from
   the cluster's first checkpoint: every variable and optimizer slot after 3
   steps `np.array_equal`.
 
 And the grid's conditions on a cluster, at graph construction: a worker's
-shards must be a power of two, the workers must meet at the collective's
-all-reduces every step, and a batch norm is not synchronised.
+shards must be a power of two, and the workers must meet at the collective's
+all-reduces every step.
 """
 
 import os
@@ -87,10 +89,10 @@ def test_two_workers_of_two_devices_equal_one_device_bit_for_bit(tmp_path, model
   sizes = {0: 24, 1: 24}  # 3 steps of 8 rows per worker: global batches of 16
   data = _data(tmp_path / 'data.npz', sizes)
   batches = _global_batches(data, sizes, batch=8)
-  spec = _spec(tmp_path, model, 2, batch=8, shards=8, sync_batch_norm=False)
+  spec = _spec(tmp_path, model, 2, batch=8, shards=8, sync_batch_norm=True)
   Cluster(tmp_path, spec).run()
   one_device = et.replicate_model_fn(collective_task.MODELS[model], devices=['/cpu:0'],
-                                     shards=8, sync_batch_norm=False)
+                                     shards=8)
   reference = _plain_from(spec['model_dir'], 'model.ckpt-0', one_device,
                           {'learning_rate': 0.1}, tmp_path)
   reference.train(_batches_input_fn(batches), steps=len(batches))
@@ -118,12 +120,3 @@ def test_shards_across_workers_that_do_not_meet_every_step_are_an_error(monkeypa
                                            r"variable_strategy='collective' \(got 'cpu'\)"):
     _train_graph(collective_task.mean_model_fn, monkeypatch, parameter_servers,
                  strategy='cpu', shards=4)
-
-
-def test_a_synchronised_batch_norm_across_workers_is_an_error(monkeypatch):
-  def model_fn(features, labels, mode):
-    return collective_task.grid_bn_model_fn(dict(features, w=tf.ones_like(labels, tf.float32)),
-                                            labels, mode, {})
-  with pytest.raises(ValueError, match=r'sync_batch_norm \(on by default\) with shards=S across '
-                                       r'workers is not supported.*sync_batch_norm=False'):
-    _train_graph(model_fn, monkeypatch, _CLUSTER, shards=4)

@@ -35,6 +35,13 @@ table of rows is every worker's, gathered by one all-reduce
 the statistics are the cluster's global batch's and every worker combines
 the same table.
 
+On the fixed shard grid (`shards=S`) every sum takes the grid's order: the
+table is every shard's row (across workers too, in shard order), a backward
+table's rows add over the grid's tree (then across workers in the same
+tree), and the `tf.nn.moments` path's gradient is explicit like the fused
+path's (`_grid_moments`), so that each shard's backward pass covers its own
+rows.
+
 Options whose result cannot equal the plain batch norm on the whole batch
 (`renorm`, `virtual_batch_size`, `adjustment` of a Keras layer) are errors when
 sync is on, and so are towers sharing a device, when a batch norm is built.
@@ -95,6 +102,7 @@ class BatchNormSync:
     self._builds: dict[int, int] = {}     # per tower: the build that made them
     self._presents_column = None
     self._moments_used = False
+    self._fixed = fixed_sums.active(graph)  # the shard grid: its order of sums (`_rows_sum`)
 
   @contextlib.contextmanager
   def syncing(self) -> Iterator[None]:
@@ -218,7 +226,9 @@ class BatchNormSync:
     workers' rows (rank order) combined the same way.
     """
     statistics = arithmetic.counted(tf.stop_gradient(table), rank, axis, self._presents())
-    if self._across is not None:
+    if self._across is not None and self._fixed:  # every shard's row, in shard order
+      statistics = arithmetic.split_table(self._across.gather(tf.concat(statistics, 1)))
+    elif self._across is not None:
       row = moments_lib.fused_row(arithmetic.combined(*statistics))
       statistics = arithmetic.split_table(self._across.gather(row[None]))
     return arithmetic.global_statistics(*statistics)
@@ -258,10 +268,11 @@ class BatchNormSync:
         variance=variance, count=count, reserve=reserve)
     return outputs[0]
 
-  def _gradient(self, dy, *, tower: int, kernel: 'kernels.FusedKernel',
+  def _gradient(self, dy, *unused, tower: int, kernel: 'kernels.FusedKernel',
                 point: sync_points.SyncPoint, x, scale, mean, variance, count, reserve
                 ) -> list:
     """`_fused_normalise`'s gradient for tower `tower` (its tensors `x` and `reserve`)."""
+    del unused  # the gradients of the IdentityN's other outputs (unused: None)
     dx, dscale, doffset = kernel.gradient(dy, x, scale, mean, variance, reserve)
     coefficients = point.backward(tower).join(
         tower, tf.stack([dscale, doffset]),
@@ -285,10 +296,9 @@ class BatchNormSync:
     """
     factor = arithmetic.correction_factor(scale, variance, count, epsilon)
     presents = self._presents(rank=3)
-    zero = arithmetic.const(0, tf.int32)
     if presents is None:
-      return [self._total(tf.reduce_sum(sums, zero)) * factor] * len(self._devices)
-    totals = self._total(tf.reduce_sum(sums * presents, zero))
+      return [self._total(self._rows_sum(sums)) * factor] * len(self._devices)
+    totals = self._total(self._rows_sum(sums * presents))
     return tf.unstack(presents * (totals * factor))
 
   def _presents(self, rank: int = 2):
@@ -315,8 +325,11 @@ class BatchNormSync:
     with tf.name_scope(name or 'sync_moments'):
       y = tf.cast(x, tf.float32) if x.dtype == tf.float16 else x
       axes = sorted(int(a) % rank for a in np.ravel(axes))
-      mean, squares, count = self._combine(tower, self._sync_point(tower),
-                                           *moments_lib.local_moments(y, axes))
+      point = self._sync_point(tower)
+      if self._fixed:  # the grid: no gradient through the join (`_grid_moments`)
+        mean, squares, count = self._grid_moments(tower, point, y, axes)
+      else:
+        mean, squares, count = self._combine(tower, point, *moments_lib.local_moments(y, axes))
       variance = squares / tf.maximum(count, 1.0)
       shape = moments_lib.dims(y, [a for a in range(rank) if keep or a not in axes], ones=axes)
       mean, variance = tf.reshape(mean, shape), tf.reshape(variance, shape)
@@ -325,6 +338,42 @@ class BatchNormSync:
       return mean, variance
 
   # -- The statistics ----------------------------------------------------------
+
+  def _grid_moments(self, tower: int, point: sync_points.SyncPoint, y: tf.Tensor, axes):
+    """`_combine` on the fixed shard grid: the global mean, M2 and count, whose gradient
+    with respect to `y` is explicit.
+
+    Differentiated through the join, shard k's backward pass (the grid has one
+    per shard) would reach every shard's rows (S passes over every shard), and
+    across workers other workers' rows. Instead, like the fused path, each
+    tower's gradients of the global mean and M2 meet at a backward exchange,
+    summed over the shards in the grid's order (`_rows_sum`, then across
+    workers), and each tower computes its own rows' gradient from the sums
+    (`moments_lib.moments_input_gradient`).
+    """
+    mean, squares, count = self._combine(
+        tower, point, *moments_lib.local_moments(tf.stop_gradient(y), axes))
+    kernels.register_gradient()
+    with self._graph.gradient_override_map({'IdentityN': kernels.GRADIENT}):
+      outputs = tf.raw_ops.IdentityN(input=[mean, squares, y])
+    kernels.pending_gradients.setdefault(self._graph, {})[outputs[0].op.name] = functools.partial(
+        self._moments_gradient, tower=tower, point=point, y=y, axes=axes, mean=mean,
+        count=count)
+    return outputs[0], outputs[1], count
+
+  def _moments_gradient(self, mean_grad, m2_grad, *unused, tower: int,
+                        point: sync_points.SyncPoint, y, axes, mean, count) -> list:
+    """`_grid_moments`' gradient for tower `tower`: None for the statistics, `y`'s."""
+    del unused
+    grads = [tf.zeros_like(mean) if g is None else g for g in (mean_grad, m2_grad)]
+
+    def totals(table):
+      presents = self._presents(rank=3)
+      return tf.unstack(self._total(self._rows_sum(
+          table if presents is None else table * presents)))
+    total_mean, total_m2 = point.backward(tower).join(tower, tf.stack(grads), totals)
+    grad = moments_lib.moments_input_gradient(y, axes, mean, count, total_mean, total_m2)
+    return [None, None, _times(grad, self._present[tower])]
 
   def _combine(self, tower: int, point: sync_points.SyncPoint, count, mean: tf.Tensor,
                m2: tf.Tensor):
@@ -340,8 +389,15 @@ class BatchNormSync:
             self._table(table, lambda t: moments_lib.chan_row(moments_lib.chan(t)))))
 
   def _table(self, table: tf.Tensor, combine: Callable[[tf.Tensor], tf.Tensor]) -> tf.Tensor:
-    """The towers' rows; across workers, every worker's towers combined to one row (rank order)."""
-    return table if self._across is None else self._across.gather(combine(table)[None])
+    """The towers' rows; across workers, every worker's towers combined to one row (rank
+    order), or on the shard grid every shard's row (shard order)."""
+    if self._across is None:
+      return table
+    return self._across.gather(table if self._fixed else combine(table)[None])
+
+  def _rows_sum(self, table: tf.Tensor) -> tf.Tensor:
+    """The sum of the towers' rows of a backward table; on the grid in its order."""
+    return moments_lib.rows_sum(table, self._fixed)
 
   def _total(self, sums: tf.Tensor) -> tf.Tensor:
     """The towers' sums, and across workers the cluster's."""
@@ -371,18 +427,8 @@ class BatchNormSync:
     return self._points[i]
 
   def _check_devices(self) -> None:
-    """Towers sharing a device (the CPU fallback) cannot exchange statistics, nor can the
-    fixed shard grid's towers across workers keep one order: errors, raised when a batch
-    norm is built."""
-    if self._across is not None and fixed_sums.active(self._graph):
-      raise BatchNormSyncError(
-          'sync_batch_norm (on by default) with shards=S across workers is not '
-          'supported: a synchronised batch norm\'s gradient reaches every shard\'s '
-          'rows, which across workers would be summed in another order than on one '
-          'device, so the checkpoints would not be bit-identical. Pass '
-          'sync_batch_norm=False (--nosync_batch_norm): each shard\'s own statistics '
-          '(over its B / S rows), the same on every topology of the grid; or train '
-          'the grid on one machine, or without shards across workers.')
+    """Towers sharing a device (the CPU fallback) cannot exchange statistics: an error,
+    raised when a batch norm is built."""
     devices = self._devices
     if not self._shared_devices and len(set(devices.values())) != len(devices):
       raise BatchNormSyncError(

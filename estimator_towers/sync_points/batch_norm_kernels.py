@@ -16,8 +16,9 @@ import weakref
 
 import tensorflow as tf
 
-# The gradient of a synchronised fused batch norm: an IdentityN of (y, x, scale,
-# offset) carries it; the function is looked up by graph and op name.
+# The gradient of a synchronised batch norm: an IdentityN carries it (the fused path's of
+# (y, x, scale, offset), the grid's moments' of (mean, M2, x)); the function, given the
+# gradients of the IdentityN's outputs, is looked up by graph and op name.
 GRADIENT = 'EstimatorTowersSyncBatchNorm'
 pending_gradients: 'weakref.WeakKeyDictionary[tf.Graph, dict]' = weakref.WeakKeyDictionary()
 _registered = []
@@ -29,7 +30,7 @@ def register_gradient() -> None:
     _registered.append(GRADIENT)
 
 
-def _sync_gradient(op: tf.Operation, dy: tf.Tensor, *unused) -> list:
+def _sync_gradient(op: tf.Operation, *grads) -> list:
   grad = pending_gradients.get(op.graph, {}).get(op.name)
   if grad is None:
     raise LookupError(
@@ -37,7 +38,7 @@ def _sync_gradient(op: tf.Operation, dy: tf.Tensor, *unused) -> list:
         f'graph (this one was copied or imported); its gradient exists only in the graph '
         f'the towers were built in. Differentiate that graph, or build the towered '
         f'model_fn again in this one.')
-  return grad(dy)
+  return grad(*grads)
 
 
 class FusedKernel:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from estimator_towers.base import fixed_sums
 from estimator_towers.base import shapes
 from estimator_towers.sync_points import batch_norm_kernels as kernels
 
@@ -149,6 +150,29 @@ class Arithmetic:
     """scale / (s n), s = sqrt(variance + epsilon): the forward's part of the correction."""
     inverse = tf.math.rsqrt(variance + self.const(epsilon)) / tf.maximum(count, self.const(1.0))
     return scale * inverse
+
+
+def rows_sum(table: tf.Tensor, fixed: bool) -> tf.Tensor:
+  """The sum of a table's rows (the towers' parts, in shard order); on the fixed shard
+  grid (`fixed`) over the grid's summation tree, so that every topology adds them alike."""
+  if not fixed:
+    return tf.reduce_sum(table, 0)
+  return fixed_sums.sum_in_order(tf.unstack(table))
+
+
+def moments_input_gradient(y: tf.Tensor, axes: Sequence[int], mean: tf.Tensor,
+                           count: tf.Tensor, mean_grad: tf.Tensor, m2_grad: tf.Tensor
+                           ) -> tf.Tensor:
+  """A shard's input gradient of the global mean and M2 over `axes` (flattened per the rest).
+
+  With n the global count and mu the global mean, d mean / d y = 1 / n and
+  d M2 / d y = 2 (y - mu) on every row, so `y`'s gradient is
+  mean_grad / n + 2 m2_grad (y - mu), given the global batch's gradients of
+  the two (every shard's part of them summed).
+  """
+  shape = dims(y, range(y.shape.rank), ones=axes)
+  mu, g_mean, g_m2 = (tf.reshape(t, shape) for t in (mean, mean_grad, m2_grad))
+  return g_mean / tf.maximum(count, 1.0) + 2.0 * g_m2 * (y - mu)
 
 
 def local_moments(x: tf.Tensor, axes: Sequence[int]):
