@@ -368,12 +368,12 @@ def grid_bn_model_fn(features, labels, mode, params):
 
 def grid_softmax_model_fn(features, labels, mode, params):
   """A fixed shard grid's test model: an in-batch softmax of two projections (the whole-batch
-  head) plus a token-weighted loss; Adam. No dropout: across workers, a head's first pass
-  (the grid's per-shard backward passes) cannot copy keyed draws, whose positions are an
-  all-reduce (an error at graph construction)."""
+  head) of dropped-out features (keyed draws, which the head's first pass draws again) plus a
+  token-weighted loss; Adam."""
   del params
   init = tf.compat.v1.glorot_uniform_initializer
-  x = features['x']
+  x = tf.compat.v1.layers.dropout(features['x'], 0.2,
+                                  training=mode == tf.estimator.ModeKeys.TRAIN)
   q = tf.math.l2_normalize(tf.compat.v1.layers.dense(x, 4, kernel_initializer=init(seed=3)), -1)
   d = tf.math.l2_normalize(tf.compat.v1.layers.dense(tf.nn.tanh(x), 4,
                                                      kernel_initializer=init(seed=4)), -1)

@@ -323,6 +323,16 @@ def test_micro_batches_refuse_a_random_op_before_the_cut_drawn_per_shard():
     _build('dropout_before_the_cut', num_devices=1, micro_batches=3, random_draws='per_shard')
 
 
+def test_the_grid_refuses_a_random_op_before_the_cut_drawn_per_shard():
+  """The grid's shards each have a backward pass of their own: the same two passes."""
+  with pytest.raises(ValueError, match=r"shards=S cannot train the loss .* exactly: "
+                                       r"it mixes the batch's rows, so each shard's rows "
+                                       r"of .* are computed twice.*through the stateful op "
+                                       r"dropout/random_uniform/RandomUniform \(RandomUniform\)"
+                                       r".*train without shards=S"):
+    _build('dropout_before_the_cut', num_devices=1, shards=2, random_draws='per_shard')
+
+
 def test_micro_batches_run_after_the_cached_gradient():
   """Every micro-batch's inputs wait for the head's gradient; a device's first passes chain."""
   with tf.Graph().as_default() as graph:

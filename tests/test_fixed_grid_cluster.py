@@ -14,7 +14,7 @@ over the tree on one worker, an all-gather). The references:
   two models, two synchronised batch norms (the tf.nn.moments path and the
   fused kernel's: every shard's statistics gathered, the gradients' sums in
   the grid's order) with dropout (keyed draws) under a token-weighted loss,
-  and an in-batch softmax plus a token-weighted loss
+  and an in-batch softmax of dropped-out features plus a token-weighted loss
   (`collective_task.grid_bn_model_fn`, `grid_softmax_model_fn`), against the same model_fn
   decorated for one device on the same grid trained on the global batches from
   the cluster's first checkpoint: every variable and optimizer slot after 3

@@ -113,9 +113,12 @@ _of_graph: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # graph -> 
 
 def positions_for(graph: tf.Graph, k: int) -> dict:
   """{tower 0's position tensor's name: shard k's}: what a copy of tower 0's ops for shard k
-  reads in place of tower 0's, for its keyed draws ({} without keyed draws)."""
+  reads in place of tower 0's, for its keyed draws ({} without keyed draws); and the global
+  batch's size, every shard's (across workers an all-reduce, which a copy cannot run again)."""
   draws = _of_graph.get(graph)
-  return {} if draws is None else {draws.position(0).name: draws.position(k)}
+  if draws is None:
+    return {}
+  return {draws.position(0).name: draws.position(k), draws.batch.name: draws.batch}
 
 
 def with_step_order(spec: tf.estimator.EstimatorSpec) -> tf.estimator.EstimatorSpec:

@@ -45,6 +45,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from estimator_towers.base import fixed_sums
 from estimator_towers.draws import keyed
 from estimator_towers.heads import chunked_head
 from estimator_towers.heads import whole_batch_head
@@ -177,15 +178,19 @@ class _FirstPass:
   def _check_stateless(self, op: tf.Operation, target: tf.Tensor) -> None:
     if not op.op_def.is_stateful or op.type in _READS:
       return
+    grid = fixed_sums.active(op.graph)  # the grid's shards: one backward pass each
     raise ValueError(
-        f'micro_batches > 1 cannot train the loss {self._loss.name} exactly: it mixes '
-        f'the batch\'s rows, so each micro-batch\'s rows of {target.name} (read by the '
+        f'{"shards=S" if grid else "micro_batches > 1"} cannot train the loss '
+        f'{self._loss.name} exactly: it mixes the batch\'s rows, so each '
+        f'{"shard" if grid else "micro-batch"}\'s rows of {target.name} (read by the '
         f'mixing ops) are computed twice, once for the whole batch\'s head and once for '
-        f'the micro-batch\'s backward pass, but they are computed through the stateful op '
+        f'its own backward pass, but they are computed through the stateful op '
         f'{op.name} ({op.type}), which would give other values the second time (as '
         f'dropout\'s random mask does). Apply it after the mixing ops read those rows '
         f'(the head runs once, on the whole batch), use a stateless op with a fixed seed '
-        f'(tf.random.stateless_uniform), or use micro_batches=1 (towers alone are exact).')
+        f'(tf.random.stateless_uniform), or '
+        + ('train without shards=S (towers alone are exact to float32 rounding).' if grid
+           else 'use micro_batches=1 (towers alone are exact).'))
 
 
 def _copy_op(op: tf.Operation, inputs: list) -> tf.Operation:
