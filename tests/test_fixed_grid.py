@@ -25,10 +25,10 @@ comparisons can fail; with the fixed summation order taken out
 (`fixed_order.FixedOrder.total` as a device-first AddN) the 4-device run
 differs too. EVAL's metrics (weighted means) are bit-identical on every topology
 too, their state adding the shards' parts in shard order; the control adds them
-in reverse order. The divisibility error names the divisors of S.
+in reverse order. Staged input (`staged_input_fn`) is bit-identical too, its
+towers staged by the grid's cut. The divisibility error names the divisors of S.
 """
 
-import re
 import tempfile
 
 import numpy as np
@@ -141,10 +141,10 @@ def _train(model, devices, micro=1, shards=S, steps=STEPS, strategy='auto', batc
 _REFERENCES = {}
 
 
-def _reference(model):
-  if model not in _REFERENCES:
-    _REFERENCES[model] = _train(model, 1)
-  return _REFERENCES[model]
+def _reference(model, batch=B):
+  if (model, batch) not in _REFERENCES:
+    _REFERENCES[model, batch] = _train(model, 1, batch=batch)
+  return _REFERENCES[model, batch]
 
 
 def _differing(actual, expected):
@@ -172,8 +172,7 @@ def test_bit_identical_under_every_variable_strategy(strategy, devices):
 
 def test_uneven_shards_of_a_batch_known_at_run_time():
   """14 rows in 4 shards (4, 4, 3, 3) by the one rule, the batch size a run-time value."""
-  expected = _train('dense', 1, batch=14)
-  assert _differing(_train('dense', 4, batch=14), expected) == []
+  assert _differing(_train('dense', 4, batch=14), _reference('dense', batch=14)) == []
 
 
 @pytest.mark.parametrize('model', ['batch_norm', 'in_batch_softmax'])
@@ -245,26 +244,16 @@ def test_divisibility_error_at_graph_construction():
          config=testlib.run_config(4))
 
 
-def _build_with(plan):
-  staged = et.staged_input_fn(input_fn, plan)
-  with tf.Graph().as_default():
-    tf.compat.v1.train.get_or_create_global_step()
-    read = staged()
-    if isinstance(read, tf.data.Dataset):   # staging_depth=0: the input_fn unchanged
-      read = tf.compat.v1.data.make_one_shot_iterator(read).get_next()
-    features, labels = read
-    et.replicate_model_fn(dense_model, plan=plan)(
-        features, labels, mode=tf.estimator.ModeKeys.TRAIN, config=testlib.run_config(2))
-
-
-def test_staged_input_error_names_a_fix_of_make_plan():
-  """shards with staged_input_fn: an error whose fix is make_plan's argument (the plan's
-  function; replicate_model_fn has no staging_depth), and the fix builds the graph."""
-  plan = et.make_plan(devices=testlib.cpu_devices(2), shards=2)
-  with pytest.raises(grid.GridError, match=re.escape(
-      'shards=2 does not support staged_input_fn') + r'.*make_plan\(staging_depth=0\)'):
-    _build_with(plan)
-  _build_with(et.make_plan(devices=testlib.cpu_devices(2), shards=2, staging_depth=0))
+@pytest.mark.parametrize('devices,micro', [(2, 1), (4, 1), (2, 2)])
+def test_staged_input_bit_identical(devices, micro):
+  """staged_input_fn stages each tower's rows by the grid's cut (14 rows: shards of 4, 4, 3
+  and 3; on 2 devices x 2 micro-batches a tower's 8 and 6 rows, split on its device), not
+  by the towers' own even cut (7 and 7, which would give shards of 4, 3, 4 and 3)."""
+  plan = et.make_plan(devices=testlib.cpu_devices(devices), micro_batches=micro, shards=S)
+  estimator = testlib.make_estimator(et.replicate_model_fn(dense_model, plan=plan),
+                                     num_cpus=4, checkpoint_save_graph_def=False)
+  estimator.train(et.staged_input_fn(lambda: input_fn(14), plan), steps=STEPS)
+  assert _differing(testlib.variables(estimator), _reference('dense', batch=14)) == []
 
 
 @pytest.mark.parametrize('value', [0, -2, 2.0, True, '4'])

@@ -23,6 +23,7 @@ over their ranks: `cluster.fixed_reduce`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import tensorflow as tf
@@ -87,6 +88,18 @@ class GridLayout(micro_batches_lib.Layout):
   def split_batch(self, batch, num_towers: int) -> list:
     del num_towers
     return list(sharding.shard_sizes(batch, self.num_shards))
+
+
+def tower_sizes(batch, shards: int | None, num_towers: int, micro_batches: int) -> list:
+  """The rows of each tower of a global batch of `batch` rows: without the grid
+  `sharding.shard_sizes(batch, num_towers)`; on it, each tower's k shards' (the grid's cut
+  into S, in blocks of k), which `Layout.sizes` splits again into the grid's shards (a block
+  of consecutive shards of the cut is the block's own rows cut into k)."""
+  if shards is None:
+    return sharding.shard_sizes(batch, num_towers)
+  sizes = sharding.shard_sizes(batch, shards)
+  return [functools.reduce(lambda a, b: a + b, sizes[t * micro_batches:(t + 1) * micro_batches])
+          for t in range(num_towers)]
 
 
 def tower_devices(devices: Sequence[str], shards: int, micro_batches: int) -> tuple:

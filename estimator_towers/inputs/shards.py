@@ -24,7 +24,6 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from estimator_towers.inputs import empty_shards
-from estimator_towers.inputs import grid
 from estimator_towers.inputs import micro_batches as micro_batches_lib
 from estimator_towers.inputs import sharding
 
@@ -92,12 +91,6 @@ def make_shards(features, labels, mode, tower_devices, staged,
   its batch is one zero example and every shard counts 0 examples.
   """
   num_devices = len(tower_devices)
-  if staged is not None and getattr(layout, 'shares_devices', False):
-    raise grid.GridError(
-        f'shards={layout.num_shards} does not support staged_input_fn: its device '
-        f'shards are cut per device, not by the fixed grid. Read the input without '
-        f'staging (make_plan(staging_depth=0), with which staged_input_fn returns the '
-        f'input_fn unchanged), or train without shards.')
   host = getattr(tf.nest.flatten(features, expand_composites=True)[0], 'device', '') or '/cpu:0'
   with tf.device(host), tf.name_scope('shard_inputs'):
     if staged is None:

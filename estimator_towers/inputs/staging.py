@@ -47,6 +47,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from estimator_towers.base import interception
+from estimator_towers.inputs import grid
 from estimator_towers.inputs import sharding
 from estimator_towers.settings import plan as plan_lib
 from estimator_towers.settings import staging_backends
@@ -284,10 +285,12 @@ class StagingHook(tf.compat.v1.train.SessionRunHook):
     session.run(self._clear)
 
 
-def _split(value: Any, with_labels: bool, num_towers: int) -> list:
-  """The per-tower shards of a global batch: features or (features, labels)."""
+def _split(value: Any, with_labels: bool, num_towers: int, plan: plan_lib.DevicePlan) -> list:
+  """The per-tower shards of a global batch: features or (features, labels), cut as the
+  plan's towers are (on the fixed shard grid, its cut: `grid.tower_sizes`)."""
   features, labels = _features_and_labels(value, with_labels)
-  sizes = sharding.shard_sizes(sharding.batch_size(features, labels), num_towers)
+  sizes = grid.tower_sizes(sharding.batch_size(features, labels), plan.shards, num_towers,
+                           plan.micro_batches)
   feature_shards = sharding.split(features, sizes)
   if not with_labels:
     return feature_shards
@@ -334,7 +337,7 @@ def _stage(host_batch: _HostBatch, with_labels: bool, tower_devices: Sequence[st
 
   def put_next_batch():
     batch = next_value()
-    shards = _split(batch, with_labels, len(areas))
+    shards = _split(batch, with_labels, len(areas), host_batch.plan)
     del shard_specs[:]
     puts = [] if in_flight is None else [in_flight.put(batch)]
     for area, device, shard in zip(areas, tower_devices, shards):
