@@ -383,6 +383,26 @@ def grid_softmax_model_fn(features, labels, mode, params):
   return _grid_spec(mode, weighted + in_batch, logits, labels)
 
 
+def grid_bn_softmax_model_fn(features, labels, mode, params):
+  """A fixed shard grid's test model: a synchronised batch norm, then dropout, feeding an
+  in-batch softmax (the whole-batch head reads rows computed through the batch norm's
+  exchange) plus a token-weighted loss; Adam."""
+  del params
+  train = mode == tf.estimator.ModeKeys.TRAIN
+  init = tf.compat.v1.glorot_uniform_initializer
+  h = tf.compat.v1.layers.dense(features['x'], 8, use_bias=False, kernel_initializer=init(5))
+  h = tf.compat.v1.layers.dropout(
+      tf.nn.relu(tf.compat.v1.layers.batch_normalization(h, training=train)), 0.2,
+      training=train)
+  q = tf.math.l2_normalize(tf.compat.v1.layers.dense(h, 4, kernel_initializer=init(seed=3)), -1)
+  d = tf.math.l2_normalize(tf.compat.v1.layers.dense(tf.nn.tanh(h), 4,
+                                                     kernel_initializer=init(seed=4)), -1)
+  in_batch = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=tf.range(tf.shape(q)[0]), logits=tf.matmul(q, d, transpose_b=True) / 0.1))
+  weighted, logits = _token_weighted(features, labels, h)
+  return _grid_spec(mode, weighted + in_batch, logits, labels)
+
+
 def summaries_model_fn(features, labels, mode, params):
   """mean_model_fn with scalar summaries of batch values (the loss, an accuracy, the max
   and min logit, a count of correct predictions, the number of examples, a token-weighted
@@ -412,7 +432,7 @@ MODELS = {'mean': mean_model_fn, 'two_terms': two_terms_model_fn, 'bert': bert_m
           'recurrent_dropout': recurrent_dropout_model_fn, 'tf1_mix': tf1_mix_model_fn,
           'finetune': finetune_model_fn, 'grid_bn': grid_bn_model_fn,
           'summaries': summaries_model_fn,
-          'grid_softmax': grid_softmax_model_fn}
+          'grid_softmax': grid_softmax_model_fn, 'grid_bn_softmax': grid_bn_softmax_model_fn}
 
 
 def input_fn(data, suffix, batch, features_only=False):

@@ -114,7 +114,26 @@ def in_batch_softmax_model(features, labels, mode):
   return _spec(mode, tf.reduce_mean(rows))
 
 
+def batch_norm_in_batch_softmax_model(features, labels, mode):
+  """A synchronised batch norm before an in-batch softmax: the whole batch's head reads rows
+  computed through the batch norm's exchange (its first pass, per shard, reads the step's
+  statistics). Plain SGD, no dropout: against the undecorated model_fn."""
+  del labels
+  train = mode == tf.estimator.ModeKeys.TRAIN
+  x = tf.reshape(features['x'], [-1, T * F])
+  h = tf.compat.v1.layers.dense(x, 8, use_bias=False, kernel_initializer=_const((T * F, 8), -1, 1))
+  h = tf.nn.relu(tf.compat.v1.layers.batch_normalization(h, training=train))
+  q = tf.math.l2_normalize(tf.compat.v1.layers.dense(
+      h, 4, kernel_initializer=_const((8, 4), -1, 1)), -1)
+  d = tf.math.l2_normalize(tf.compat.v1.layers.dense(
+      tf.nn.tanh(h), 4, kernel_initializer=_const((8, 4), 1, -0.3)), -1)
+  logits = tf.matmul(q, d, transpose_b=True) / 0.1
+  rows = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.range(tf.shape(q)[0]), logits)
+  return _spec(mode, tf.reduce_mean(rows), adam=False)
+
+
 MODELS = {'dense': dense_model, 'batch_norm': batch_norm_model,
+          'batch_norm_in_batch_softmax': batch_norm_in_batch_softmax_model,
           'in_batch_softmax': in_batch_softmax_model,
           'batch_norm_without_dropout': batch_norm_model_without_dropout}
 # (devices, micro_batches); batch norm is synchronised, which refuses micro-batches.
@@ -184,16 +203,16 @@ def test_stopped_on_4_devices_resumed_on_2(model):
   assert _differing(testlib.variables(resumed), _reference(model)) == []
 
 
-def test_synchronised_batch_norms_on_the_grid_train_as_plain():
+@pytest.mark.parametrize('model', ['batch_norm_without_dropout', 'batch_norm_in_batch_softmax'])
+def test_synchronised_batch_norms_on_the_grid_train_as_plain(model):
   """The grid's batch statistics and their explicit gradients (both paths: tf.nn.moments
-  and the fused kernel) against the undecorated model_fn on the whole batch: every
-  variable and slot within float32 rounding."""
-  plain = testlib.make_estimator(batch_norm_model_without_dropout, num_cpus=4,
-                                 checkpoint_save_graph_def=False)
+  and the fused kernel), and a batch norm under an in-batch softmax (the head's first pass
+  per shard), against the undecorated model_fn on the whole batch: every variable within
+  float32 rounding."""
+  plain = testlib.make_estimator(MODELS[model], num_cpus=4, checkpoint_save_graph_def=False)
   plain.train(input_fn, steps=STEPS)
   # 2e-6: rounding leaves 1.8e-7 here, and M2's gradient 5% off moves a variable 8.5e-6.
-  testlib.assert_variables_close(_train('batch_norm_without_dropout', 4),
-                                 testlib.variables(plain), tol=2e-6)
+  testlib.assert_variables_close(_train(model, 4), testlib.variables(plain), tol=2e-6)
 
 
 def test_control_without_the_grid_differs():

@@ -14,8 +14,10 @@ over the tree on one worker, an all-gather). The references:
   two models, two synchronised batch norms (the tf.nn.moments path and the
   fused kernel's: every shard's statistics gathered, the gradients' sums in
   the grid's order) with dropout (keyed draws) under a token-weighted loss,
-  and an in-batch softmax of dropped-out features plus a token-weighted loss
-  (`collective_task.grid_bn_model_fn`, `grid_softmax_model_fn`), against the same model_fn
+  an in-batch softmax of dropped-out features plus a token-weighted loss, and a
+  synchronised batch norm and dropout under an in-batch softmax
+  (`collective_task.grid_bn_model_fn`, `grid_softmax_model_fn`,
+  `grid_bn_softmax_model_fn`), against the same model_fn
   decorated for one device on the same grid trained on the global batches from
   the cluster's first checkpoint: every variable and optimizer slot after 3
   steps `np.array_equal`.
@@ -84,7 +86,7 @@ def test_the_fixed_order_sum_adds_the_workers_over_the_tree_in_rank_order(ranks)
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize('model', ['grid_bn', 'grid_softmax'])
+@pytest.mark.parametrize('model', ['grid_bn', 'grid_softmax', 'grid_bn_softmax'])
 def test_two_workers_of_two_devices_equal_one_device_bit_for_bit(tmp_path, model):
   sizes = {0: 24, 1: 24}  # 3 steps of 8 rows per worker: global batches of 16
   data = _data(tmp_path / 'data.npz', sizes)

@@ -34,7 +34,10 @@ pass to the frontier twice. Both passes give the same
 values only if the ops before the frontier are functions of their inputs: a
 stateful op among them (a random op such as dropout's, a variable update) is
 refused at graph construction; reads of variables are kept (both passes read
-the values from before the step's update). Mixing in the middle of the
+the values from before the step's update), and so are a sync point's table
+and what is computed from it alone (a synchronised batch norm's statistics
+of the whole batch, across workers an all-reduce): the first pass reads the
+step's own. Mixing in the middle of the
 network (attention over the batch, then more layers) is exact the same way:
 the head is everything after the frontier, run on the whole batch.
 """
@@ -46,6 +49,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from estimator_towers.base import fixed_sums
+from estimator_towers.base import tower_parts
 from estimator_towers.draws import keyed
 from estimator_towers.heads import chunked_head
 from estimator_towers.heads import whole_batch_head
@@ -150,14 +154,24 @@ class _FirstPass:
     if target.name in copies:
       return copies[target.name]
     ops, pending = {}, [target.op]
+    tables = tower_parts.tables(target.graph)
     while pending:
       op = pending.pop()
       if op.name in ops:
         continue
       ops[op.name] = op
+      if op.name in tables:
+        # A sync point's table (a batch norm's statistics): every shard's rows, as built. What
+        # reads it (the whole batch's statistics, across workers an all-reduce) is the step's.
+        continue
       pending.extend(t.op for t in op.inputs if t.name not in copies)
     order = self._graph_order(target.graph)
+    shared = set(tables)   # a table and what is computed from it alone: the step's own
     for op in sorted(ops.values(), key=lambda op: order[op.name]):
+      if op.name in shared or (any(t.op.name in shared for t in op.inputs)
+                               and not any(t.name in copies for t in op.inputs)):
+        shared.add(op.name)
+        continue
       if not any(t.name in copies for t in op.inputs) and not (
           op.control_inputs and not op.op_def.is_stateful):
         continue   # independent of the shard (a variable's read, a constant): tower 0's
