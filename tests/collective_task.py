@@ -351,6 +351,19 @@ def _token_weighted(features, labels, h):
   return tf.reduce_sum(xent * features['w']) / (tf.reduce_sum(features['w']) + 1e-5), logits
 
 
+def _in_batch_softmax_and_weighted(features, labels, mode, h):
+  """The grid models' loss on rows `h`: an in-batch softmax of two projections (the
+  whole-batch head) plus a token-weighted loss; Adam."""
+  init = tf.compat.v1.glorot_uniform_initializer
+  q = tf.math.l2_normalize(tf.compat.v1.layers.dense(h, 4, kernel_initializer=init(seed=3)), -1)
+  d = tf.math.l2_normalize(tf.compat.v1.layers.dense(tf.nn.tanh(h), 4,
+                                                     kernel_initializer=init(seed=4)), -1)
+  in_batch = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+      labels=tf.range(tf.shape(q)[0]), logits=tf.matmul(q, d, transpose_b=True) / 0.1))
+  weighted, logits = _token_weighted(features, labels, h)
+  return _grid_spec(mode, weighted + in_batch, logits, labels)
+
+
 def grid_bn_model_fn(features, labels, mode, params):
   """A fixed shard grid's test model: two batch norms (the tf.nn.moments path on rank 2,
   the fused kernel's on rank 4) and dropout (keyed draws) under a token-weighted loss;
@@ -371,16 +384,9 @@ def grid_softmax_model_fn(features, labels, mode, params):
   head) of dropped-out features (keyed draws, which the head's first pass draws again) plus a
   token-weighted loss; Adam."""
   del params
-  init = tf.compat.v1.glorot_uniform_initializer
   x = tf.compat.v1.layers.dropout(features['x'], 0.2,
                                   training=mode == tf.estimator.ModeKeys.TRAIN)
-  q = tf.math.l2_normalize(tf.compat.v1.layers.dense(x, 4, kernel_initializer=init(seed=3)), -1)
-  d = tf.math.l2_normalize(tf.compat.v1.layers.dense(tf.nn.tanh(x), 4,
-                                                     kernel_initializer=init(seed=4)), -1)
-  in_batch = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-      labels=tf.range(tf.shape(q)[0]), logits=tf.matmul(q, d, transpose_b=True) / 0.1))
-  weighted, logits = _token_weighted(features, labels, x)
-  return _grid_spec(mode, weighted + in_batch, logits, labels)
+  return _in_batch_softmax_and_weighted(features, labels, mode, x)
 
 
 def grid_bn_softmax_model_fn(features, labels, mode, params):
@@ -394,13 +400,7 @@ def grid_bn_softmax_model_fn(features, labels, mode, params):
   h = tf.compat.v1.layers.dropout(
       tf.nn.relu(tf.compat.v1.layers.batch_normalization(h, training=train)), 0.2,
       training=train)
-  q = tf.math.l2_normalize(tf.compat.v1.layers.dense(h, 4, kernel_initializer=init(seed=3)), -1)
-  d = tf.math.l2_normalize(tf.compat.v1.layers.dense(tf.nn.tanh(h), 4,
-                                                     kernel_initializer=init(seed=4)), -1)
-  in_batch = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-      labels=tf.range(tf.shape(q)[0]), logits=tf.matmul(q, d, transpose_b=True) / 0.1))
-  weighted, logits = _token_weighted(features, labels, h)
-  return _grid_spec(mode, weighted + in_batch, logits, labels)
+  return _in_batch_softmax_and_weighted(features, labels, mode, h)
 
 
 def summaries_model_fn(features, labels, mode, params):
