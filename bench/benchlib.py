@@ -327,6 +327,18 @@ def paired_change(values: Sequence[float], baseline: Sequence[float]
   return statistics.median(changes), q1, q3
 
 
+def median_interval(values: Sequence[float], level: float = 0.95, resamples: int = 10000,
+                    seed: int = 0) -> tuple[float, float]:
+  """A bootstrap confidence interval (percentile, `level`) of the median of `values`: the
+  range in which the median of the rounds' paired ratios lies, beyond a shared machine's
+  round-to-round noise."""
+  rng = np.random.RandomState(seed)
+  data = np.asarray(values, dtype=np.float64)
+  medians = np.median(rng.choice(data, size=(resamples, len(data)), replace=True), axis=1)
+  tail = (1 - level) / 2 * 100
+  return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
+
+
 def interleaved_seconds_per_step(sessions: dict[str, tuple[Any, Any]], order: Sequence[str],
                                  warmup_steps: int, rounds: int, steps: int
                                  ) -> dict[str, list[float]]:

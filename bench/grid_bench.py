@@ -106,8 +106,10 @@ def main(argv):
     print(f'{name:6s} {1 / statistics.median(seconds[name]):8.2f} steps/sec')
   ratios = [p / g for g, p in zip(seconds['grid'], seconds['plain'])]
   q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+  low, high = benchlib.median_interval(ratios) if len(ratios) > 1 else (ratios[0],) * 2
   print(f'grid / plain steps/sec: {statistics.median(ratios):.3f} [quartiles {q1:.3f}, '
-        f'{q3:.3f}] (the median of the rounds\' paired ratios; goal >= 0.95)')
+        f'{q3:.3f}; 95% interval of the median {low:.3f}, {high:.3f}] (the median of the '
+        f'rounds\' paired ratios; goal >= 0.95: the interval\'s low end)')
   ops = {name: _ops_ms(*sessions[name]) for name in _CONFIGS}
   print(f'ops\' own time per step, summed over devices: grid {ops["grid"]:.1f} ms, plain '
         f'{ops["plain"]:.1f} ms: plain / grid {ops["plain"] / ops["grid"]:.3f}')
