@@ -132,7 +132,21 @@ def batch_norm_in_batch_softmax_model(features, labels, mode):
   return _spec(mode, tf.reduce_mean(rows), adam=False)
 
 
+def channels_first_moments_model(features, labels, mode):
+  """A batch norm's tf.nn.moments path over axes [0, 2, 3] (channels first, not fused):
+  its statistics and their gradient reshaped around the channel axis. Plain SGD."""
+  train = mode == tf.estimator.ModeKeys.TRAIN
+  x = tf.reshape(features['x'], [-1, T * F])
+  h = tf.compat.v1.layers.dense(x, 8, use_bias=False, kernel_initializer=_const((T * F, 8), -1, 1))
+  h = tf.compat.v1.layers.batch_normalization(tf.reshape(h, [-1, 2, 2, 2]), axis=1, fused=False,
+                                              training=train)
+  logits = tf.compat.v1.layers.dense(tf.nn.relu(tf.reshape(h, [-1, 8])), 4,
+                                     kernel_initializer=_const((8, 4), -0.5, 0.7))
+  return _spec(mode, _weighted_loss(logits, labels[:, 0], features['w'][:, 0]), adam=False)
+
+
 MODELS = {'dense': dense_model, 'batch_norm': batch_norm_model,
+          'channels_first_moments': channels_first_moments_model,
           'batch_norm_in_batch_softmax': batch_norm_in_batch_softmax_model,
           'in_batch_softmax': in_batch_softmax_model,
           'batch_norm_without_dropout': batch_norm_model_without_dropout}
@@ -203,7 +217,8 @@ def test_stopped_on_4_devices_resumed_on_2(model):
   assert _differing(testlib.variables(resumed), _reference(model)) == []
 
 
-@pytest.mark.parametrize('model', ['batch_norm_without_dropout', 'batch_norm_in_batch_softmax'])
+@pytest.mark.parametrize('model', ['batch_norm_without_dropout', 'channels_first_moments',
+                                   'batch_norm_in_batch_softmax'])
 def test_synchronised_batch_norms_on_the_grid_train_as_plain(model):
   """The grid's batch statistics and their explicit gradients (both paths: tf.nn.moments
   and the fused kernel), and a batch norm under an in-batch softmax (the head's first pass
