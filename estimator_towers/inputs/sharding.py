@@ -189,16 +189,18 @@ def split(structure: Structure | None, sizes: Sequence, fill_empty: bool = False
   """
   if structure is None:
     return [None] * len(sizes)
-  offsets = _offsets(sizes)
   flat = tf.nest.flatten(structure)
   if fill_empty and not any(isinstance(s, int) for s in sizes):
-    pieces = [[r.take(t) for r in _borrowing_rows(sizes)] for t in flat]
+    rows = _borrowing_rows(sizes)
+    pieces = [[r.take(t) for r in rows] for t in flat]
   elif fill_empty and not all(isinstance(s, int) for s in sizes):
+    offsets = _offsets(sizes)
     rows = [_Rows(offsets[0], sizes[0])] + [
         _Rows(off, size) if isinstance(size, int) else _borrowing(off, size)
         for off, size in zip(offsets[1:], sizes[1:])]
     pieces = [[r.take(t) for r in rows] for t in flat]
   else:
+    offsets = _offsets(sizes)
     pieces = [_split_leaf(t, sizes, offsets) for t in flat]
   return [tf.nest.pack_sequence_as(structure, [p[k] for p in pieces])
           for k in range(len(sizes))]
