@@ -7,7 +7,8 @@ of two below hi - lo (an aligned block of a power-of-two size is a subtree:
 a device's shards). Floating-point addition gives the same bits for the same
 operands in the same order. `add` is that addition out of grappler's reach,
 and `mark(graph)` / `active(graph)` say whether a graph is built on the grid
-(the stages that sum across shards ask).
+(the stages that sum across shards ask). Off the grid, `in_sequence` sums
+values left to right, also out of grappler's reach (see there why).
 """
 
 from __future__ import annotations
@@ -81,6 +82,31 @@ def evaluate(tree: int | tuple, values: dict) -> Any:
 def sum_in_order(values: Sequence) -> Any:
   """The sum of per-shard values (in shard order; None adds nothing) over the fixed tree."""
   return evaluate(summation_tree(0, len(values)), dict(enumerate(values)))
+
+
+def in_sequence(values: Sequence[tf.Tensor]) -> tf.Tensor:
+  """((v0 + v1) + v2) + ...: the sum of same-shaped tensors left to right, out of grappler's reach.
+
+  Not an AddN: an AddN of three or more values on one device is what
+  grappler's memory optimizer rewrites, when one of its inputs is alive at
+  that device's peak of memory, into additions to a temporary variable in
+  the order the values arrive (a sum without a fixed order), and having
+  changed the graph, it simulates the whole graph's memory again (twice),
+  the dearest part of the first step's graph optimisation of a large towered
+  graph (BERT's pre-training model_fn on 8 towers: seconds). Nor a chain of
+  Adds, which the arithmetic optimizer merges into such an AddN. One
+  reshape per value and a BiasAdd per addition (`add`'s elementwise
+  addition), the same float additions as the chain.
+  """
+  values = [tf.convert_to_tensor(v) for v in values]
+  if len(values) == 1:
+    return values[0]
+  first = values[0]
+  flat = tf.constant([-1], tf.int32)
+  total = tf.reshape(first, tf.constant([1, -1], tf.int32))
+  for value in values[1:]:
+    total = tf.nn.bias_add(total, tf.reshape(value, flat))
+  return tf.reshape(total, first.shape if first.shape.is_fully_defined() else tf.shape(first))
 
 
 def aggregation(graph: tf.Graph | None = None) -> dict:

@@ -79,6 +79,8 @@ class Layout:
 
   def sizes(self, device_sizes: Sequence) -> list:
     """Shard sizes: each device's size split into k by `sharding.shard_sizes`."""
+    if self.micro_batches == 1:   # a device's shard is its one micro-batch: no ops
+      return list(device_sizes)
     sizes = []
     for size in device_sizes:
       sizes.extend(sharding.shard_sizes(size, self.micro_batches))

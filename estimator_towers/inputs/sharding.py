@@ -119,9 +119,12 @@ def shard_sizes(batch: tf.Tensor | int, num_shards: int) -> list:
   if isinstance(batch, int):
     q, r = divmod(batch, num_shards)
     return [q + (1 if k < r else 0) for k in range(num_shards)]
-  q = batch // num_shards
-  r = batch % num_shards
-  return [q + tf.cast(k < r, tf.int32) for k in range(num_shards)]
+  if num_shards == 1:
+    return [batch]
+  # As one vector, unstacked: a few ops for all the shards (not a few per shard).
+  extra = tf.cast(tf.constant(list(range(num_shards)), tf.int32) < batch % num_shards,
+                  tf.int32)
+  return tf.unstack(batch // num_shards + extra, num=num_shards)
 
 
 def _offsets(sizes: Sequence) -> list:
@@ -133,11 +136,12 @@ def _offsets(sizes: Sequence) -> list:
 
 
 class _Rows:
-  """Rows [start, start + size) of a batch (ints or int32 scalar Tensors)."""
+  """Rows [start, start + size) of a batch (ints or int32 scalar Tensors); `bounds`: the
+  strided slice's begin, end and strides, if made already."""
 
-  def __init__(self, start: Any, size: Any):
+  def __init__(self, start: Any, size: Any, bounds: tuple | None = None):
     self.start, self.size = start, size
-    self._bounds = None
+    self._bounds = bounds
 
   def take(self, t: Any) -> Any:
     """These rows of a leaf (None stays None)."""
@@ -185,17 +189,38 @@ def split(structure: Structure | None, sizes: Sequence, fill_empty: bool = False
   """
   if structure is None:
     return [None] * len(sizes)
-  offsets = _offsets(sizes)
   flat = tf.nest.flatten(structure)
-  if fill_empty and not all(isinstance(s, int) for s in sizes):
+  if fill_empty and not any(isinstance(s, int) for s in sizes):
+    rows = _borrowing_rows(sizes)
+    pieces = [[r.take(t) for r in rows] for t in flat]
+  elif fill_empty and not all(isinstance(s, int) for s in sizes):
+    offsets = _offsets(sizes)
     rows = [_Rows(offsets[0], sizes[0])] + [
         _Rows(off, size) if isinstance(size, int) else _borrowing(off, size)
         for off, size in zip(offsets[1:], sizes[1:])]
     pieces = [[r.take(t) for r in rows] for t in flat]
   else:
+    offsets = _offsets(sizes)
     pieces = [_split_leaf(t, sizes, offsets) for t in flat]
   return [tf.nest.pack_sequence_as(structure, [p[k] for p in pieces])
           for k in range(len(sizes))]
+
+
+def _borrowing_rows(sizes: Sequence[tf.Tensor]) -> list:
+  """Every shard's rows (`_borrowing`'s, but the first shard's own), from sizes all known
+  at run time only: computed as vectors over the shards and unstacked, a few ops for all
+  the shards (the same integers as `_offsets` and `_borrowing` give one by one)."""
+  n = len(sizes)
+  sizes_v = tf.stack(sizes)
+  offsets = tf.cumsum(sizes_v, exclusive=True)
+  starts = tf.where(sizes_v > 0, offsets, tf.zeros_like(offsets))
+  counts = tf.maximum(sizes_v, tf.constant([0] + [1] * (n - 1), tf.int32))
+  column = tf.constant([n, 1], tf.int32)
+  begins = tf.unstack(tf.reshape(starts, column), num=n)
+  ends = tf.unstack(tf.reshape(starts + counts, column), num=n)
+  strides = tf.ones([1], tf.int32)
+  return [_Rows(start, count, (begin, end, strides)) for start, count, begin, end in zip(
+      tf.unstack(starts, num=n), tf.unstack(counts, num=n), begins, ends)]
 
 
 def _borrowing(offset: Any, size: tf.Tensor) -> _Rows:

@@ -130,8 +130,8 @@ def _reduction_of(loss: Any) -> str | None:
 
 
 def masked_sum(values: Sequence[tf.Tensor], nonempty: Sequence) -> tf.Tensor:
-  """sum_k values[k] over the shards whose shard is not empty (on the fixed shard
-  grid, in its fixed order: `fixed_sums`)."""
+  """sum_k values[k] over the shards whose shard is not empty, in shard order (on the
+  fixed shard grid, in its fixed tree: `fixed_sums`)."""
   terms = []
   for t, ne in zip(values, nonempty):
     if ne is False:
@@ -139,7 +139,7 @@ def masked_sum(values: Sequence[tf.Tensor], nonempty: Sequence) -> tf.Tensor:
     terms.append(t if ne is True else tf.where(ne, t, tf.zeros_like(t)))
   if terms and fixed_sums.active():
     return fixed_sums.sum_in_order(terms)
-  return tf.add_n(terms) if terms else tf.zeros_like(values[0])
+  return fixed_sums.in_sequence(terms) if terms else tf.zeros_like(values[0])
 
 
 def shard_statistics(expression: Expression, find: Callable, num_shards: int

@@ -88,8 +88,9 @@ def follow(start: tf.Tensor, reference: tf.Tensor, route: tuple[int, ...]) -> tf
 
 
 def _shared_split(op: tf.Operation) -> bool:
-  """The split of the batch into the shards (one op, an output per shard: a static batch)."""
-  return op.type in ('Split', 'SplitV') and op.name.startswith('shard_inputs')
+  """The split of the batch into the shards (one op, an output per shard: a static batch),
+  or of the shards' sizes and bounds (`sharding`'s vectors, unstacked)."""
+  return op.type in ('Split', 'SplitV', 'Unpack') and op.name.startswith('shard_inputs')
 
 
 def along(ys: Sequence[tf.Tensor], ys_k: Sequence[tf.Tensor], tensor: tf.Tensor
