@@ -15,6 +15,13 @@ the tests make are collected as before.
 
 TF_CONFIG: a test that leaves it changed fails, and it is put back.
 
+xdist's `--dist loadfile` (README's command): the files go to the two test processes
+heaviest first (`FILE_SECONDS`, each file's time in a run of the suite; a file not listed
+weighs a second a test), not by their number of tests, which xdist's own order follows: it
+leaves the few-test files that run clusters or whole programs (SimCLR's upstream model, the
+docs' programs) for the end, where one process may run them while the other has nothing
+left. Which process runs a file, and so which tests share a process, is all that changes.
+
 TF1 behaviour: with ESTIMATOR_TOWERS_TEST_BEHAVIOUR set to 'v1'
 (`tf.compat.v1.disable_v2_behavior()`) or one of its parts ('tensorshape',
 'ref_variables', 'control_flow_v1': testlib.TF1_BEHAVIOURS), that behaviour
@@ -23,6 +30,7 @@ tests (marker `core_equivalence`) a second time that way, in a process of
 their own (.ci/run). The report's header names it.
 """
 
+import collections
 import gc
 import os
 import shutil
@@ -80,3 +88,57 @@ def _tf_config_left_as_it_was():
       os.environ['TF_CONFIG'] = saved
     pytest.fail(f'the test left TF_CONFIG={left!r} in os.environ (it was {saved!r}); '
                 f'use monkeypatch.setenv / delenv')
+
+
+# Seconds each test file took in a run of the suite (README's command, 2 processes on 2
+# cores, under load); only the order they give matters. Files under 20 s are left out:
+# a second a test.
+FILE_SECONDS = {
+    'test_collective.py': 626, 'test_loss_algebra.py': 476, 'test_simclr_upstream.py': 458,
+    'test_loop_models.py': 395, 'test_real_world.py': 357, 'test_tf1_behaviour.py': 338,
+    'test_fixed_grid.py': 301, 'test_micro_batches.py': 300, 'test_cross_example.py': 290,
+    'test_sync_batch_norm.py': 237, 'test_loop_draws.py': 217, 'test_random_draws.py': 188,
+    'test_sparse_features.py': 179, 'test_faults.py': 175, 'test_towers.py': 166,
+    'test_staging.py': 165, 'test_example.py': 118, 'test_canned.py': 116,
+    'test_attention_styles.py': 115, 'test_bert.py': 115, 'test_step_order.py': 114,
+    'test_equivalence.py': 111, 'test_loop_frames.py': 106, 'test_collective_position.py': 105,
+    'test_batch_reductions.py': 101, 'test_selftest_own_model.py': 101,
+    'test_padded_transformer.py': 97, 'test_sparse_canned.py': 95, 'test_docs_clusters.py': 92,
+    'test_placement.py': 87, 'test_lost_worker.py': 86, 'test_input_structures.py': 83,
+    'test_transformers.py': 82, 'test_simclr_batch_norm.py': 81,
+    'test_fixed_grid_cluster.py': 74, 'test_batch_norm_default.py': 74,
+    'test_input_position.py': 72, 'test_warm_start.py': 71, 'test_tower_copies.py': 69,
+    'test_recovery.py': 64, 'test_selftest.py': 59, 'test_example_resume.py': 57,
+    'test_docs_bert.py': 55, 'test_static_batch.py': 50, 'test_properties.py': 49,
+    'test_build.py': 42, 'test_optimizers.py': 42, 'test_docs_resuming.py': 41,
+    'test_logging.py': 41, 'test_batch_mixing.py': 40, 'test_several_losses.py': 36,
+    'test_streams.py': 32, 'test_hook_values_cluster.py': 25, 'test_random_restart.py': 25,
+    'test_distributed.py': 25, 'test_micro_batch_memory.py': 24, 'test_hook_values.py': 24,
+    'test_kmeans.py': 22, 'test_layering.py': 20, 'test_docs.py': 20,
+}
+
+
+class _HeaviestFileFirst(collections.OrderedDict):
+  """xdist's queue of files (file -> its tests), handed out heaviest first."""
+
+  def popitem(self, last=True):
+    if last or not self:
+      return super().popitem(last)
+    heaviest = max(self, key=lambda f: FILE_SECONDS.get(os.path.basename(f), len(self[f])))
+    return heaviest, self.pop(heaviest)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """`--dist loadfile` with `_HeaviestFileFirst`; any other mode is xdist's own."""
+  if config.getvalue('dist') != 'loadfile':
+    return None
+  from xdist.scheduler import LoadFileScheduling  # pylint: disable=g-import-not-at-top
+
+  class HeaviestFileFirst(LoadFileScheduling):
+
+    def __init__(self, config, log=None):
+      super().__init__(config, log)
+      self.workqueue = _HeaviestFileFirst()
+
+  return HeaviestFileFirst(config, log)
