@@ -89,6 +89,20 @@ def test_in_sequence_adds_left_to_right(shape):
   np.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.parametrize('adds', ['in_sequence', 'add'])
+def test_integer_sums_build_no_bias_add(adds):
+  """An integer statistic (a shard's row count) sums with an ordinary addition: integers
+  add to the same value in any order, and a BiasAdd has no integer kernel on GPUs (a
+  GPU-placed count would fail the step with soft placement off)."""
+  with tf.Graph().as_default() as graph:
+    counts = [tf.constant(3), tf.constant(4), tf.constant(5)]
+    total = (fixed_sums.in_sequence(counts) if adds == 'in_sequence'
+             else fixed_sums.add(fixed_sums.add(counts[0], counts[1]), counts[2]))
+    assert not [op for op in graph.get_operations() if op.type == 'BiasAdd']
+    with tf.compat.v1.Session() as session:
+      assert session.run(total) == 12
+
+
 def _weighted_model_fn(features, labels, mode, params):
   """A loss of the whole batch's sums (BERT's masked-LM form: sum(w * l) / sum(w))."""
   del params

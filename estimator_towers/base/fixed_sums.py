@@ -68,6 +68,8 @@ def add(a: Any, b: Any) -> Any:
   if a is None or b is None:
     return b if a is None else a
   a, b = tf.convert_to_tensor(a), tf.convert_to_tensor(b)
+  if not a.dtype.is_floating:  # integers: the same value in any order (no GPU BiasAdd)
+    return a + b
   total = tf.nn.bias_add(tf.reshape(a, [1, -1]), tf.reshape(b, [-1]))
   return tf.reshape(total, a.shape if a.shape.is_fully_defined() else tf.shape(a))
 
@@ -101,6 +103,8 @@ def in_sequence(values: Sequence[tf.Tensor]) -> tf.Tensor:
   values = [tf.convert_to_tensor(v) for v in values]
   if len(values) == 1:
     return values[0]
+  if not values[0].dtype.is_floating:  # integers add to the same value in any order, and
+    return tf.add_n(values)            # BiasAdd has no integer kernel on GPUs
   first = values[0]
   flat = tf.constant([-1], tf.int32)
   total = tf.reshape(first, tf.constant([1, -1], tf.int32))
