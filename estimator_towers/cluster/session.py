@@ -19,6 +19,7 @@ import threading
 
 import tensorflow as tf
 
+from estimator_towers.base import ancestry
 from estimator_towers.base import logs
 from estimator_towers.base import interception
 from estimator_towers.cluster import cross_worker
@@ -53,10 +54,10 @@ def scaffold(base: tf.compat.v1.train.Scaffold | None, across: cross_worker.Cros
     broadcast = across.broadcast_from_chief(variables)
   # Local variables (the towers' copies of the variables) start from the
   # chief's values: their initial values are read after the broadcast.
-  before = _ancestors(broadcast)  # a read the broadcast waits for cannot wait for it
+  before = ancestry.ancestors(broadcast)  # a read the broadcast waits for cannot wait for it
   for v in tf.compat.v1.local_variables():
     for op in [v.initializer] + _variable_reads(v.initializer):
-      if broadcast not in op.control_inputs and op.name not in before:
+      if broadcast not in op.control_inputs and op not in before:
         interception.add_control_inputs(op, [broadcast])
   local = (base.local_init_op if base.local_init_op is not None
            else tf.compat.v1.train.Scaffold.default_local_init_op())
@@ -99,17 +100,6 @@ def _variable_reads(initializer: tf.Operation) -> list[tf.Operation]:
 
 
 _VARIABLE_OPS = ('VariableV2', 'Variable', 'VarHandleOp')
-
-
-def _ancestors(op: tf.Operation) -> set[str]:
-  """The names of the ops `op` waits for (inputs and control inputs, transitively)."""
-  seen, stack = set(), [op]
-  while stack:
-    op = stack.pop()
-    if op.name not in seen:
-      seen.add(op.name)
-      stack.extend([t.op for t in op.inputs] + list(op.control_inputs))
-  return seen
 
 
 def _rebound(init_fn):

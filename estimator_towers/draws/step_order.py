@@ -27,6 +27,7 @@ from typing import Iterable
 
 import tensorflow as tf
 
+from estimator_towers.base import ancestry
 from estimator_towers.base import control_flow
 from estimator_towers.base import interception
 
@@ -64,18 +65,6 @@ def _is_read(op: tf.Operation) -> bool:
   return dtype == dtype.base_dtype and dtype != tf.resource
 
 
-def _ancestors(op: tf.Operation) -> set:
-  seen, stack = set(), [op]
-  while stack:
-    node = stack.pop()
-    if node in seen:
-      continue
-    seen.add(node)
-    stack.extend(t.op for t in node.inputs)
-    stack.extend(node.control_inputs)
-  return seen
-
-
 def _takers(graph: tf.Graph, step) -> Iterable[tf.Operation]:
   """Every op that takes the step's variable, reads aside."""
   for owner in _owners(graph, step):
@@ -90,7 +79,7 @@ def unordered_writes(graph: tf.Graph, anchor: tf.Operation, step=None) -> list[t
   step = step if step is not None else tf.compat.v1.train.get_global_step(graph)
   if step is None or not hasattr(step, 'op'):
     return []
-  own = _ancestors(anchor)
+  own = ancestry.ancestors(anchor)
   return [op for op in _takers(graph, step) if op not in own
           and anchor not in op.control_inputs
           and op is not getattr(step, 'initializer', None)]

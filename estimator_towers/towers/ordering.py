@@ -19,6 +19,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from estimator_towers.base import ancestry
 from estimator_towers.base import control_flow
 from estimator_towers.base import interception
 
@@ -53,17 +54,6 @@ def _resource_accesses(ops: Sequence[tf.Operation]) -> dict:
   return accesses
 
 
-def _ancestors(op: tf.Operation) -> set:
-  seen, pending = set(), [op]
-  while pending:
-    current = pending.pop()
-    for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-      if parent not in seen:
-        seen.add(parent)
-        pending.append(parent)
-  return seen
-
-
 def order_reads_before_writes(ops: Sequence[tf.Operation]) -> int:
   """Makes each read of a variable run before the updates of it created later.
 
@@ -88,11 +78,11 @@ def order_reads_before_writes(ops: Sequence[tf.Operation]) -> int:
         if not is_write:
           continue
         if write not in ancestors:
-          ancestors[write] = _ancestors(write)
+          ancestors[write] = ancestry.ancestors(write)
         if read in ancestors[write]:
           continue  # Already ordered.
         if read not in ancestors:
-          ancestors[read] = _ancestors(read)
+          ancestors[read] = ancestry.ancestors(read)
         if write in ancestors[read]:
           continue  # The read needs the write: keep it so.
         interception.add_control_inputs(write, [read])

@@ -1,0 +1,24 @@
+"""What an op waits for: its inputs' and control inputs' ops, transitively.
+
+Stages that add an order between ops (a read before a variable's later
+writes, the global step's writes after the step's read, a worker's copies
+after the session start's broadcast) first ask whether one op already waits
+for the other, or would wait for itself: one walk, the op itself included.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+__all__ = ['ancestors']
+
+
+def ancestors(op: tf.Operation) -> set[tf.Operation]:
+  """`op` and every op it waits for, through inputs and control inputs."""
+  seen, stack = set(), [op]
+  while stack:
+    node = stack.pop()
+    if node not in seen:
+      seen.add(node)
+      stack.extend([t.op for t in node.inputs] + list(node.control_inputs))
+  return seen
