@@ -313,24 +313,19 @@ def test_micro_batches_features_a_tensor_labels_a_dict_equal_plain(layout):
   testlib.assert_variables_close(towered_3, plain_3)
 
 
-def test_micro_batches_refuse_a_random_op_before_the_cut_drawn_per_shard():
+@pytest.mark.parametrize('plan,layout,shard,fix', [
+    (dict(micro_batches=3), r'micro_batches > 1', 'micro-batch', r'Apply it after the mixing ops'),
+    # The grid's shards each have a backward pass of their own: the same two passes.
+    (dict(shards=2), r'shards=S', 'shard', r'train without shards=S'),
+], ids=['micro_batches', 'grid'])
+def test_a_random_op_before_the_cut_drawn_per_shard_is_refused(plan, layout, shard, fix):
   """Drawn per shard, the second forward pass would draw anew (keyed draws: the same)."""
-  with pytest.raises(ValueError, match=r"micro_batches > 1 cannot train the loss .* exactly: "
-                                       r"it mixes the batch's rows, so each micro-batch's rows "
+  with pytest.raises(ValueError, match=layout + r" cannot train the loss .* exactly: it mixes "
+                                       r"the batch's rows, so each " + shard + r"'s rows "
                                        r"of .* are computed twice.*through the stateful op "
                                        r"dropout/random_uniform/RandomUniform \(RandomUniform\)"
-                                       r".*Apply it after the mixing ops"):
-    _build('dropout_before_the_cut', num_devices=1, micro_batches=3, random_draws='per_shard')
-
-
-def test_the_grid_refuses_a_random_op_before_the_cut_drawn_per_shard():
-  """The grid's shards each have a backward pass of their own: the same two passes."""
-  with pytest.raises(ValueError, match=r"shards=S cannot train the loss .* exactly: "
-                                       r"it mixes the batch's rows, so each shard's rows "
-                                       r"of .* are computed twice.*through the stateful op "
-                                       r"dropout/random_uniform/RandomUniform \(RandomUniform\)"
-                                       r".*train without shards=S"):
-    _build('dropout_before_the_cut', num_devices=1, shards=2, random_draws='per_shard')
+                                       r".*" + fix):
+    _build('dropout_before_the_cut', num_devices=1, random_draws='per_shard', **plan)
 
 
 def test_micro_batches_run_after_the_cached_gradient():
