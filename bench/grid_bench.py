@@ -8,15 +8,22 @@ every sum across them over the fixed tree, the levels above the devices a
 fixed-order reduce-scatter and a gather). Both graphs open in this process,
 taking turns in --rounds interleaved chunks of --steps steps.
 
+With more shards than devices (S = k N) each device runs k shards one after
+the other, as `micro_batches=k` does: a third configuration, 'micro', runs
+those same shards without the grid (micro_batches=k), so that grid / micro is
+what the fixed cut and order cost, and micro / plain what k smaller shards a
+device cost.
+
 Prints steps/sec of each, the ops' own time per traced step (summed over
-devices) of each, grid / plain as the median of the rounds' paired
-ratios with its quartiles (the goal: >= 0.95), and the bytes sent between
+devices) of each, grid / plain (and grid / micro) as the median of the rounds'
+paired ratios with its quartiles and a 95% bootstrap interval of the median
+(the goal: >= 0.95 at the interval's low end), and the bytes sent between
 devices in one step of each (`estimator_towers.reporting.traffic`) against
 the ring bound for the gradients, 2 (N - 1) M with M the trainable variables'
 bytes.
 
   python bench/grid_bench.py              # 4 devices, B = 256, shards = 4
-  python bench/grid_bench.py --shards=8   # two shards per device
+  python bench/grid_bench.py --shards=8   # two shards per device, against micro_batches=2 too
   python bench/grid_bench.py --variable_strategy=collective   # the reduce-scatter
   python bench/grid_bench.py --quick      # a smoke run
 """
@@ -44,16 +51,22 @@ flags.DEFINE_string('variable_strategy', 'auto', 'Both configurations\' variable
 flags.DEFINE_integer('traced_steps', 10, 'Traced steps per configuration (ops\' own time).')
 flags.DEFINE_bool('quick', False, 'A smoke run: 1 warm-up step, 3 rounds of 3 steps.')
 
-_CONFIGS = ('plain', 'grid')
+def _configs() -> dict[str, dict]:
+  """Each configuration's replicate_model_fn arguments, by name."""
+  configs = {'plain': {}, 'grid': {'shards': FLAGS.shards}}
+  per_device, left = divmod(FLAGS.shards, FLAGS.num_cpu_devices)
+  if per_device > 1 and not left:
+    configs['micro'] = {'micro_batches': per_device}
+  return configs
 
 
-def _session(shards, devices, data):
-  """(session, train_op, trainable bytes) of the MLP on `devices`, with `shards` (or None)."""
+def _session(arguments, devices, data):
+  """(session, train_op, trainable bytes) of the MLP on `devices`, with `arguments`."""
   with tf.Graph().as_default():
     tf.compat.v1.train.get_or_create_global_step()
     dataset = tf.data.Dataset.from_tensor_slices(data).repeat().batch(FLAGS.batch_size)
     features, labels = tf.compat.v1.data.make_one_shot_iterator(dataset.prefetch(2)).get_next()
-    spec = et.replicate_model_fn(benchlib.mlp_model_fn(), devices=devices, shards=shards,
+    spec = et.replicate_model_fn(benchlib.mlp_model_fn(), devices=devices, **arguments,
                                  resume_input=False,
                                  variable_strategy=FLAGS.variable_strategy)(
         features, labels, mode=tf.estimator.ModeKeys.TRAIN)
@@ -82,6 +95,17 @@ def _ops_ms(session, fetch) -> float:
   return statistics.median(totals)
 
 
+def _print_ratio(slower: str, faster: str, seconds: dict[str, list[float]]) -> None:
+  """`slower` / `faster` in steps/sec: the median of the rounds' paired ratios."""
+  ratios = [f / s for s, f in zip(seconds[slower], seconds[faster])]
+  q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+  low, high = benchlib.median_interval(ratios) if len(ratios) > 1 else (ratios[0],) * 2
+  goal = '; goal >= 0.95: the interval\'s low end' if slower == 'grid' else ''
+  print(f'{slower} / {faster} steps/sec: {statistics.median(ratios):.3f} [quartiles {q1:.3f}, '
+        f'{q3:.3f}; 95% interval of the median {low:.3f}, {high:.3f}] (the median of the '
+        f'rounds\' paired ratios{goal})')
+
+
 def main(argv):
   del argv
   if FLAGS.quick:
@@ -89,10 +113,11 @@ def main(argv):
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
   data = benchlib.synthetic_data()
   towers = benchlib.cpu_devices()
+  configs = _configs()
+  names = tuple(configs)
   sessions, sizes = {}, {}
-  for name in _CONFIGS:
-    session, fetch, sizes[name] = _session(FLAGS.shards if name == 'grid' else None, towers,
-                                           data)
+  for name, arguments in configs.items():
+    session, fetch, sizes[name] = _session(arguments, towers, data)
     sessions[name] = (session, fetch)
   n = FLAGS.num_cpu_devices
   benchlib.print_header(
@@ -100,21 +125,18 @@ def main(argv):
       f'grid: shards={FLAGS.shards}; variable_strategy={FLAGS.variable_strategy}',
       f'steps/sec: median of {FLAGS.rounds} interleaved chunks of {FLAGS.steps} steps after '
       f'{FLAGS.warmup_steps} warm-up steps')
-  seconds = benchlib.interleaved_seconds_per_step(sessions, _CONFIGS, FLAGS.warmup_steps,
+  seconds = benchlib.interleaved_seconds_per_step(sessions, names, FLAGS.warmup_steps,
                                                   FLAGS.rounds, FLAGS.steps)
-  for name in _CONFIGS:
+  for name in names:
     print(f'{name:6s} {1 / statistics.median(seconds[name]):8.2f} steps/sec')
-  ratios = [p / g for g, p in zip(seconds['grid'], seconds['plain'])]
-  q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
-  low, high = benchlib.median_interval(ratios) if len(ratios) > 1 else (ratios[0],) * 2
-  print(f'grid / plain steps/sec: {statistics.median(ratios):.3f} [quartiles {q1:.3f}, '
-        f'{q3:.3f}; 95% interval of the median {low:.3f}, {high:.3f}] (the median of the '
-        f'rounds\' paired ratios; goal >= 0.95: the interval\'s low end)')
-  ops = {name: _ops_ms(*sessions[name]) for name in _CONFIGS}
-  print(f'ops\' own time per step, summed over devices: grid {ops["grid"]:.1f} ms, plain '
-        f'{ops["plain"]:.1f} ms: plain / grid {ops["plain"] / ops["grid"]:.3f}')
+  for slower, faster in (('grid', 'plain'), ('grid', 'micro'), ('micro', 'plain')):
+    if faster in seconds:
+      _print_ratio(slower, faster, seconds)
+  ops = {name: _ops_ms(*sessions[name]) for name in names}
+  print('ops\' own time per step, summed over devices: ' + ', '.join(
+      f'{name} {ms:.1f} ms' for name, ms in ops.items()))
   m = sizes['grid']
-  for name in _CONFIGS:
+  for name in names:
     print(f'{name:6s} bytes between devices per step: {_bytes(*sessions[name]):,}')
   print(f'trainable bytes M = {m:,}; ring bound for the gradients 2 (N - 1) M = '
         f'{2 * (n - 1) * m:,}; variables pulled by the towers off /cpu:0 (N - 1) M = '

@@ -43,6 +43,7 @@ from estimator_towers.inputs import staging
 from estimator_towers.loss import reported
 from estimator_towers.placement import recommended
 from estimator_towers.placement import session_devices
+from estimator_towers.placement import shared_reads
 from estimator_towers.placement import strategies as placement_lib
 from estimator_towers.reporting import throughput
 from estimator_towers.reporting import tower_summaries
@@ -352,8 +353,11 @@ def _build_towers(run, features, labels, mode, plan, placement, staged=None, acr
     run = draws.wrap(run)
   builder = builder_lib.TowerBuilder(run, mode, shards, placement)
   if mode == ModeKeys.TRAIN:
-    return _build_train(builder, plan, features, labels, staged, across, draws)
-  return _build_eval_predict(builder, plan, (features, labels, staged))
+    spec = _build_train(builder, plan, features, labels, staged, across, draws)
+  else:
+    spec = _build_eval_predict(builder, plan, (features, labels, staged))
+  shared_reads.share_reads(builder.graph.get_operations())  # a device receives a variable once
+  return spec
 
 
 def _build_eval_predict(builder: builder_lib.TowerBuilder, plan: plan_lib.DevicePlan,

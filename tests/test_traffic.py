@@ -88,6 +88,56 @@ def test_every_strategy_on_two_towers_moves_only_its_bound_and_scalars(strategy)
   assert all(t.bytes <= 4 for t in hook.transfers if t.shape == ())
 
 
+def _tied_model_fn(features, labels, mode):
+  """An autoencoder whose decoder is its encoder's kernel transposed: each tower reads the
+  kernel twice. Features only (labels None)."""
+  del labels
+  layer = tf.compat.v1.layers.Dense(
+      4, activation=tf.nn.tanh,
+      kernel_initializer=tf.compat.v1.constant_initializer(
+          np.linspace(-0.5, 0.5, testlib.NUM_FEATURES * 4).reshape(testlib.NUM_FEATURES, 4)))
+  hidden = layer(features)
+  loss = tf.compat.v1.losses.mean_squared_error(
+      features, tf.matmul(hidden, layer.kernel, transpose_b=True))
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _features_only(x, batch):
+  return lambda: tf.data.Dataset.from_tensor_slices(x).repeat(2).batch(batch)
+
+
+@pytest.mark.parametrize('model, layout', [
+    ('v1', {'micro_batches': 2}), ('v1', {'shards': 4}), ('tied', {}),
+    ('tied', {'micro_batches': 2})])
+def test_a_device_receives_each_variable_once_per_step(model, layout):
+  """Each use of a resource variable is a read of its own, run where the variable
+  lives: a device that runs two shards (micro-batches, or a grid of 4 shards on
+  2 devices), or a tower that uses one kernel twice (tied weights), must still
+  receive each variable once. Checked on TensorFlow's own partition graphs: what
+  /cpu:0 sends /cpu:1 beyond the shard's input rows and scalars is the plain
+  model's parameters, once; and the training equals plain's."""
+  x, y = testlib.data(8)
+  model_fn = {'v1': testlib.v1_model_fn, 'tied': _tied_model_fn}[model]
+  input_fn = (testlib.input_fn(x, y, 8, epochs=2) if model == 'v1'
+              else _features_only(x, 8))
+  towered = testlib.make_estimator(
+      replicate_model_fn(model_fn, devices=testlib.cpu_devices(2), variable_strategy='cpu',
+                         **layout), num_cpus=2)
+  hook = traffic.TransferHook(step=2)
+  towered.train(input_fn, steps=2, hooks=[hook])
+  plain = testlib.make_estimator(model_fn)
+  plain.train(input_fn, steps=2)
+  expected = testlib.variables(plain)
+  testlib.assert_variables_close(testlib.variables(towered), expected)
+  parameters = sum(np.asarray(v).nbytes for n, v in expected.items() if n != 'global_step')
+  pulled = [t for t in hook.transfers if t.destination.endswith('CPU:1') and t.shape != ()
+            and not t.tensor.startswith('shard_inputs/')]
+  assert traffic.total_bytes(pulled) == parameters, sorted(
+      (t.tensor, t.shape, t.bytes) for t in pulled)
+
+
 def test_transfers_need_partition_graphs():
   with pytest.raises(ValueError, match='output_partition_graphs=True'):
     traffic.transfers(tf.compat.v1.RunMetadata())
