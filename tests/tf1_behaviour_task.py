@@ -4,9 +4,11 @@
 on first (process-global, so never in the pytest process):
 `disable_v2_behavior()` ('v1') or one of its parts ('tensorshape',
 'ref_variables', 'control_flow_v1'); then, per CASE (a key of `CASES`), trains
-the plain model_fn and the towered one (steps 1 and 3, every variable and slot
-within 1e-5: `testlib.assert_variables_close`) and counts the towered TRAIN
-graph's heavy ops per device (`heavy_ops.least_share`). Prints one JSON line
+the plain model_fn (once per model: each of its cases' reference) and the towered
+one (steps 1 and 3, every variable and slot within 1e-5:
+`testlib.assert_variables_close`) and counts the heavy ops per device of the
+TRAIN graph the towered train() call built over the plain one's
+(`heavy_ops.least_share`). Prints one JSON line
 per case: {"case", "error" (None if exact), "share"}; case 'hooks_2x2' checks
 what hooks and summaries read instead (`run_hooks`), and the cases of REFUSED
 that a batch norm with micro-batches stops with the error naming the choice
