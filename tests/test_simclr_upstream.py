@@ -27,13 +27,12 @@ docs/micro_batches.md.)
 """
 
 import functools
-import os
-import tempfile
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import estimator_graph
 import heavy_ops
 import testlib
 import estimator_towers as et
@@ -147,34 +146,102 @@ def _params():
   return {'batch_size': B}
 
 
-def _train(model, num_cpus=1, model_dir=None, dtype=np.float32):
+class _TrainGraph(tf1.train.SessionRunHook):
+  """The graph an Estimator's train() call builds (its heavy ops are counted)."""
+
+  def begin(self):
+    self.graph = tf1.get_default_graph()
+
+
+def _train(model, num_cpus=1, model_dir=None, dtype=np.float32, hooks=None):
   estimator = testlib.make_estimator(model, num_cpus=num_cpus, model_dir=model_dir, params=_params())
-  estimator.train(_input_fn(dtype), steps=2)
+  estimator.train(_input_fn(dtype), steps=2, hooks=hooks)
   return testlib.variables(estimator)
 
 
+class _TwoSteps(tf1.train.SessionRunHook):
+  """Every global variable at the session's start and after 2 steps (then it stops)."""
+
+  def __init__(self, variables: dict):
+    self._variables = variables
+    self.start = self.after = None
+    self._steps = 0
+
+  def after_create_session(self, session, coord):
+    del coord
+    self.start, self._steps = session.run(self._variables), 0
+
+  def after_run(self, run_context, run_values):
+    del run_values
+    self._steps += 1
+    if self._steps == 2:
+      self.after = run_context.session.run(self._variables)
+      run_context.request_stop()
+
+
 @functools.lru_cache(maxsize=None)
-def _plain_run(dtype=np.float32):
-  """(plain's variables after 2 steps, its model_dir: its step-0 checkpoint is its start)."""
-  model_dir = tempfile.mkdtemp(prefix='simclr_plain_')
-  return _train(model_fn, model_dir=model_dir, dtype=dtype), model_dir
+def _plain_float32():
+  """Plain in float32, its TRAIN graph built once (as Estimator builds and runs it:
+  estimator_graph) and run three times: 2 steps from its start, then from that start
+  with every nonzero float nudged one ulp up, and down (rounding_floor's rule; the start is
+  its step-0 values, which Estimator's step-0 checkpoint holds).
+
+  Returns (variables after 2 steps, [the nudged runs' variables after 2 steps], the graph).
+  """
+  graph = estimator_graph.EstimatorGraph(model_fn, _input_fn(), tf.estimator.ModeKeys.TRAIN,
+                                         params=_params())
+  with graph.graph.as_default():
+    variables = {v.op.name: v for v in tf1.global_variables()}
+  steps = _TwoSteps(variables)
+  graph.hooks.append(steps)
+  try:
+    graph.run()
+    start, plain = steps.start, steps.after
+    assert start['global_step'] == 0 and plain['global_step'] == 2
+    nudged = []
+    for direction in (np.inf, -np.inf):
+      # Each variable's initializer fed the nudged value (the graph is finalized).
+      graph.session.run([v.initializer for v in variables.values()], {
+          v.initializer.inputs[1]: rounding_floor.nudged(start[n], direction)
+          for n, v in variables.items()})
+      graph.run()
+      assert steps.start['global_step'] == 0 and steps.after['global_step'] == 2
+      nudged.append(steps.after)
+  finally:
+    graph.close()
+  return plain, nudged, graph.graph
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_run(dtype):
+  """Plain's variables after 2 steps (a plain Estimator)."""
+  return _train(model_fn, dtype=dtype)
 
 
 def _plain(dtype=np.float32):
-  return _plain_run(dtype)[0]
+  return _plain_float32()[0] if dtype == np.float32 else _plain_run(dtype)
+
+
+def _plain_graph():
+  """Plain's TRAIN graph (its heavy ops are each layout's measure)."""
+  return _plain_float32()[2]
 
 
 @functools.lru_cache(maxsize=None)
-def _plain_graph():
-  """Plain's TRAIN graph (its heavy ops are each layout's measure)."""
-  x, y = _data()
-  return heavy_ops.train_graph(lambda f, l, m, p, c: model_fn(f, l, m, p), x, y, _params())
-
-
-def _towered(devices, dtype=np.float32, sync_batch_norm=True):
+def _towered_run(devices, dtype=np.float32):
+  """(variables after 2 steps on `devices` towers, sync_batch_norm=True; the TRAIN graph
+  the Estimator built; the library's warnings while it built and ran it)."""
   towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(devices),
-                                  sync_batch_norm=sync_batch_norm)
-  return _train(towered, devices, dtype=dtype)
+                                  sync_batch_norm=True)
+  built = _TrainGraph()
+  with pytest.MonkeyPatch.context() as patch:
+    warned = testlib.logged_warnings(patch)
+    variables = _train(towered, devices, dtype=dtype, hooks=[built])
+  return variables, built.graph, warned
+
+
+def _towered(devices, dtype=np.float32):
+  return _towered_run(devices, dtype)[0]
 
 
 def _largest_difference(actual: dict, expected: dict) -> float:
@@ -184,7 +251,6 @@ def _largest_difference(actual: dict, expected: dict) -> float:
              for n in expected if np.asarray(expected[n]).dtype.kind == 'f')
 
 
-@functools.lru_cache(maxsize=None)
 def _rounding_floor() -> float:
   """Plain's float32 rounding floor: plain from its start nudged one ulp up and down, against plain.
 
@@ -192,22 +258,23 @@ def _rounding_floor() -> float:
   nothing of the gradient of an activation within rounding of 0, so one ulp moves 2 steps
   by about 1e-3 (float64 removes it: 1 ulp moves them 4e-13, and the towers 3e-13).
   """
-  start = os.path.join(_plain_run()[1], 'model.ckpt-0')  # saved before plain's first step
-  assert tf.train.load_checkpoint(start).get_tensor('global_step') == 0
-  return max(_largest_difference(_train(model_fn, model_dir=rounding_floor.nudged_start(start, d)),
-                                 _plain()) for d in (np.inf, -np.inf))
+  plain, nudged, _ = _plain_float32()
+  return max(_largest_difference(run, plain) for run in nudged)
 
 
 @pytest.mark.parametrize('devices', [2, 3])
 def test_the_head_is_built_on_every_shard(devices, monkeypatch):
   """No warning: each shard's split views are found (main: 'shard 1 built no counterpart of
   split_1:0', the head split per shard, 0.47 off plain), and every device holds its share."""
-  warned = testlib.logged_warnings(monkeypatch)
-  towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(devices),
-                                  sync_batch_norm=True)
-  x, y = _data()
-  share = heavy_ops.least_share(heavy_ops.train_graph(towered, x, y, _params()), _plain_graph(),
-                                devices)
+  if devices == 2:  # the graph test_two_steps_equal_plain_to_its_rounding_floor trains
+    _, graph, warned = _towered_run(devices)
+  else:
+    warned = testlib.logged_warnings(monkeypatch)
+    towered = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(devices),
+                                    sync_batch_norm=True)
+    x, y = _data()
+    graph = heavy_ops.train_graph(towered, x, y, _params())
+  share = heavy_ops.least_share(graph, _plain_graph(), devices)
   assert not warned, warned
   assert share >= 0.9, share
 

@@ -4,9 +4,11 @@
 on first (process-global, so never in the pytest process):
 `disable_v2_behavior()` ('v1') or one of its parts ('tensorshape',
 'ref_variables', 'control_flow_v1'); then, per CASE (a key of `CASES`), trains
-the plain model_fn and the towered one (steps 1 and 3, every variable and slot
-within 1e-5: `testlib.assert_variables_close`) and counts the towered TRAIN
-graph's heavy ops per device (`heavy_ops.least_share`). Prints one JSON line
+the plain model_fn (once per model: each of its cases' reference) and the towered
+one (steps 1 and 3, every variable and slot within 1e-5:
+`testlib.assert_variables_close`) and counts the heavy ops per device of the
+TRAIN graph the towered train() call built over the plain one's
+(`heavy_ops.least_share`). Prints one JSON line
 per case: {"case", "error" (None if exact), "share"}; case 'hooks_2x2' checks
 what hooks and summaries read instead (`run_hooks`), and the cases of REFUSED
 that a batch norm with micro-batches stops with the error naming the choice
@@ -111,18 +113,19 @@ def run_hooks() -> dict:
 
   def trained(model_fn, num_cpus):
     model_dir = tempfile.mkdtemp()
+    built = TrainGraph()
     tf.estimator.Estimator(model_fn, config=testlib.run_config(
         num_cpus, model_dir=model_dir, save_summary_steps=1)).train(
-            hooks._input_fn(True), max_steps=hooks.STEPS)  # pylint: disable=protected-access
-    return hooks._events(model_dir)  # pylint: disable=protected-access
+            hooks._input_fn(True), max_steps=hooks.STEPS, hooks=[built])  # pylint: disable=protected-access
+    return hooks._events(model_dir), built.graph  # pylint: disable=protected-access
 
   result = {'case': 'hooks_2x2', 'error': None, 'share': None}
   plain_fetches, towered_fetches = [], []
   towered_fn = et.replicate_model_fn(hooks._model_fn(towered_fetches),  # pylint: disable=protected-access
                                      devices=testlib.cpu_devices(2), micro_batches=2)
   try:
-    plain = trained(hooks._model_fn(plain_fetches), 1)  # pylint: disable=protected-access
-    towered = trained(towered_fn, 2)
+    plain, plain_graph = trained(hooks._model_fn(plain_fetches), 1)  # pylint: disable=protected-access
+    towered, towered_graph = trained(towered_fn, 2)
     for tag in ('loss', 'my_loss', 'accuracy', 'max_logit', 'correct', 'examples', 'logits',
                 *(f'inputs/image/{i}' for i in range(12))):
       assert len(plain[tag]) == hooks.STEPS, (tag, plain[tag])
@@ -133,11 +136,7 @@ def run_hooks() -> dict:
                              np.array(plain[tag], np.float64), err_msg=tag)
     testlib.assert_close(np.array(towered_fetches[0].values),
                          np.array(plain_fetches[0].values), err_msg='the hook\'s loss')
-    features = {'x': hooks.X[:12], 'label': hooks.Y[:12]}
-    plain_fn = hooks._model_fn([])  # pylint: disable=protected-access
-    result['share'] = heavy_ops.least_share(
-        heavy_ops.train_graph(towered_fn, features, None),
-        heavy_ops.train_graph(lambda f, l, m, p, c=None: plain_fn(f, l, m), features, None), 2)
+    result['share'] = heavy_ops.least_share(towered_graph, plain_graph, 2)
   except Exception:  # pylint: disable=broad-except
     result['error'] = traceback.format_exc()[-3000:]
   return result
@@ -165,9 +164,34 @@ def run_refused(case: str) -> dict:
   return result
 
 
-def _plain_fn(model_fn):
-  return lambda features, labels, mode, params, config=None: model_fn(
-      features, labels, mode, params)
+class TrainGraph(tf.compat.v1.train.SessionRunHook):
+  """The TRAIN graph an Estimator's train() call builds: its heavy ops are counted there
+  (`heavy_ops.least_share`), as on a graph built for counting alone."""
+
+  def begin(self):
+    self.graph = tf.compat.v1.get_default_graph()
+
+
+def _train_and_read(model_fn, devices, params, input_fn):
+  """(variables after steps 1 and 3 of one train() call, the TRAIN graph it built)."""
+  import testlib  # pylint: disable=g-import-not-at-top
+  built = TrainGraph()
+  steps = testlib.train_and_read(
+      testlib.stepwise_estimator(model_fn, num_cpus=devices, params=params), input_fn,
+      hooks=[built])
+  return steps, built.graph
+
+
+_PLAIN = {}
+
+
+def _plain(model: str):
+  """The plain model_fn of `model` on one device, trained once per process (the reference of
+  each of its layouts): `_train_and_read`'s."""
+  if model not in _PLAIN:
+    model_fn, input_fn, _, _, params, _ = MODELS[model]()
+    _PLAIN[model] = _train_and_read(model_fn, 1, params, input_fn)
+  return _PLAIN[model]
 
 
 def run(case: str) -> dict:
@@ -176,24 +200,18 @@ def run(case: str) -> dict:
   import testlib  # pylint: disable=g-import-not-at-top
   import estimator_towers as et  # pylint: disable=g-import-not-at-top
   model, devices, micro_batches = CASES[case]
-  model_fn, input_fn, features, labels, params, options = MODELS[model]()
+  model_fn, input_fn, _, _, params, options = MODELS[model]()
   towered_fn = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(devices),
                                      micro_batches=micro_batches, **options)
   result = {'case': case, 'error': None, 'share': None}
   try:
-    plain = testlib.train_and_read(testlib.stepwise_estimator(model_fn, params=params), input_fn)
-    towered = testlib.train_and_read(
-        testlib.stepwise_estimator(towered_fn, num_cpus=devices, params=params), input_fn)
+    plain, plain_graph = _plain(model)
+    towered, towered_graph = _train_and_read(towered_fn, devices, params, input_fn)
     for got, expected in zip(towered, plain):
       testlib.assert_variables_close(got, expected)
+    result['share'] = heavy_ops.least_share(towered_graph, plain_graph, devices)
   except Exception:  # pylint: disable=broad-except
     result['error'] = traceback.format_exc()[-3000:]
-  try:
-    result['share'] = heavy_ops.least_share(
-        heavy_ops.train_graph(towered_fn, features, labels, params),
-        heavy_ops.train_graph(_plain_fn(model_fn), features, labels, params), devices)
-  except Exception:  # pylint: disable=broad-except
-    result['error'] = (result['error'] or '') + traceback.format_exc()[-3000:]
   return result
 
 
