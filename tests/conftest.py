@@ -90,6 +90,27 @@ def _tf_config_left_as_it_was():
                 f'use monkeypatch.setenv / delenv')
 
 
+@pytest.fixture(scope='module')
+def no_step_summaries():
+  """`testlib.run_config` (so `make_estimator`, `stepwise_estimator`) without Estimator's
+  step summaries and step logging: `save_summary_steps` and `log_step_count_steps` None
+  unless a call gives them. For the modules whose tests read neither
+  (`pytestmark = pytest.mark.usefixtures('no_step_summaries')`): the first step of a
+  train() call then fetches what every later step fetches, and the session makes and
+  optimises one executor of the towered step instead of two (a tenth of a short call)."""
+  import testlib  # pylint: disable=g-import-not-at-top
+  run_config = testlib.run_config
+
+  def quiet_run_config(num_cpus=1, **kwargs):
+    kwargs.setdefault('save_summary_steps', None)
+    kwargs.setdefault('log_step_count_steps', None)
+    return run_config(num_cpus, **kwargs)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(testlib, 'run_config', quiet_run_config)
+    yield
+
+
 # Seconds each test file took in a run of the suite (README's command, 2 processes on 2
 # cores, under load); only the order they give matters. Files under 20 s are left out:
 # a second a test.
