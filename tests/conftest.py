@@ -117,8 +117,8 @@ def no_step_summaries():
 FILE_SECONDS = {
     'test_collective.py': 626, 'test_loss_algebra.py': 476, 'test_simclr_upstream.py': 458,
     'test_loop_models.py': 395, 'test_real_world.py': 357, 'test_tf1_behaviour.py': 338,
-    'test_fixed_grid.py': 274, 'test_micro_batches.py': 297, 'test_cross_example.py': 290,
-    'test_sync_batch_norm.py': 237, 'test_loop_draws.py': 217, 'test_random_draws.py': 188,
+    'test_fixed_grid.py': 274, 'test_micro_batches.py': 297, 'test_cross_example.py': 261,
+    'test_sync_batch_norm.py': 222, 'test_loop_draws.py': 217, 'test_random_draws.py': 188,
     'test_sparse_features.py': 139, 'test_faults.py': 175, 'test_towers.py': 156,
     'test_staging.py': 165, 'test_example.py': 118, 'test_canned.py': 116,
     'test_attention_styles.py': 115, 'test_bert.py': 115, 'test_step_order.py': 98,
