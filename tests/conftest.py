@@ -90,17 +90,38 @@ def _tf_config_left_as_it_was():
                 f'use monkeypatch.setenv / delenv')
 
 
+@pytest.fixture(scope='module')
+def no_step_summaries():
+  """`testlib.run_config` (so `make_estimator`, `stepwise_estimator`) without Estimator's
+  step summaries and step logging: `save_summary_steps` and `log_step_count_steps` None
+  unless a call gives them. For the modules whose tests read neither
+  (`pytestmark = pytest.mark.usefixtures('no_step_summaries')`): the first step of a
+  train() call then fetches what every later step fetches, and the session makes and
+  optimises one executor of the towered step instead of two (a tenth of a short call)."""
+  import testlib  # pylint: disable=g-import-not-at-top
+  run_config = testlib.run_config
+
+  def quiet_run_config(num_cpus=1, **kwargs):
+    kwargs.setdefault('save_summary_steps', None)
+    kwargs.setdefault('log_step_count_steps', None)
+    return run_config(num_cpus, **kwargs)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(testlib, 'run_config', quiet_run_config)
+    yield
+
+
 # Seconds each test file took in a run of the suite (README's command, 2 processes on 2
 # cores, under load); only the order they give matters. Files under 20 s are left out:
 # a second a test.
 FILE_SECONDS = {
     'test_collective.py': 626, 'test_loss_algebra.py': 476, 'test_simclr_upstream.py': 322,
     'test_loop_models.py': 395, 'test_real_world.py': 357, 'test_tf1_behaviour.py': 283,
-    'test_fixed_grid.py': 301, 'test_micro_batches.py': 300, 'test_cross_example.py': 290,
-    'test_sync_batch_norm.py': 237, 'test_loop_draws.py': 217, 'test_random_draws.py': 188,
-    'test_sparse_features.py': 179, 'test_faults.py': 175, 'test_towers.py': 166,
+    'test_fixed_grid.py': 274, 'test_micro_batches.py': 297, 'test_cross_example.py': 261,
+    'test_sync_batch_norm.py': 222, 'test_loop_draws.py': 217, 'test_random_draws.py': 188,
+    'test_sparse_features.py': 139, 'test_faults.py': 175, 'test_towers.py': 156,
     'test_staging.py': 165, 'test_example.py': 118, 'test_canned.py': 116,
-    'test_attention_styles.py': 115, 'test_bert.py': 115, 'test_step_order.py': 114,
+    'test_attention_styles.py': 115, 'test_bert.py': 115, 'test_step_order.py': 98,
     'test_equivalence.py': 111, 'test_loop_frames.py': 106, 'test_collective_position.py': 105,
     'test_batch_reductions.py': 101, 'test_selftest_own_model.py': 101,
     'test_padded_transformer.py': 97, 'test_sparse_canned.py': 95, 'test_docs_clusters.py': 92,

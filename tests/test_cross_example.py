@@ -33,6 +33,9 @@ from estimator_towers.base import logs
 from estimator_towers.heads import whole_batch_head
 from estimator_towers.towers import unsplit as towers
 
+# Estimator's step summaries and step logging off: no test here reads them.
+pytestmark = pytest.mark.usefixtures('no_step_summaries')
+
 ModeKeys = tf.estimator.ModeKeys
 BATCH = 10
 
@@ -416,8 +419,10 @@ class _GraphHook(tf.compat.v1.train.SessionRunHook):
     self.graph = tf.compat.v1.get_default_graph()
 
 
+@functools.lru_cache(maxsize=None)
 def _row_wise_tensors(name):
-  """(op, device, run-time shape) of every tensor the head made, on a batch of 10 (4/3/3)."""
+  """(op, device, run-time shape) of every tensor the head made, on a batch of 10 (4/3/3);
+  one graph per pattern, read by both tests below."""
   with tf.Graph().as_default() as graph:
     tf.compat.v1.train.create_global_step()
     towered = et.replicate_model_fn(functools.partial(_model_fn, _pattern(name)),
@@ -432,7 +437,7 @@ def _row_wise_tensors(name):
     with tf.compat.v1.Session(config=config) as session:
       session.run(tf.compat.v1.global_variables_initializer())
       values = session.run(made)
-  return [(t.op.name, t.op.device, v.shape) for t, v in zip(made, values)]
+  return tuple((t.op.name, t.op.device, v.shape) for t, v in zip(made, values))
 
 
 @pytest.mark.parametrize('name,views', [('in_batch_softmax', 1), ('clip', 1), ('simclr', 2)])

@@ -41,6 +41,9 @@ from estimator_towers.gradients import fixed_order
 from estimator_towers.inputs import grid
 from estimator_towers.towers import metric_order
 
+# Estimator's step summaries and step logging off: no test here reads them.
+pytestmark = pytest.mark.usefixtures('no_step_summaries')
+
 B, F, T, S = 16, 6, 3, 4
 STEPS = 3
 _RNG = np.random.RandomState(0)
@@ -338,17 +341,25 @@ def _evaluate(model_dir, devices, micro=1, shards=S):
   return estimator.evaluate(lambda: input_fn().take(4), name=f'{devices}x{micro}')
 
 
+@pytest.fixture(scope='module')
+def eval_reference(eval_checkpoint):
+  """The metrics of one device (the grid's 4 shards side by side on it), evaluated once."""
+  return _evaluate(eval_checkpoint, 1)
+
+
 @pytest.mark.parametrize('devices,micro', [(2, 1), (4, 1), (1, 2), (2, 2)])
-def test_eval_metrics_bit_identical_on_every_topology(eval_checkpoint, devices, micro):
+def test_eval_metrics_bit_identical_on_every_topology(eval_checkpoint, eval_reference, devices,
+                                                      micro):
   """4 batches of 16: each metric's state adds the 4 shards' parts in shard order, per batch."""
-  reference = _evaluate(eval_checkpoint, 1)
+  reference = eval_reference
   metrics = _evaluate(eval_checkpoint, devices, micro)
   assert {k: metrics[k] for k in reference if metrics[k] != reference[k]} == {}
   assert reference['weighted_loss'] != reference['loss']  # the metrics are not the loss
 
 
-def test_eval_metrics_control_in_reverse_shard_order_differ(eval_checkpoint, monkeypatch):
-  reference = _evaluate(eval_checkpoint, 1)
+def test_eval_metrics_control_in_reverse_shard_order_differ(eval_checkpoint, eval_reference,
+                                                            monkeypatch):
+  reference = eval_reference   # evaluated before the patch
   chained = metric_order.in_shard_order
   monkeypatch.setattr(metric_order, 'in_shard_order', lambda updates: chained(updates[::-1]))
   reversed_order = _evaluate(eval_checkpoint, 4)

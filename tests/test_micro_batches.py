@@ -20,6 +20,9 @@ from estimator_towers import replicate_model_fn
 from estimator_towers import staged_input_fn
 from estimator_towers.inputs import micro_batches as micro_batches_lib
 
+# Estimator's step summaries and step logging off: no test here reads them.
+pytestmark = pytest.mark.usefixtures('no_step_summaries')
+
 V1 = tf.compat.v1.train
 ModeKeys = tf.estimator.ModeKeys
 
@@ -167,22 +170,49 @@ def test_one_copy_per_device_when_replicated():
                               'dense_1/bias/replica_1', 'dense_1/kernel/replica_1']
 
 
+def _evaluate_input_fn():
+  x, y = testlib.data(7)
+  return testlib.input_fn(x, y, 7)
+
+
+@functools.lru_cache(maxsize=None)
+def plain_evaluated():
+  """(model_dir, metrics, predictions) of the plain model_fn trained one step: the checkpoint
+  the layouts evaluate and predict from, and plain's results on it (shared by the layouts)."""
+  fn = _evaluate_input_fn()
+  plain = testlib.make_estimator(model_fn_with('Momentum'))
+  plain.train(fn, steps=1)
+  return plain.model_dir, plain.evaluate(fn), testlib.predictions(plain, fn)
+
+
 @pytest.mark.core_equivalence
 @pytest.mark.parametrize('num_devices, k', [(1, 3), (2, 2)])
 def test_evaluate_and_predict_like_plain(num_devices, k):
-  x, y = testlib.data(7)
-  fn = testlib.input_fn(x, y, 7)
-  model_fn = model_fn_with('Momentum')
-  plain = testlib.make_estimator(model_fn)
-  plain.train(fn, steps=1)
+  fn = _evaluate_input_fn()
+  model_dir, theirs, plain_predictions = plain_evaluated()
   towered = testlib.make_estimator(
-      replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices), micro_batches=k),
-      num_cpus=num_devices, model_dir=plain.model_dir)
-  mine, theirs = towered.evaluate(fn), plain.evaluate(fn)
+      replicate_model_fn(model_fn_with('Momentum'), devices=testlib.cpu_devices(num_devices),
+                         micro_batches=k),
+      num_cpus=num_devices, model_dir=model_dir)
+  mine = towered.evaluate(fn, name=f'{num_devices}x{k}')
   for key in ('loss', 'mean_logit'):
     assert abs(mine[key] - theirs[key]) <= 1e-5 * max(1, abs(theirs[key])), key
-  np.testing.assert_allclose(testlib.predictions(towered, fn), testlib.predictions(plain, fn),
+  np.testing.assert_allclose(testlib.predictions(towered, fn), plain_predictions,
                              atol=1e-5, rtol=0)
+
+
+def _staged_case_input_fn(examples, epochs):
+  x, y = testlib.data(examples)
+  return testlib.input_fn(x, y, 7, epochs=epochs)
+
+
+@functools.lru_cache(maxsize=None)
+def plain_staged_case(examples, epochs, steps):
+  """The plain Adam model_fn's variables after `steps` steps, unstaged (shared by the
+  layouts)."""
+  plain = testlib.make_estimator(model_fn_with('Adam'))
+  plain.train(_staged_case_input_fn(examples, epochs), steps=steps)
+  return testlib.variables(plain)
 
 
 @pytest.mark.parametrize('examples, epochs, steps', [
@@ -191,15 +221,12 @@ def test_evaluate_and_predict_like_plain(num_devices, k):
 ])
 @pytest.mark.parametrize('num_devices, k', [(1, 3), (2, 2)])
 def test_staged_input(num_devices, k, examples, epochs, steps):
-  x, y = testlib.data(examples)
-  fn = testlib.input_fn(x, y, 7, epochs=epochs)
-  model_fn = model_fn_with('Adam')
-  plain = testlib.make_estimator(model_fn)
-  plain.train(fn, steps=steps)
+  fn = _staged_case_input_fn(examples, epochs)
   plan = make_plan(devices=testlib.cpu_devices(num_devices), micro_batches=k, staging_depth=2)
-  towered = testlib.make_estimator(replicate_model_fn(model_fn, plan=plan), num_cpus=num_devices)
+  towered = testlib.make_estimator(replicate_model_fn(model_fn_with('Adam'), plan=plan),
+                                   num_cpus=num_devices)
   towered.train(staged_input_fn(fn, plan), steps=steps)
-  expected = testlib.variables(plain)
+  expected = plain_staged_case(examples, epochs, steps)
   assert expected['global_step'] == steps
   assert_close(testlib.variables(towered), expected)
 
@@ -217,6 +244,16 @@ def batch_norm_model_fn(features, labels, mode):
   return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
 
 
+@functools.lru_cache(maxsize=None)
+def plain_batch_norm_step(batch, primary):
+  """The plain batch-norm model_fn's variables after one step on the first `primary` rows of
+  testlib.data(batch) (shared by the layouts whose primary micro-batch holds the same rows)."""
+  x, y = testlib.data(batch)
+  plain = testlib.make_estimator(batch_norm_model_fn)
+  plain.train(testlib.input_fn(x[:primary], y[:primary], primary), steps=1)
+  return testlib.variables(plain)
+
+
 @pytest.mark.parametrize('batch', [7, 3])
 @pytest.mark.parametrize('num_devices, k', LAYOUTS)
 def test_batch_norm_moving_averages_from_the_primary_micro_batch(num_devices, k, batch):
@@ -224,15 +261,13 @@ def test_batch_norm_moving_averages_from_the_primary_micro_batch(num_devices, k,
   updated once per step, not once per micro-batch, and never NaN."""
   x, y = testlib.data(batch)
   primary = -(-(-(-batch // num_devices)) // k)  # ceil(ceil(B / N) / k)
-  plain = testlib.make_estimator(batch_norm_model_fn)
-  plain.train(testlib.input_fn(x[:primary], y[:primary], primary), steps=1)
   towered = testlib.make_estimator(
       replicate_model_fn(batch_norm_model_fn, devices=testlib.cpu_devices(num_devices),
                          micro_batches=k, sync_batch_norm=False), num_cpus=num_devices)
   towered.train(testlib.input_fn(x, y, batch), steps=1)
   actual = testlib.variables(towered)
   assert not any(np.isnan(v).any() for v in actual.values())
-  assert_close(actual, testlib.variables(plain))
+  assert_close(actual, plain_batch_norm_step(batch, primary))
 
 
 # --- Micro-batches of one device run one after another ---------------------------

@@ -22,6 +22,8 @@ tests are what fail when BERT's assign is not ordered.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -145,6 +147,17 @@ def _xy_input_fn():
   return tf.data.Dataset.from_tensor_slices(({'x': x}, y)).batch(12).repeat()
 
 
+@functools.lru_cache(maxsize=None)
+def _one_device_reference(model):
+  """One run of `model` ('dropout': its step advanced by the optimizer; 'bert') decorated
+  for one device: the steps' variables, shared by the layouts and hooks compared with it."""
+  if model == 'dropout':
+    return _runs(et.replicate_model_fn(_dropout_model_fn(None), devices=['/cpu:0']),
+                 _xy_input_fn, 1, 1)[0]
+  return _runs(et.replicate_model_fn(bert_model.model_fn(dropout=True), devices=['/cpu:0']),
+               _bert_input_fn, 1, 1)[0]
+
+
 HOOKS = {'its own handle': lambda: _SecondHandle(), 'the step\'s handle': lambda: _Advance()}
 
 
@@ -155,8 +168,7 @@ def test_a_hook_s_increment_of_the_step_waits_for_the_draws_key(layout, hook):
   of its own), in no order with the train op: every run equals one device whose optimizer
   advances the step after its update (before the order, through its own handle: 8, 8 and 1
   of 8 runs differed)."""
-  reference = _runs(et.replicate_model_fn(_dropout_model_fn(None), devices=['/cpu:0']),
-                    _xy_input_fn, 1, 1)[0]
+  reference = _one_device_reference('dropout')
   num_devices, micro_batches = LAYOUTS[layout]
   towered = et.replicate_model_fn(_dropout_model_fn(HOOKS[hook]),
                                   devices=testlib.cpu_devices(num_devices),
@@ -172,8 +184,7 @@ def _bert_input_fn():
 def test_bert_with_dropout_equals_one_device_in_every_run(layout):
   """BERT's own model_fn, its dropout and `global_step.assign(global_step + 1)` unchanged,
   its towers under 'collective': every repeat equals the model_fn decorated for one device."""
-  reference = _runs(et.replicate_model_fn(bert_model.model_fn(dropout=True),
-                                          devices=['/cpu:0']), _bert_input_fn, 1, 1)[0]
+  reference = _one_device_reference('bert')
   num_devices, micro_batches = LAYOUTS[layout]
   towered = et.replicate_model_fn(bert_model.model_fn(dropout=True),
                                   devices=testlib.cpu_devices(num_devices),

@@ -10,6 +10,7 @@ shards' examples are scaled differently, so shard statistics are far from the
 global batch's.
 """
 
+import functools
 import os
 import tempfile
 import sys
@@ -25,6 +26,9 @@ from estimator_towers.sync_points import batch_norm as batch_norm_sync
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 'examples', 'cifar10'))
 import model as cifar_model  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+# Estimator's step summaries and step logging off: no test here reads them.
+pytestmark = pytest.mark.usefixtures('no_step_summaries')
 
 ModeKeys = tf.estimator.ModeKeys
 NUM_TOWERS = 3
@@ -194,22 +198,31 @@ def _keras_model_to_estimator():
   return est.model_fn, est._warm_start_settings  # pylint: disable=protected-access
 
 
+def _keras_vectors_input_fn():
+  x, y = _vectors(10)
+  return tf.data.Dataset.from_tensor_slices(({'x': x}, y)).repeat(4).batch(10)
+
+
+def _run_warm_started(fn, num_cpus, warm_start):
+  """Variables after steps 1 and 3 of `fn` warm-started from the Keras model's values."""
+  config = testlib.run_config(num_cpus, save_checkpoints_steps=1, keep_checkpoint_max=0)
+  est = tf.estimator.Estimator(fn, model_dir=tempfile.mkdtemp(prefix='et_'),
+                               config=config, warm_start_from=warm_start)
+  return testlib.train_and_read(est, _keras_vectors_input_fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _keras_model_to_estimator_and_plain():
+  """model_to_estimator's model_fn, its warm start, and the plain run of that model_fn
+  (shared by both sync settings, which decorate the same model_fn)."""
+  model_fn, warm_start = _keras_model_to_estimator()
+  return model_fn, warm_start, _run_warm_started(model_fn, 1, warm_start)
+
+
 @pytest.mark.parametrize('sync', [True, False])
 def test_model_to_estimator(sync):
-  model_fn, warm_start = _keras_model_to_estimator()
-  x, y = _vectors(10)
-
-  def input_fn():
-    return tf.data.Dataset.from_tensor_slices(({'x': x}, y)).repeat(4).batch(10)
-
-  def run(fn, num_cpus):
-    config = testlib.run_config(num_cpus, save_checkpoints_steps=1, keep_checkpoint_max=0)
-    est = tf.estimator.Estimator(fn, model_dir=tempfile.mkdtemp(prefix='et_'),
-                                 config=config, warm_start_from=warm_start)
-    return testlib.train_and_read(est, input_fn)
-
-  plain = run(model_fn, 1)
-  towered = run(_towered(model_fn, sync_batch_norm=sync), NUM_TOWERS)
+  model_fn, warm_start, plain = _keras_model_to_estimator_and_plain()
+  towered = _run_warm_started(_towered(model_fn, sync_batch_norm=sync), NUM_TOWERS, warm_start)
   assert any('moving_variance' in name for name in plain[1])
   if sync:
     testlib.assert_variables_close(towered[0], plain[0])
