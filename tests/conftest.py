@@ -90,15 +90,28 @@ def _tf_config_left_as_it_was():
                 f'use monkeypatch.setenv / delenv')
 
 
-@pytest.fixture(scope='module')
-def no_step_summaries():
+# The modules whose tests read Estimator's step summaries or step logs (event files,
+# examples/sec, the logged loss): they keep Estimator's defaults.
+STEP_SUMMARIES_READ = frozenset({
+    'test_collective_position.py', 'test_device_report.py', 'test_example.py',
+    'test_example_resume.py', 'test_hook_values.py', 'test_hook_values_cluster.py',
+    'test_logging.py', 'test_lost_task.py', 'test_tower_summaries.py',
+})
+
+
+@pytest.fixture(scope='module', autouse=True)
+def no_step_summaries(request):
   """`testlib.run_config` (so `make_estimator`, `stepwise_estimator`) without Estimator's
   step summaries and step logging: `save_summary_steps` and `log_step_count_steps` None
-  unless a call gives them. For the modules whose tests read neither
-  (`pytestmark = pytest.mark.usefixtures('no_step_summaries')`): the first step of a
-  train() call then fetches what every later step fetches, and the session makes and
-  optimises one executor of the towered step instead of two (a tenth of a short call)."""
+  unless a call gives them, in every module but those of `STEP_SUMMARIES_READ`. None of
+  the others reads them, and they cost each train() call a tenth of its time: the first
+  step of a call fetches the summaries as well, so the session makes and optimises a
+  second executor of the towered step. (What a model_fn's own summaries and hooks see
+  stays tested by the modules that read them.)"""
   import testlib  # pylint: disable=g-import-not-at-top
+  if os.path.basename(str(request.fspath)) in STEP_SUMMARIES_READ:
+    yield
+    return
   run_config = testlib.run_config
 
   def quiet_run_config(num_cpus=1, **kwargs):

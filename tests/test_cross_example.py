@@ -33,9 +33,6 @@ from estimator_towers.base import logs
 from estimator_towers.heads import whole_batch_head
 from estimator_towers.towers import unsplit as towers
 
-# Estimator's step summaries and step logging off: no test here reads them.
-pytestmark = pytest.mark.usefixtures('no_step_summaries')
-
 ModeKeys = tf.estimator.ModeKeys
 BATCH = 10
 

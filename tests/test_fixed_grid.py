@@ -41,9 +41,6 @@ from estimator_towers.gradients import fixed_order
 from estimator_towers.inputs import grid
 from estimator_towers.towers import metric_order
 
-# Estimator's step summaries and step logging off: no test here reads them.
-pytestmark = pytest.mark.usefixtures('no_step_summaries')
-
 B, F, T, S = 16, 6, 3, 4
 STEPS = 3
 _RNG = np.random.RandomState(0)

@@ -20,9 +20,6 @@ from estimator_towers import replicate_model_fn
 from estimator_towers import staged_input_fn
 from estimator_towers.inputs import micro_batches as micro_batches_lib
 
-# Estimator's step summaries and step logging off: no test here reads them.
-pytestmark = pytest.mark.usefixtures('no_step_summaries')
-
 V1 = tf.compat.v1.train
 ModeKeys = tf.estimator.ModeKeys
 

@@ -28,9 +28,6 @@ import heavy_ops
 import testlib
 import estimator_towers as et
 
-# Estimator's step summaries and step logging off: no test here reads them.
-pytestmark = pytest.mark.usefixtures('no_step_summaries')
-
 fc = tf.feature_column
 BATCH, IDS, WIDTH = 12, 10, 3
 LAYOUTS = {'2_towers': (2, 1), '3_towers': (3, 1), '2x2_micro': (2, 2), '1x2_micro': (1, 2)}

@@ -22,9 +22,6 @@ from estimator_towers import replicate_model_fn
 from estimator_towers import staged_input_fn
 from estimator_towers.inputs import staging
 
-# Estimator's step summaries and step logging off: no test here reads them.
-pytestmark = pytest.mark.usefixtures('no_step_summaries')
-
 NUM_IDS = 23
 BATCH = 5  # Divides neither 23 nor any device count 2..4; the last batch (3) is smaller than 4.
 TIMEOUT = dict(timeout=120, method='thread')  # A hang in session.run must still fail.

@@ -27,9 +27,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 'examples', 'cifar10'))
 import model as cifar_model  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-# Estimator's step summaries and step logging off: no test here reads them.
-pytestmark = pytest.mark.usefixtures('no_step_summaries')
-
 ModeKeys = tf.estimator.ModeKeys
 NUM_TOWERS = 3
 UPDATE_OPS = tf.compat.v1.GraphKeys.UPDATE_OPS

@@ -16,9 +16,6 @@ import testlib
 from estimator_towers import replicate_model_fn
 from estimator_towers.base import interception
 
-# Estimator's step summaries and step logging off: no test here reads them.
-pytestmark = pytest.mark.usefixtures('no_step_summaries')
-
 ModeKeys = tf.estimator.ModeKeys
 
 
