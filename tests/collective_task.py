@@ -614,8 +614,10 @@ def main(spec_path):
     train_input_fn = input_fn(data, suffix, spec['batch'], spec.get('features_only', False))
   train_spec = tf.estimator.TrainSpec(train_input_fn, max_steps=spec.get('max_steps'),
                                       hooks=hooks)
+  # throttle_secs: the evaluator looks for a new checkpoint once a second (0 polls without
+  # pause, a core busy for the whole of the chief's run).
   eval_spec = tf.estimator.EvalSpec(
-      input_fn(data, 'e', spec['batch']), steps=None, start_delay_secs=0, throttle_secs=0,
+      input_fn(data, 'e', spec['batch']), steps=None, start_delay_secs=0, throttle_secs=1,
       exporters=[MetricsExporter(os.path.join(spec['dump'], 'eval.json'))])
   tf.estimator.train_and_evaluate(estimator, train_spec, eval_spec)
 
