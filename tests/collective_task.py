@@ -584,7 +584,9 @@ def main(spec_path):
   settings = dict(model_dir=spec['model_dir'], save_checkpoints_steps=spec.get('save_every', 1000),
                   keep_checkpoint_max=spec.get('keep', 5),
                   save_summary_steps=spec.get('summary_every', 1000),
-                  log_step_count_steps=1000)
+                  log_step_count_steps=1000,
+                  # no graph.pbtxt, no .meta beside each checkpoint: no test reads them
+                  checkpoint_save_graph_def=False)
   if spec.get('user_session_config'):  # the usual hand-made ConfigProto: no device filters
     run_config = tf.estimator.RunConfig(session_config=tf.compat.v1.ConfigProto(
         device_count={'CPU': spec['towers']}, inter_op_parallelism_threads=2,

@@ -255,6 +255,7 @@ def _plain_from(model_dir, checkpoint, model_fn, params, tmp_path, num_cpus=1, *
   for f in glob.glob(os.path.join(model_dir, f'{checkpoint}.*')):
     shutil.copy(f, plain_dir)
   (plain_dir / 'checkpoint').write_text(f'model_checkpoint_path: "{checkpoint}"\n')
+  config_kwargs.setdefault('checkpoint_save_graph_def', False)  # no test reads them
   return testlib.make_estimator(model_fn, num_cpus, model_dir=str(plain_dir), params=params,
                                 **config_kwargs)
 
