@@ -106,8 +106,8 @@ def restarted(request, tmp_path_factory):
   return runs
 
 
-# The first test to ask runs every selected restart: its time limit is theirs.
-@pytest.mark.timeout(400)
+# The first test to ask runs every selected killed cluster and restart: its time limit is theirs.
+@pytest.mark.timeout(900)
 def test_two_workers_killed_mid_epoch_resume_as_one_uninterrupted_device(
     killed_after_a_checkpoint, uninterrupted, restarted):
   """Restarted on 2 workers from the checkpoint of step 4: the chief restores the input's
@@ -182,7 +182,7 @@ def _killed(tmp, spec):
     while not all((tmp / 'dump' / f'blocked{rank}').exists() for rank in (0, 1)):
       for task_type in ('chief', 'worker'):
         assert cluster.procs[task_type].poll() is None, cluster.log(task_type)[-3000:]
-      assert time.time() < started + 150, cluster.log('chief')[-3000:]
+      assert time.time() < started + 300, cluster.log('chief')[-3000:]
       time.sleep(0.1)
   finally:
     cluster.kill()  # SIGKILL
