@@ -584,7 +584,9 @@ def main(spec_path):
   settings = dict(model_dir=spec['model_dir'], save_checkpoints_steps=spec.get('save_every', 1000),
                   keep_checkpoint_max=spec.get('keep', 5),
                   save_summary_steps=spec.get('summary_every', 1000),
-                  log_step_count_steps=1000)
+                  log_step_count_steps=1000,
+                  # no graph.pbtxt, no .meta beside each checkpoint: no test reads them
+                  checkpoint_save_graph_def=False)
   if spec.get('user_session_config'):  # the usual hand-made ConfigProto: no device filters
     run_config = tf.estimator.RunConfig(session_config=tf.compat.v1.ConfigProto(
         device_count={'CPU': spec['towers']}, inter_op_parallelism_threads=2,
@@ -614,8 +616,10 @@ def main(spec_path):
     train_input_fn = input_fn(data, suffix, spec['batch'], spec.get('features_only', False))
   train_spec = tf.estimator.TrainSpec(train_input_fn, max_steps=spec.get('max_steps'),
                                       hooks=hooks)
+  # throttle_secs: the evaluator looks for a new checkpoint once a second (0 polls without
+  # pause, a core busy for the whole of the chief's run).
   eval_spec = tf.estimator.EvalSpec(
-      input_fn(data, 'e', spec['batch']), steps=None, start_delay_secs=0, throttle_secs=0,
+      input_fn(data, 'e', spec['batch']), steps=None, start_delay_secs=0, throttle_secs=1,
       exporters=[MetricsExporter(os.path.join(spec['dump'], 'eval.json'))])
   tf.estimator.train_and_evaluate(estimator, train_spec, eval_spec)
 

@@ -147,10 +147,13 @@ class TogetherRuns:
   tasks may have been out of step), runs again alone from a fresh start (`Cluster.run`, fresh
   ports): a failure that stays is the run's own."""
 
-  def __init__(self, clusters, timeout_per_run=150):
+  def __init__(self, clusters, timeout_per_run=150, fresh_starts=None):
     self.clusters = clusters  # {key: Cluster}, run in this order
     self.timeout = timeout_per_run * max(len(clusters), 1)
     self.failures = {}  # {key: why}
+    # {key: a callable that puts the run's model_dir back as it was before the run}; by
+    # default a run's fresh start is an empty model_dir.
+    self.fresh_starts = fresh_starts or {}
 
   def run(self, tmp):
     plans = {}
@@ -190,6 +193,8 @@ class TogetherRuns:
         with open(cluster.spec_path) as f:
           spec = json.load(f)
         shutil.rmtree(spec['model_dir'], ignore_errors=True)  # a fresh start
+        if key in self.fresh_starts:
+          self.fresh_starts[key]()
         for name in os.listdir(spec['dump']):
           os.remove(os.path.join(spec['dump'], name))
         try:
@@ -250,6 +255,7 @@ def _plain_from(model_dir, checkpoint, model_fn, params, tmp_path, num_cpus=1, *
   for f in glob.glob(os.path.join(model_dir, f'{checkpoint}.*')):
     shutil.copy(f, plain_dir)
   (plain_dir / 'checkpoint').write_text(f'model_checkpoint_path: "{checkpoint}"\n')
+  config_kwargs.setdefault('checkpoint_save_graph_def', False)  # no test reads them
   return testlib.make_estimator(model_fn, num_cpus, model_dir=str(plain_dir), params=params,
                                 **config_kwargs)
 

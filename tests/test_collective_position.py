@@ -30,6 +30,7 @@ from estimator_towers.cluster import cross_worker
 from estimator_towers.inputs import position
 from estimator_towers.inputs import worker_positions
 from test_collective import Cluster
+from test_collective import TogetherRuns
 from test_collective import _spec
 
 # 20 examples, global batches of 6 (3 rows a worker): the checkpoint at step 4 is 4 examples
@@ -79,16 +80,41 @@ def uninterrupted(killed_after_a_checkpoint):
   return expected
 
 
-@pytest.mark.timeout(240)
+@pytest.fixture(scope='module')
+def restarted(request, tmp_path_factory):
+  """The restarts on 2 workers from the checkpoint of step 4 of the selected tests' killed
+  clusters (global batches: `killed_after_a_checkpoint`; shards: `shards_killed_after_a_
+  checkpoint`, its tasks logging INFO), run one after another by one chief and one worker
+  process (`TogetherRuns`: each its own cluster, ports and log): {fixture name: Cluster}."""
+  wanted = [name for name in ('killed_after_a_checkpoint', 'shards_killed_after_a_checkpoint')
+            if any(item.module is request.module and 'restarted' in item.fixturenames and
+                   name in item.fixturenames for item in request.session.items)]
+  clusters, fresh_starts = {}, {}
+  for name in wanted:
+    tmp, spec, _ = request.getfixturevalue(name)
+    extra = {'log_info': True} if name.startswith('shards') else {}
+    clusters[name] = Cluster(tmp, dict(spec, block_at=None, **extra))
+    # A run again alone (`TogetherRuns`) starts from the killed cluster's model_dir.
+    shutil.copytree(spec['model_dir'], tmp / 'model_when_killed')
+    fresh_starts[name] = (lambda spec=spec, tmp=tmp: shutil.copytree(
+        tmp / 'model_when_killed', spec['model_dir']))
+  runs = TogetherRuns(clusters, fresh_starts=fresh_starts)
+  started = time.time()
+  runs.run(tmp_path_factory.mktemp('restarts'))
+  print(f'{len(clusters)} clusters from step {KILLED_AT} to {RESUMED_TO}: '
+        f'{time.time() - started:.1f} s')
+  return runs
+
+
+# The first test to ask runs every selected killed cluster and restart: its time limit is theirs.
+@pytest.mark.timeout(900)
 def test_two_workers_killed_mid_epoch_resume_as_one_uninterrupted_device(
-    killed_after_a_checkpoint, uninterrupted):
+    killed_after_a_checkpoint, uninterrupted, restarted):
   """Restarted on 2 workers from the checkpoint of step 4: the chief restores the input's
   position, each worker takes it from the chief; every variable and slot at step 7 equals
   the uninterrupted one-device run, and the worker's the chief's."""
   tmp, spec, _ = killed_after_a_checkpoint
-  started = time.time()
-  Cluster(tmp, dict(spec, block_at=None)).run()
-  print(f'cluster from step {KILLED_AT} to {RESUMED_TO}: {time.time() - started:.1f} s')
+  restarted.check('killed_after_a_checkpoint')
   for rank in (0, 1):
     assert (tmp / 'dump' / f'rank{rank}.npz.start').read_text() == str(KILLED_AT)
   chief = testlib.variables(testlib.make_estimator(collective_task.random_draws_model_fn,
@@ -156,7 +182,7 @@ def _killed(tmp, spec):
     while not all((tmp / 'dump' / f'blocked{rank}').exists() for rank in (0, 1)):
       for task_type in ('chief', 'worker'):
         assert cluster.procs[task_type].poll() is None, cluster.log(task_type)[-3000:]
-      assert time.time() < started + 150, cluster.log('chief')[-3000:]
+      assert time.time() < started + 300, cluster.log('chief')[-3000:]
       time.sleep(0.1)
   finally:
     cluster.kill()  # SIGKILL
@@ -171,16 +197,15 @@ def _killed(tmp, spec):
   return str(copy)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(400)
 def test_workers_reading_their_own_shards_resume_as_one_uninterrupted_device(
-    shards_killed_after_a_checkpoint):
+    shards_killed_after_a_checkpoint, restarted):
   """Restarted on 2 workers from the checkpoint of step 4, which holds both workers'
   positions: at step 7 every variable and slot equals the one-device model_fn trained in
   one call on the global batches the shards make, and the worker's the chief's; the chief
   logs once what it resumed, each worker's position."""
   tmp, spec, _ = shards_killed_after_a_checkpoint
-  restarted = Cluster(tmp, dict(spec, block_at=None, log_info=True))
-  restarted.run()
+  restarted = restarted.check('shards_killed_after_a_checkpoint')
   for rank in (0, 1):
     assert (tmp / 'dump' / f'rank{rank}.npz.start').read_text() == str(KILLED_AT)
   # The chief's one INFO line: the checkpoint, its step, each worker's position.

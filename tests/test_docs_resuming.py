@@ -2,7 +2,9 @@
 
 Each program runs in a fresh process (bounded in time, killed by its own pid)
 in its own temporary directory, so the page's relative `model_dir='run'` is
-there. The page's python blocks, in order:
+there; the references (the same program trained in one call, or run without
+a stop) run in the test's process, in directories of their own. The page's
+python blocks, in order:
 
 1. The first program, complete, run as written: its second `train()` logs the
    page's text block, word for word; its last checkpoint holds the four
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import time
 
+from absl import logging as absl_logging
 import numpy as np
 import tensorflow as tf
 
@@ -94,7 +97,21 @@ def _parts(program):
   return head, 'def input_fn():' + rest[:start], rest[start:]
 
 
-def test_resuming_page_programs_run_and_resume_as_written(tmp_path):
+def _run_here(folder, source, monkeypatch):
+  """Runs `source` in this process, in `folder` (a reference: the same program's
+  variables, without a process's start); absl's verbosity put back after."""
+  folder.mkdir()
+  verbosity = absl_logging.get_verbosity()
+  with monkeypatch.context() as patch:
+    patch.chdir(folder)
+    try:
+      code = compile(source, str(folder / 'train.py'), 'exec')
+      exec(code, {'__name__': '__main__'})  # pylint: disable=exec-used
+    finally:
+      absl_logging.set_verbosity(verbosity)
+
+
+def test_resuming_page_programs_run_and_resume_as_written(tmp_path, monkeypatch):
   blocks = _blocks('python')
   assert len(blocks) == 4, [b[:60] for b in blocks]
   program, preemption, global_batches, augmentation = blocks
@@ -109,8 +126,7 @@ def test_resuming_page_programs_run_and_resume_as_written(tmp_path):
                             "et.make_config(num_cpu_devices=2, variable_strategy='collective')")
   assert collective != tail
 
-  runs = {'program': program, 'one_call': one_call, 'uninterrupted': preempted,
-          'global_batches': head + '\n' + global_batches + collective,
+  runs = {'program': program, 'global_batches': head + '\n' + global_batches + collective,
           'augmentation': head + '\n' + augmentation + tail}
   procs = {name: _start(tmp_path / name, source) for name, source in runs.items()}
   # The preempted job: killed once a checkpoint after step 0 is written, then restarted.
@@ -128,7 +144,11 @@ def test_resuming_page_programs_run_and_resume_as_written(tmp_path):
     proc.wait()
   step = int(tf.train.latest_checkpoint(str(folder / 'run')).rsplit('-', 1)[1])
   assert 100 <= step < 300, (step, (folder / 'train.log').read_text(errors='replace')[-3000:])
-  restarted = _finish(folder, _start(folder, preempted, restart=True))
+  restart = _start(folder, preempted, restart=True)
+  # The references, while the page's programs run: in this process (TensorFlow imported).
+  for name, source in (('one_call', one_call), ('uninterrupted', preempted)):
+    _run_here(tmp_path / name, source, monkeypatch)
+  restarted = _finish(folder, restart)
   logs = {name: _finish(tmp_path / name, proc) for name, proc in procs.items()}
 
   # 1. The first program: the page's log line, the position's keys, the same variables.

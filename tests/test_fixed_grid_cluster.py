@@ -20,13 +20,15 @@ over the tree on one worker, an all-gather). The references:
   `grid_bn_softmax_model_fn`), against the same model_fn
   decorated for one device on the same grid trained on the global batches from
   the cluster's first checkpoint: every variable and optimizer slot after 3
-  steps `np.array_equal`.
+  steps `np.array_equal` (the three clusters run one after another by one chief
+  and one worker process, `TogetherRuns`).
 
 And the grid's conditions on a cluster, at graph construction: a worker's
 shards must be a power of two, and the workers must meet at the collective's
 all-reduces every step.
 """
 
+import json
 import os
 
 import numpy as np
@@ -40,6 +42,7 @@ from estimator_towers.base import interception
 from estimator_towers.cluster import fixed_reduce
 from estimator_towers.inputs import grid
 from test_collective import Cluster
+from test_collective import TogetherRuns
 from test_collective import _batches_input_fn
 from test_collective import _data
 from test_collective import _global_batches
@@ -85,14 +88,36 @@ def test_the_fixed_order_sum_adds_the_workers_over_the_tree_in_rank_order(ranks)
   assert not all(np.array_equal(total, expected) for total in ring)
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize('model', ['grid_bn', 'grid_softmax', 'grid_bn_softmax'])
-def test_two_workers_of_two_devices_equal_one_device_bit_for_bit(tmp_path, model):
-  sizes = {0: 24, 1: 24}  # 3 steps of 8 rows per worker: global batches of 16
-  data = _data(tmp_path / 'data.npz', sizes)
-  batches = _global_batches(data, sizes, batch=8)
-  spec = _spec(tmp_path, model, 2, batch=8, shards=8, sync_batch_norm=True)
-  Cluster(tmp_path, spec).run()
+GRID_MODELS = ['grid_bn', 'grid_softmax', 'grid_bn_softmax']
+GRID_SIZES = {0: 24, 1: 24}  # 3 steps of 8 rows per worker: global batches of 16
+
+
+@pytest.fixture(scope='module')
+def grid_runs(request, tmp_path_factory):
+  """The selected models' clusters, run one after another by one chief and one worker
+  process (`TogetherRuns`: each run its own cluster, ports, directory and log)."""
+  models = [item.callspec.params['model'] for item in request.session.items
+            if item.module is request.module and getattr(item, 'originalname', None) ==
+            test_two_workers_of_two_devices_equal_one_device_bit_for_bit.__name__]
+  clusters = {}
+  for model in dict.fromkeys(models):
+    tmp = tmp_path_factory.mktemp(model)
+    _data(tmp / 'data.npz', GRID_SIZES)
+    clusters[model] = Cluster(tmp, _spec(tmp, model, 2, batch=8, shards=8, sync_batch_norm=True))
+  runs = TogetherRuns(clusters)
+  runs.run(tmp_path_factory.mktemp('together'))
+  return runs
+
+
+# The first test runs every selected model's cluster: its time limit is theirs.
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize('model', GRID_MODELS)
+def test_two_workers_of_two_devices_equal_one_device_bit_for_bit(tmp_path, grid_runs, model):
+  run = grid_runs.check(model)
+  data = dict(np.load(run.tmp_path / 'data.npz'))
+  batches = _global_batches(data, GRID_SIZES, batch=8)
+  with open(run.spec_path) as f:
+    spec = json.load(f)
   one_device = et.replicate_model_fn(collective_task.MODELS[model], devices=['/cpu:0'],
                                      shards=8)
   reference = _plain_from(spec['model_dir'], 'model.ckpt-0', one_device,
