@@ -62,23 +62,26 @@ class PlainGraph:
           input_fn, ModeKeys.TRAIN)
       spec = estimator._call_model_fn(features, labels, ModeKeys.TRAIN, estimator.config)
       self._fetches = [spec.train_op, spec.loss]
-      self._hooks = (list(input_hooks) + [tf.compat.v1.train.NanTensorHook(spec.loss)]
-                     + list(spec.training_hooks) + list(spec.training_chief_hooks))
+      self._input_hooks = list(input_hooks)
+      self._hooks = ([tf.compat.v1.train.NanTensorHook(spec.loss)] + list(spec.training_hooks)
+                     + list(spec.training_chief_hooks))
       if not (spec.scaffold.saver or tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.SAVERS)):
         tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.SAVERS, tf.compat.v1.train.Saver(
             sharded=True, max_to_keep=None, defer_build=True, save_relative_paths=True))
       self._scaffold = spec.scaffold
   # pylint: enable=protected-access
 
-  def train(self, steps: int, save_at: dict[int, str], restore: str | None = None) -> dict:
-    """One train(steps=`steps`) call from checkpoint `restore` (None: from the
-    initializers); the checkpoint path written at each step of `save_at`
-    (step -> model_dir), by step."""
+  def train(self, steps: int, save_at: dict[int, str], restore: str | None = None,
+            hooks=None) -> dict:
+    """One train(steps=`steps`, hooks=`hooks`) call from checkpoint `restore`
+    (None: from the initializers); the checkpoint path written at each step of
+    `save_at` (step -> model_dir), by step."""
     with self.graph.as_default():
       creator = tf.compat.v1.train.ChiefSessionCreator(
           scaffold=self._scaffold, config=self._config, checkpoint_filename_with_path=restore)
       saves = _SaveAt(self._scaffold, self._global_step, save_at)  # finalized by `creator`
-      hooks = self._hooks + [tf.compat.v1.train.StopAtStepHook(num_steps=steps), saves]
+      hooks = (self._input_hooks + list(hooks or []) + [
+          tf.compat.v1.train.StopAtStepHook(num_steps=steps)] + self._hooks + [saves])
       with tf.compat.v1.train.MonitoredSession(session_creator=creator, hooks=hooks) as session:
         while not session.should_stop():
           session.run(self._fetches)
