@@ -1,20 +1,21 @@
 """A plain Estimator's training graph, built once, run as several train() calls.
 
-The plain references (testlib.PlainTraining) read the undecorated model_fn's
-variables after steps of several train() calls. A real Estimator builds the
-graph again for each call, starts a session, writes checkpoints with their
-MetaGraphDef, graph.pbtxt and events; `PlainGraph` builds it once, with
-Estimator's own steps (its private methods: the global step and its read, the
-input_fn under /cpu:0 with the dataset iterator's initializer hook, the
-model_fn called with Estimator's params and config, Estimator's Saver), and
-`train()` runs one call as Estimator runs it: a new Session (stateful kernels
-such as seeded random ops start again, as in a new graph), the variables
-restored from a checkpoint or initialized and the local init op run
-(ChiefSessionCreator, Estimator's SessionManager), the input from its first
-element, the spec's training hooks, NanTensorHook and StopAtStepHook, and
-[train_op, loss] run until the hooks stop. The variables are read from
-checkpoints written by that Saver (model_dir/model.ckpt-N and the `checkpoint`
-state file), the names and values Estimator's checkpoints hold.
+The plain references (testlib.PlainTraining, testlib.plain_train_and_read) read
+the undecorated model_fn's variables after steps of one or several train()
+calls. A real Estimator builds the graph again for each call, starts a session,
+writes checkpoints with their MetaGraphDef, graph.pbtxt and events; `PlainGraph`
+builds it once, with Estimator's own steps (its private methods: the global step
+and its read, the input_fn under /cpu:0 with the dataset iterator's initializer
+hook, the model_fn called with Estimator's params and config; then the loss
+summary and Estimator's Saver), and `train()` runs one call as Estimator runs
+it: a new Session (stateful kernels such as seeded random ops start again, as in
+a new graph), the variables restored from a checkpoint or initialized and the
+local init op run (ChiefSessionCreator, Estimator's SessionManager), the input
+from its first element, the caller's hooks, StopAtStepHook, NanTensorHook and
+the spec's training hooks, and [train_op, loss] run until the hooks stop. The
+variables are read from checkpoints written by that Saver (model_dir/model.ckpt-N
+and the `checkpoint` state file), the names and values Estimator's checkpoints
+hold.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ class PlainGraph:
       features, labels, input_hooks = estimator._get_features_and_labels_from_input_fn(
           input_fn, ModeKeys.TRAIN)
       spec = estimator._call_model_fn(features, labels, ModeKeys.TRAIN, estimator.config)
+      if not any(s.op.name == 'loss' for s in tf.compat.v1.get_collection(
+          tf.compat.v1.GraphKeys.SUMMARIES)):
+        tf.compat.v1.summary.scalar('loss', spec.loss)  # as Estimator (hooks may look for it)
+      tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.LOSSES, spec.loss)
       self._fetches = [spec.train_op, spec.loss]
       self._input_hooks = list(input_hooks)
       self._hooks = ([tf.compat.v1.train.NanTensorHook(spec.loss)] + list(spec.training_hooks)

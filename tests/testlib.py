@@ -446,8 +446,8 @@ class PlainTraining:
           make_estimator(self._model_fn, params=self._params), self._input_fn)
       self._dir = tempfile.mkdtemp(prefix='et_')
     self._calls += 1
-    return self._graph.train(steps, {step: os.path.join(self._dir, f'call_{self._calls}_step_{step}')
-                                     for step in save_at}, restore)
+    dirs = {step: os.path.join(self._dir, f'call_{self._calls}_step_{step}') for step in save_at}
+    return self._graph.train(steps, dirs, restore)
 
   def continuous(self) -> dict[int, dict[str, np.ndarray]]:
     if self._continuous is None:
