@@ -236,17 +236,18 @@ def train_and_read(estimator: tf.estimator.Estimator, input_fn, at=(1, 3),
           for step in at]
 
 
-def plain_train_and_read(model_fn, input_fn, at=(1, 3), params=None,
-                         hooks=None) -> list[dict[str, np.ndarray]]:
+def plain_train_and_read(model_fn, input_fn, at=(1, 3), params=None, hooks=None,
+                         model_dir: str | None = None) -> list[dict[str, np.ndarray]]:
   """`train_and_read(stepwise_estimator(model_fn, params=params), input_fn, at, hooks)`
   for the plain model_fn, without an Estimator: its graph built once as Estimator
   builds it (tests/plain_graph.py), one train(steps=max(at)) session, the variables
   read from the checkpoints its Saver writes at each step of `at` (the names and
-  values the Estimator's checkpoints hold)."""
+  values the Estimator's checkpoints hold). With `model_dir`, they are all written
+  there (its latest: the step max(at), for an Estimator to evaluate or resume)."""
   graph = plain_graph.PlainGraph(make_estimator(model_fn, params=params), input_fn)
   directory = tempfile.mkdtemp(prefix='et_')
-  saved = graph.train(max(at), {step: os.path.join(directory, f'step_{step}') for step in at},
-                      hooks=hooks)
+  saved = graph.train(max(at), {step: model_dir or os.path.join(directory, f'step_{step}')
+                                for step in at}, hooks=hooks)
   return [checkpoint_variables(saved[step]) for step in at]
 
 
