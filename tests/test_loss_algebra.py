@@ -4,7 +4,8 @@ Padded sequences split their tokens unevenly across shards: a loss that divides
 by the number of tokens (or by a sum of weights, or by a count of non-zero
 weights), or adds several such terms, or a regulariser, is rebuilt on the whole
 batch's statistics. Every check compares the towered model_fn with the plain
-one run by a plain Estimator on the same data: variables and optimizer slots
+one trained as a plain Estimator trains it (testlib.plain_train_and_read) on the
+same data: variables and optimizer slots
 after 1 and 3 steps (one train() call), the loss each step reports, and the EVAL loss on one
 checkpoint, within |d| <= 1e-5 * max(1, |plain|). Shards: 3 towers, 3
 micro-batches on one device, 2 devices x 2 micro-batches; each layout has a

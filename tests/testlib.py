@@ -1,7 +1,8 @@
 """Shared helpers for the tests: data, reference models, Estimators on virtual CPUs.
 
 The reference for almost every test is the plain, single-device model_fn run by
-a plain Estimator on the same data.
+a plain Estimator on the same data, or on the graph a plain Estimator builds, run
+as it runs it (tests/plain_graph.py: the same values, one graph build).
 """
 
 from __future__ import annotations
