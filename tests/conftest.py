@@ -94,7 +94,7 @@ def _tf_config_left_as_it_was():
 # cores, under load); only the order they give matters. Files under 20 s are left out:
 # a second a test.
 FILE_SECONDS = {
-    'test_collective.py': 626, 'test_loss_algebra.py': 476, 'test_simclr_upstream.py': 322,
+    'test_collective.py': 626, 'test_loss_algebra.py': 463, 'test_simclr_upstream.py': 322,
     'test_loop_models.py': 395, 'test_real_world.py': 315, 'test_tf1_behaviour.py': 283,
     'test_fixed_grid.py': 301, 'test_micro_batches.py': 300, 'test_cross_example.py': 290,
     'test_sync_batch_norm.py': 237, 'test_loop_draws.py': 217, 'test_random_draws.py': 188,
