@@ -128,13 +128,13 @@ def no_step_summaries(request):
 # cores, under load); only the order they give matters. Files under 20 s are left out:
 # a second a test.
 FILE_SECONDS = {
-    'test_collective.py': 552, 'test_loss_algebra.py': 476, 'test_simclr_upstream.py': 322,
-    'test_loop_models.py': 395, 'test_real_world.py': 357, 'test_tf1_behaviour.py': 283,
+    'test_collective.py': 552, 'test_loss_algebra.py': 463, 'test_simclr_upstream.py': 322,
+    'test_loop_models.py': 395, 'test_real_world.py': 315, 'test_tf1_behaviour.py': 283,
     'test_fixed_grid.py': 274, 'test_micro_batches.py': 297, 'test_cross_example.py': 261,
     'test_sync_batch_norm.py': 222, 'test_loop_draws.py': 217, 'test_random_draws.py': 188,
     'test_sparse_features.py': 139, 'test_faults.py': 175, 'test_towers.py': 156,
     'test_staging.py': 165, 'test_example.py': 118, 'test_canned.py': 116,
-    'test_attention_styles.py': 115, 'test_bert.py': 115, 'test_step_order.py': 98,
+    'test_attention_styles.py': 111, 'test_bert.py': 115, 'test_step_order.py': 98,
     'test_equivalence.py': 111, 'test_loop_frames.py': 106, 'test_collective_position.py': 86,
     'test_batch_reductions.py': 101, 'test_selftest_own_model.py': 101,
     'test_padded_transformer.py': 97, 'test_sparse_canned.py': 95, 'test_docs_clusters.py': 86,

@@ -234,8 +234,7 @@ def _input_fn(name):
 
 @functools.lru_cache(maxsize=None)
 def _plain(name):
-  return tuple(testlib.train_and_read(testlib.stepwise_estimator(MODELS[name][0]),
-                                      _input_fn(name)))
+  return tuple(testlib.plain_train_and_read(MODELS[name][0], _input_fn(name)))
 
 
 @pytest.mark.parametrize('name,layout', [  # 2x2 has micro-batches

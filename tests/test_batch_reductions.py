@@ -103,7 +103,7 @@ def _loss_fn(name):
 @functools.lru_cache(maxsize=None)
 def _plain(name, labels=True):
   model_fn = functools.partial(_model_fn, _loss_fn(name))
-  return tuple(testlib.train_and_read(testlib.stepwise_estimator(model_fn), _input_fn(labels)))
+  return tuple(testlib.plain_train_and_read(model_fn, _input_fn(labels)))
 
 
 def _towered(name, num_devices, micro_batches, labels=True):

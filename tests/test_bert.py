@@ -170,8 +170,7 @@ def test_a_head_after_gather_indexes_trains_equal_to_plain():
 
   def input_fn():
     return tf.data.Dataset.from_tensor_slices(data).repeat().batch(BATCH)
-  plain = testlib.train_and_read(testlib.stepwise_estimator(_in_batch_model_fn), input_fn,
-                                 at=(1, 2))
+  plain = testlib.plain_train_and_read(_in_batch_model_fn, input_fn, at=(1, 2))
   towered = testlib.train_and_read(testlib.stepwise_estimator(
       et.replicate_model_fn(_in_batch_model_fn, devices=testlib.cpu_devices(3)), num_cpus=3),
       input_fn, at=(1, 2))

@@ -4,7 +4,8 @@ Padded sequences split their tokens unevenly across shards: a loss that divides
 by the number of tokens (or by a sum of weights, or by a count of non-zero
 weights), or adds several such terms, or a regulariser, is rebuilt on the whole
 batch's statistics. Every check compares the towered model_fn with the plain
-one run by a plain Estimator on the same data: variables and optimizer slots
+one trained as a plain Estimator trains it (testlib.plain_train_and_read) on the
+same data: variables and optimizer slots
 after 1 and 3 steps (one train() call), the loss each step reports, and the EVAL loss on one
 checkpoint, within |d| <= 1e-5 * max(1, |plain|). Shards: 3 towers, 3
 micro-batches on one device, 2 devices x 2 micro-batches; each layout has a
@@ -12,6 +13,7 @@ shard that is all padding.
 """
 
 import functools
+import tempfile
 
 import numpy as np
 import pytest
@@ -311,9 +313,19 @@ def _run(model_fn, num_cpus=1, model_dir=None, input_fn=_input_fn):
   return after_1, after_3, est, reported.values
 
 
+def _run_plain(model_fn, input_fn=_input_fn):
+  """`_run` of a plain model_fn (testlib.plain_train_and_read: no Estimator trains it);
+  the estimator: a plain one on its checkpoints (the latest: step 3)."""
+  model_dir = tempfile.mkdtemp(prefix='et_')
+  reported = ReportedLoss()
+  after_1, after_3 = testlib.plain_train_and_read(model_fn, input_fn, hooks=[reported],
+                                                  model_dir=model_dir)
+  return after_1, after_3, testlib.make_estimator(model_fn, model_dir=model_dir), reported.values
+
+
 @functools.lru_cache(maxsize=None)
 def _plain(name):
-  return _run(_plain_model_fn(name), input_fn=_input_of(name))
+  return _run_plain(_plain_model_fn(name), input_fn=_input_of(name))
 
 
 @functools.lru_cache(maxsize=None)
@@ -447,7 +459,7 @@ def test_error_micro_batches_with_a_normaliser_of_trained_values():
 
 def test_self_normalised_loss_on_towers_equals_plain():
   """The same loss on towers alone is exact (one backward pass through the whole loss)."""
-  plain_1, _, _, _ = _run(functools.partial(_model_fn, _self_normalised, optimizer=_adam))
+  plain_1, _, _, _ = _run_plain(functools.partial(_model_fn, _self_normalised, optimizer=_adam))
   towered = et.replicate_model_fn(functools.partial(_model_fn, _self_normalised, optimizer=_adam),
                                   devices=testlib.cpu_devices(3))
   towered_1, _, _, _ = _run(towered, num_cpus=3)
@@ -477,7 +489,7 @@ def _masked_mean(labels, logits, mask, features):
 
 
 def test_masked_mean_on_towers_equals_plain():
-  plain_1, _, _, _ = _run(functools.partial(_model_fn, _masked_mean, optimizer=_adam))
+  plain_1, _, _, _ = _run_plain(functools.partial(_model_fn, _masked_mean, optimizer=_adam))
   towered = et.replicate_model_fn(functools.partial(_model_fn, _masked_mean, optimizer=_adam),
                                   devices=testlib.cpu_devices(3))
   towered_1, _, _, _ = _run(towered, num_cpus=3)

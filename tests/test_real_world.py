@@ -5,13 +5,14 @@ optimizer, global-norm clipping between compute_gradients and apply_gradients,
 dynamic loss scaling, SyncReplicasOptimizer, Keras' model_to_estimator, Adam
 under a variable_scope, a gradient penalty, Keras legacy optimizers with a tape,
 export outputs with scalar entries, TPUEstimatorSpec). The reference is always
-the plain model_fn run by a plain Estimator on the same data; every model
-starts from explicitly seeded initializers (op-level seeds would change with
-towering). Training checks (testlib.check_towered_training): variables and
-optimizer slots within 1e-5 after 1 and 3 steps with exactly the plain
-checkpoint names, global_step +1 per step, a second train() call, and a
-checkpoint resumed plain -> towered -> plain. Batch 7 over 3 (and 2) virtual
-CPU devices, with soft placement off (testlib's ConfigProto).
+the plain model_fn trained as a plain Estimator trains it (testlib.PlainTraining)
+on the same data; every model starts from explicitly seeded initializers
+(op-level seeds would change with towering). Training checks
+(testlib.check_towered_training): variables and optimizer slots within 1e-5
+after 1 and 3 steps with exactly the plain checkpoint names, global_step +1
+per step, a second train() call, and a checkpoint resumed plain -> towered ->
+plain. Batch 7 over 3 (and 2) virtual CPU devices, with soft placement off
+(testlib's ConfigProto).
 """
 
 import functools

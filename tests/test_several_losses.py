@@ -83,7 +83,10 @@ def _two_losses(kind, num_devices=0, micro_batches=1, labels=True):
     model_fn = et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_devices),
                                      micro_batches=micro_batches)
   reported = _ReportedLoss()
-  est = testlib.stepwise_estimator(model_fn, num_cpus=max(num_devices, 1))
+  if not num_devices:
+    plain = testlib.plain_train_and_read(model_fn, _input_fn(labels), hooks=[reported])
+    return tuple(plain), reported.values
+  est = testlib.stepwise_estimator(model_fn, num_cpus=num_devices)
   return tuple(testlib.train_and_read(est, _input_fn(labels), hooks=[reported])), reported.values
 
 

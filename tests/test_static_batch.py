@@ -55,8 +55,8 @@ def _input_fn(batch):
 @functools.lru_cache(maxsize=None)
 def _plain(name, batch=BATCH):
   """The undecorated model_fn on the whole (static) batch, after each of 2 steps."""
-  est = testlib.stepwise_estimator(functools.partial(_model_fn, getattr(patterns, name)))
-  return tuple(testlib.train_and_read(est, _input_fn(batch), at=(1, STEPS)))
+  return tuple(testlib.plain_train_and_read(functools.partial(_model_fn, getattr(patterns, name)),
+                                            _input_fn(batch), at=(1, STEPS)))
 
 
 def _towered(name, num_devices, micro_batches=1, batch=BATCH):
@@ -247,7 +247,7 @@ def test_input_gradient_penalty_on_towers_equals_plain(static, warnings):
   y = (np.arange(7 * STEPS) % 3).astype(np.int32)
   input_fn = lambda: tf.data.Dataset.from_tensor_slices(({'x': x}, y)).batch(
       7, drop_remainder=static)
-  plain = testlib.train_and_read(testlib.stepwise_estimator(model_fn), input_fn, at=(1, STEPS))
+  plain = testlib.plain_train_and_read(model_fn, input_fn, at=(1, STEPS))
   est = testlib.stepwise_estimator(
       et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(3)), num_cpus=3)
   for towered, expected in zip(testlib.train_and_read(est, input_fn, at=(1, STEPS)), plain):

@@ -401,7 +401,7 @@ def _input_fn(labelled):
 @functools.lru_cache(maxsize=None)
 def _plain(name):
   model_fn, labelled = MODELS[name]
-  return tuple(testlib.train_and_read(testlib.stepwise_estimator(model_fn), _input_fn(labelled)))
+  return tuple(testlib.plain_train_and_read(model_fn, _input_fn(labelled)))
 
 
 EXTRA = ('einsum_transposed', 'late_interaction', 'token_softmax')   # 2x2 only (devices and micro-batches)

@@ -1,7 +1,8 @@
 """Shared helpers for the tests: data, reference models, Estimators on virtual CPUs.
 
 The reference for almost every test is the plain, single-device model_fn run by
-a plain Estimator on the same data.
+a plain Estimator on the same data, or on the graph a plain Estimator builds, run
+as it runs it (tests/plain_graph.py: the same values, one graph build).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import weakref
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import rewriter_config_pb2
+
+import plain_graph
 
 
 def _write_graph_pbtxt_in_c() -> None:
@@ -234,6 +237,21 @@ def train_and_read(estimator: tf.estimator.Estimator, input_fn, at=(1, 3),
           for step in at]
 
 
+def plain_train_and_read(model_fn, input_fn, at=(1, 3), params=None, hooks=None,
+                         model_dir: str | None = None) -> list[dict[str, np.ndarray]]:
+  """`train_and_read(stepwise_estimator(model_fn, params=params), input_fn, at, hooks)`
+  for the plain model_fn, without an Estimator: its graph built once as Estimator
+  builds it (tests/plain_graph.py), one train(steps=max(at)) session, the variables
+  read from the checkpoints its Saver writes at each step of `at` (the names and
+  values the Estimator's checkpoints hold). With `model_dir`, they are all written
+  there (its latest: the step max(at), for an Estimator to evaluate or resume)."""
+  graph = plain_graph.PlainGraph(make_estimator(model_fn, params=params), input_fn)
+  directory = tempfile.mkdtemp(prefix='et_')
+  saved = graph.train(max(at), {step: model_dir or os.path.join(directory, f'step_{step}')
+                                for step in at}, hooks=hooks)
+  return [checkpoint_variables(saved[step]) for step in at]
+
+
 def predictions(estimator, fn, key='logits') -> np.ndarray:
   return np.stack([p[key] for p in estimator.predict(fn, yield_single_examples=True)])
 
@@ -408,39 +426,55 @@ class PlainTraining:
   `continuous()`: after steps 1 and 3 of one train(steps=3) call (the input
   runs on), as `train_and_read` reads a towered run, and as a towered run
   resumed from its own checkpoint (which holds the input's position) sees them.
+
+  The plain graph is built once (tests/plain_graph.py: as a plain Estimator
+  builds it) and each train() call is a session of its own on it, restored from
+  the previous call's checkpoint; the values are read from the checkpoints its
+  Saver writes. The first call of `after` is step 1 of `continuous()`'s call
+  (the same graph, initial values and first batch): one session runs both.
   """
 
   def __init__(self, model_fn, input_fn, params=None):
     self._model_fn, self._input_fn, self._params = model_fn, input_fn, params
+    self._graph = self._dir = self._step_1 = None
+    self._calls = 0
     self._after = None
     self._continuous = None
+
+  def _train(self, steps: int, save_at: tuple, restore: str | None = None) -> dict[int, str]:
+    """One train() call on the plain graph: the checkpoint of each step of `save_at`."""
+    if self._graph is None:
+      self._graph = plain_graph.PlainGraph(
+          make_estimator(self._model_fn, params=self._params), self._input_fn)
+      self._dir = tempfile.mkdtemp(prefix='et_')
+    self._calls += 1
+    dirs = {step: os.path.join(self._dir, f'call_{self._calls}_step_{step}') for step in save_at}
+    return self._graph.train(steps, dirs, restore)
+
+  def continuous(self) -> dict[int, dict[str, np.ndarray]]:
+    if self._continuous is None:
+      saved = self._train(3, (1, 3))
+      self._step_1 = saved[1]
+      self._continuous = {step: checkpoint_variables(saved[step]) for step in (1, 3)}
+    return self._continuous
 
   @property
   def after(self) -> dict[int, dict[str, np.ndarray]]:
     if self._after is None:
-      est = make_estimator(self._model_fn, params=self._params)
-      after = {}
-      for steps, total in ((1, 1), (2, 3), (1, 4)):
-        est.train(self._input_fn, steps=steps)
-        after[total] = variables(est)
-        assert after[total]['global_step'] == total, 'the plain reference must train'
-        if total == 1:  # Kept for resumes from the plain checkpoint of step 1.
-          self._step_1_dir = tempfile.mkdtemp(prefix='et_')
-          _copy_checkpoint(est.model_dir, self._step_1_dir)
+      after = {1: self.continuous()[1]}
+      step_3 = self._train(2, (3,), restore=self._step_1)[3]
+      step_4 = self._train(1, (4,), restore=step_3)[4]
+      after[3], after[4] = checkpoint_variables(step_3), checkpoint_variables(step_4)
+      for total, values in after.items():
+        assert values['global_step'] == total, 'the plain reference must train'
       self._after = after
     return self._after
 
-  def continuous(self) -> dict[int, dict[str, np.ndarray]]:
-    if self._continuous is None:
-      est = stepwise_estimator(self._model_fn, params=self._params)
-      self._continuous = dict(zip((1, 3), train_and_read(est, self._input_fn, at=(1, 3))))
-    return self._continuous
-
   def plain_checkpoint_after_step_1(self) -> str:
     """A new model_dir holding (a copy of) the plain checkpoint of step 1."""
-    self.after  # pylint: disable=pointless-statement
+    self.continuous()
     model_dir = tempfile.mkdtemp(prefix='et_')
-    _copy_checkpoint(self._step_1_dir, model_dir)
+    _copy_checkpoint(os.path.dirname(self._step_1), model_dir)
     return model_dir
 
 
