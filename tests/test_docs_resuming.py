@@ -99,9 +99,11 @@ def _parts(program):
 
 def _run_here(folder, source, monkeypatch):
   """Runs `source` in this process, in `folder` (a reference: the same program's
-  variables, without a process's start); absl's verbosity put back after."""
+  variables, without a process's start); absl's verbosity and its logger's own level
+  put back after (a level left set would hide later tests' INFO records from caplog)."""
   folder.mkdir()
   verbosity = absl_logging.get_verbosity()
+  level = absl_logging.get_absl_logger().level
   with monkeypatch.context() as patch:
     patch.chdir(folder)
     try:
@@ -109,6 +111,7 @@ def _run_here(folder, source, monkeypatch):
       exec(code, {'__name__': '__main__'})  # pylint: disable=exec-used
     finally:
       absl_logging.set_verbosity(verbosity)
+      absl_logging.get_absl_logger().setLevel(level)
 
 
 def test_resuming_page_programs_run_and_resume_as_written(tmp_path, monkeypatch):
