@@ -24,31 +24,19 @@ import tensorflow as tf
 from estimator_towers.base import ancestry
 from estimator_towers.base import control_flow
 from estimator_towers.base import interception
+from estimator_towers.base import updates
 from estimator_towers.placement import devices as devices_lib
 
 __all__ = ['share_reads']
-
-# Ops that change a variable's value (checked by prefix).
-_WRITE_PREFIXES = ('Assign', 'ResourceScatter', 'ResourceApply', 'ResourceSparseApply')
-# Ops that pass a handle on unchanged.
-_PASS_THROUGH = frozenset({'Identity', 'IdentityN'})
-
-
-def _variable_of(handle: tf.Tensor) -> tf.Operation:
-  """The op that made a resource handle (its VarHandleOp)."""
-  while handle.op.type in _PASS_THROUGH and handle.op.inputs:
-    handle = handle.op.inputs[0]
-  return handle.op
-
 
 def _writes(ops: list[tf.Operation]) -> dict[tf.Operation, set[tf.Operation]]:
   """{VarHandleOp: the ops among `ops` that write that variable}."""
   writes = {}
   for op in ops:
-    if op.type.startswith(_WRITE_PREFIXES):
+    if updates.is_update(op):
       for tensor in op.inputs:
         if tensor.dtype == tf.resource:
-          writes.setdefault(_variable_of(tensor), set()).add(op)
+          writes.setdefault(updates.variable_op(tensor), set()).add(op)
           break
   return writes
 
@@ -88,7 +76,7 @@ def share_reads(ops: Iterable[tf.Operation]) -> int:
       gate = frozenset(op.control_inputs)
       if gate not in waits:
         waits[gate] = set().union(*(ancestry.ancestors(c) for c in gate))
-      if waits[gate] & writes.get(_variable_of(op.inputs[0]), set()):
+      if waits[gate] & writes.get(updates.variable_op(op.inputs[0]), set()):
         continue
     groups.setdefault((op.inputs[0].ref(), device), []).append(op)
   shared = 0

@@ -22,34 +22,22 @@ import tensorflow as tf
 from estimator_towers.base import ancestry
 from estimator_towers.base import control_flow
 from estimator_towers.base import interception
+from estimator_towers.base import updates
 
 # Ops that read a variable's value through its handle.
 _READS = frozenset({'ReadVariableOp', 'ResourceGather', 'ResourceGatherNd'})
-# Ops that change a variable's value (checked by prefix).
-_WRITE_PREFIXES = ('Assign', 'ResourceScatter', 'ResourceApply', 'ResourceSparseApply')
-# Ops that pass a handle on unchanged.
-_PASS_THROUGH = frozenset({'Identity', 'IdentityN'})
-
-
-def _variable_of(handle: tf.Tensor) -> str:
-  """The name of the op that made a resource handle (its VarHandleOp)."""
-  while handle.op.type in _PASS_THROUGH:
-    handle = handle.op.inputs[0]
-  return handle.op.name
-
-
 def _resource_accesses(ops: Sequence[tf.Operation]) -> dict:
   """{variable: [(position, op, is_write)]} for the top-level ops in `ops`."""
   accesses = {}
   for position, op in enumerate(ops):
     if control_flow.in_control_flow(op):
       continue  # Inside a v1 cond or loop: control edges cannot cross into it.
-    is_write = op.type.startswith(_WRITE_PREFIXES)
+    is_write = updates.is_update(op)
     if not is_write and op.type not in _READS:
       continue
     for t in op.inputs:
       if t.dtype == tf.resource:
-        accesses.setdefault(_variable_of(t), []).append((position, op, is_write))
+        accesses.setdefault(updates.variable_op(t).name, []).append((position, op, is_write))
         break
   return accesses
 
