@@ -29,6 +29,7 @@ from estimator_towers.placement import devices as devices_lib
 
 __all__ = ['share_reads']
 
+
 def _writes(ops: list[tf.Operation]) -> dict[tf.Operation, set[tf.Operation]]:
   """{VarHandleOp: the ops among `ops` that write that variable}."""
   writes = {}
@@ -64,7 +65,7 @@ def share_reads(ops: Iterable[tf.Operation]) -> int:
     The number of reads whose consumers now read another read of the same handle.
   """
   ops = list(ops)
-  writes, waits = _writes(ops), {}
+  writes, waits = None, {}  # the writes are looked up only if a read waits for something
   groups = {}
   for op in ops:
     if op.type != 'ReadVariableOp' or control_flow.in_control_flow(op):
@@ -76,6 +77,7 @@ def share_reads(ops: Iterable[tf.Operation]) -> int:
       gate = frozenset(op.control_inputs)
       if gate not in waits:
         waits[gate] = set().union(*(ancestry.ancestors(c) for c in gate))
+      writes = _writes(ops) if writes is None else writes
       if waits[gate] & writes.get(updates.variable_op(op.inputs[0]), set()):
         continue
     groups.setdefault((op.inputs[0].ref(), device), []).append(op)
