@@ -12,9 +12,11 @@ that device (a device's own shards form a subtree: `inputs.grid` requires
 it), so only one value per device leaves it. The levels of the tree above
 the devices: where the variable's aggregation device is one of the towers'
 (every placement on towers that include it: 'cpu' with /cpu:0 a tower, 'gpu',
-'replicated', 'collective'), each device's sum goes there and the upper tree
-is added there: (N - 1) M bytes cross for M bytes of gradient, half the ring
-all-reduce's 2 (N - 1) M. Otherwise (the host CPU aggregating for GPUs) by a
+'replicated', 'collective'), the upper tree is a tree reduction: a node is
+added on the device of its subtree that holds the aggregation device, or else
+of its left subtree, so each device sends its sum once ((N - 1) M bytes cross
+for M bytes of gradient, half the ring all-reduce's 2 (N - 1) M) and a
+level's additions run on several devices at once. Otherwise (the host CPU aggregating for GPUs) by a
 fixed-order reduce-scatter: each device's sum is cut into N chunks, chunk c's upper tree
 is added on device c (each device sends (N - 1) / N of the gradient's bytes),
 and the chunks are gathered on the aggregation device ((N - 1) / N more): the
@@ -102,8 +104,9 @@ class FixedOrder:
     devices = [self._device_of(k) for k in sums]
     shape = present[0].shape
     size = shape.num_elements() if shape.is_fully_defined() else None
-    if (size is None or size < len(devices)
-        or _canonical(aggregation_device) in map(_canonical, devices)):
+    if _canonical(aggregation_device) in map(_canonical, devices):
+      return self._tree_reduce(upper, sums, _canonical(aggregation_device))
+    if size is None or size < len(devices):
       with tf.device(aggregation_device), tf.name_scope('fixed_order_sum'):
         return fixed_sums.evaluate(upper, sums)
     chunks = _chunk_sizes(size, len(devices))
@@ -119,6 +122,24 @@ class FixedOrder:
                                          for k in sums}))
     with tf.device(aggregation_device), tf.name_scope('fixed_order_gather'):
       return tf.reshape(tf.concat(reduced, 0), shape)
+
+
+  def _tree_reduce(self, upper: int | tuple, sums: dict, aggregation_device: str) -> Any:
+    """The tree above the devices, each node added on the device of its subtree that
+    holds `aggregation_device`, or else of its left subtree: every device sends its
+    value once ((N - 1) M bytes, as sending all to the aggregation device) and the
+    additions of one level run on several devices at once (log2 N of them on the
+    aggregation device, not N - 1)."""
+
+    def reduce(tree):
+      if isinstance(tree, int):
+        return sums.get(tree), _canonical(self._device_of(tree))
+      (left, left_device), (right, right_device) = reduce(tree[0]), reduce(tree[1])
+      device = right_device if right_device == aggregation_device else left_device
+      with tf.device(device), tf.name_scope('fixed_order_sum'):
+        return fixed_sums.add(left, right), device
+
+    return reduce(upper)[0]
 
 
 def _chunk_sizes(size: int, parts: int) -> list[int]:
