@@ -247,8 +247,10 @@ class TowerCopies:
   def _made_by_primary(self) -> set:
     """The ops made since tower 0 started, but for variables' creation (shared by all towers)."""
     ops = self._graph.get_operations()
-    return {op for i, op in enumerate(ops[self._start:], self._start)
-            if not any(first <= i < end for first, end in self._creation_spans)}
+    creating = set()
+    for first, end in self._creation_spans:
+      creating.update(range(max(first, self._start), end))
+    return {op for i, op in enumerate(ops[self._start:], self._start) if i not in creating}
 
   def _instance(self, k: int, template: op_templates.Template, theirs: Counterpart
                 ) -> Counterpart | None:
