@@ -127,6 +127,35 @@ def mlp_model_fn(global_mean_accuracy: bool = False) -> Callable:
   return model_fn
 
 
+def _conv(x, filters, strides, name):
+  return tf.compat.v1.layers.conv2d(
+      x, filters, 3, strides=strides, padding='same', use_bias=False, name=name,
+      kernel_initializer=tf.compat.v1.variance_scaling_initializer(seed=1))
+
+
+def _bn(x, training, name):
+  return tf.compat.v1.layers.batch_normalization(x, training=training, name=name,
+                                                 momentum=0.9)
+
+
+def resnet8_logits(x, training):
+  """ResNet-8: one basic block per stage, 8/16/32 filters, batch norm."""
+  x = _conv(x, 8, 1, 'conv0')
+  x = tf.nn.relu(_bn(x, training, 'bn0'))
+  for stage, filters in enumerate((8, 16, 32)):
+    strides = 1 if stage == 0 else 2
+    with tf.compat.v1.variable_scope(f'stage{stage}'):
+      shortcut = x
+      if strides != 1:
+        shortcut = tf.compat.v1.layers.conv2d(x, filters, 1, strides=strides, use_bias=False,
+                                              name='project')
+      y = tf.nn.relu(_bn(_conv(x, filters, strides, 'conv_a'), training, 'bn_a'))
+      y = _bn(_conv(y, filters, 1, 'conv_b'), training, 'bn_b')
+      x = tf.nn.relu(y + shortcut)
+  x = tf.reduce_mean(x, axis=[1, 2])
+  return tf.compat.v1.layers.dense(x, NUM_CLASSES, name='logits')
+
+
 ENCODER_HEADS, ENCODER_VOCAB = 4, 1000
 
 

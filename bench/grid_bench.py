@@ -26,6 +26,12 @@ bytes.
   python bench/grid_bench.py --shards=8   # two shards per device, against micro_batches=2 too
   python bench/grid_bench.py --variable_strategy=collective   # the reduce-scatter
   python bench/grid_bench.py --quick      # a smoke run
+  python bench/grid_bench.py --model=resnet --shards=8   # where compute dominates
+
+With --model=resnet (a ResNet-8 with batch norm, B images of 32x32x3) the
+grid and plain configurations synchronise the batch norms (the default);
+micro_batches cannot (its micro-batches run one after another), so 'micro'
+normalises per micro-batch: a reference for the cost of smaller shards only.
 """
 
 from __future__ import annotations
@@ -50,13 +56,16 @@ flags.DEFINE_integer('shards', 4, 'The grid: shards of the global batch.')
 flags.DEFINE_string('variable_strategy', 'auto', 'Both configurations\' variable strategy.')
 flags.DEFINE_integer('traced_steps', 10, 'Traced steps per configuration (ops\' own time).')
 flags.DEFINE_bool('quick', False, 'A smoke run: 1 warm-up step, 3 rounds of 3 steps.')
+flags.DEFINE_enum('model', 'mlp', ['mlp', 'resnet'], 'The MLP (per-step overhead dominates) '
+                  'or a ResNet-8 with batch norm on 32x32x3 images (compute dominates).')
 
 def _configs() -> dict[str, dict]:
   """Each configuration's replicate_model_fn arguments, by name."""
   configs = {'plain': {}, 'grid': {'shards': FLAGS.shards}}
   per_device, left = divmod(FLAGS.shards, FLAGS.num_cpu_devices)
-  if per_device > 1 and not left:
-    configs['micro'] = {'micro_batches': per_device}
+  if per_device > 1 and not left:  # the ResNet's batch norms: per micro-batch (cost only)
+    configs['micro'] = {'micro_batches': per_device,
+                        **({'sync_batch_norm': False} if FLAGS.model == 'resnet' else {})}
   return configs
 
 
@@ -66,7 +75,8 @@ def _session(arguments, devices, data):
     tf.compat.v1.train.get_or_create_global_step()
     dataset = tf.data.Dataset.from_tensor_slices(data).repeat().batch(FLAGS.batch_size)
     features, labels = tf.compat.v1.data.make_one_shot_iterator(dataset.prefetch(2)).get_next()
-    spec = et.replicate_model_fn(benchlib.mlp_model_fn(), devices=devices, **arguments,
+    model_fn = benchlib.mlp_model_fn() if FLAGS.model == 'mlp' else _resnet_model_fn()
+    spec = et.replicate_model_fn(model_fn, devices=devices, **arguments,
                                  resume_input=False,
                                  variable_strategy=FLAGS.variable_strategy)(
         features, labels, mode=tf.estimator.ModeKeys.TRAIN)
@@ -75,6 +85,26 @@ def _session(arguments, devices, data):
     session = tf.compat.v1.train.MonitoredSession(tf.compat.v1.train.ChiefSessionCreator(
         config=benchlib.session_config(own_threads=True)))
     return session, spec.train_op, size
+
+
+def _resnet_model_fn():
+  """benchlib's ResNet-8, momentum SGD, the batch norms' updates with the step."""
+  def model_fn(features, labels, mode):
+    logits = benchlib.resnet8_logits(features, mode == tf.estimator.ModeKeys.TRAIN)
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+    with tf.control_dependencies(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+      train_op = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9).minimize(
+          loss, tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  return model_fn
+
+
+def _data() -> tuple[np.ndarray, np.ndarray]:
+  if FLAGS.model == 'mlp':
+    return benchlib.synthetic_data()
+  rng = np.random.RandomState(0)
+  return (rng.randn(1024, 32, 32, 3).astype(np.float32),
+          rng.randint(0, benchlib.NUM_CLASSES, 1024).astype(np.int32))
 
 
 def _bytes(session, fetch) -> int:
@@ -111,7 +141,7 @@ def main(argv):
   if FLAGS.quick:
     FLAGS.warmup_steps, FLAGS.steps, FLAGS.rounds = 1, 3, 3
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
-  data = benchlib.synthetic_data()
+  data = _data()
   towers = benchlib.cpu_devices()
   configs = _configs()
   names = tuple(configs)
@@ -121,7 +151,8 @@ def main(argv):
     sessions[name] = (session, fetch)
   n = FLAGS.num_cpu_devices
   benchlib.print_header(
-      f'{n} virtual CPU devices, global batch {FLAGS.batch_size}; MLP {benchlib.mlp_name()}; '
+      f'{n} virtual CPU devices, global batch {FLAGS.batch_size}; '
+      f'{"MLP " + benchlib.mlp_name() if FLAGS.model == "mlp" else "ResNet-8"}; '
       f'grid: shards={FLAGS.shards}; variable_strategy={FLAGS.variable_strategy}',
       f'steps/sec: median of {FLAGS.rounds} interleaved chunks of {FLAGS.steps} steps after '
       f'{FLAGS.warmup_steps} warm-up steps')
