@@ -588,11 +588,13 @@ def main(spec_path):
                   # no graph.pbtxt, no .meta beside each checkpoint: no test reads them
                   checkpoint_save_graph_def=False)
   if spec.get('user_session_config'):  # the usual hand-made ConfigProto: no device filters
-    run_config = tf.estimator.RunConfig(session_config=tf.compat.v1.ConfigProto(
-        device_count={'CPU': spec['towers']}, inter_op_parallelism_threads=2,
-        intra_op_parallelism_threads=1), **settings)
+    run_config = tf.estimator.RunConfig(session_config=testlib.quiet_threads(
+        tf.compat.v1.ConfigProto(device_count={'CPU': spec['towers']},
+                                 inter_op_parallelism_threads=2,
+                                 intra_op_parallelism_threads=1)), **settings)
   else:
     run_config = et.make_run_config(config, **settings)
+    testlib.quiet_threads(run_config.session_config)
   estimator = tf.estimator.Estimator(
       model_fn, config=run_config, params=params,
       warm_start_from=warm_start_settings(spec['pretrained']) if spec.get('pretrained') else None)

@@ -23,9 +23,9 @@ def main(model_dir, data_path, num_towers):
     model_fn = replicate_model_fn(model_fn, devices=testlib.cpu_devices(num_towers))
   config = tf.estimator.RunConfig(
       model_dir=model_dir, save_checkpoints_steps=1000,
-      session_config=tf.compat.v1.ConfigProto(
+      session_config=testlib.quiet_threads(tf.compat.v1.ConfigProto(
           device_count={'CPU': num_towers}, allow_soft_placement=True,
-          inter_op_parallelism_threads=2, intra_op_parallelism_threads=1))
+          inter_op_parallelism_threads=2, intra_op_parallelism_threads=1)))
   estimator = tf.estimator.Estimator(model_fn, config=config)
   tf.estimator.train_and_evaluate(
       estimator, tf.estimator.TrainSpec(fn, max_steps=3),

@@ -62,9 +62,9 @@ def towered_estimator(model_dir: str, checkpoint_steps: int,
   config = tf.estimator.RunConfig(
       model_dir=model_dir, save_checkpoints_steps=checkpoint_steps, keep_checkpoint_max=100,
       save_summary_steps=10**6, log_step_count_steps=10**6,
-      session_config=tf.compat.v1.ConfigProto(
+      session_config=testlib.quiet_threads(tf.compat.v1.ConfigProto(
           device_count={'CPU': NUM_TOWERS}, allow_soft_placement=True,
-          inter_op_parallelism_threads=2, intra_op_parallelism_threads=1))
+          inter_op_parallelism_threads=2, intra_op_parallelism_threads=1)))
   return tf.estimator.Estimator(replicate_model_fn(testlib.v1_model_fn, plan=plan),
                                 config=config), plan
 

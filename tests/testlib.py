@@ -147,13 +147,23 @@ def session_config(num_cpus: int = 1, **kwargs) -> tf.compat.v1.ConfigProto:
   ONE; TensorFlow's default is two rounds of all of them): every rewrite a user's
   session makes is made, and a session's first run of a towered graph, which
   Grappler took about a third of, costs less (a tenth of tests/test_cross_example.py's
-  time). `kwargs`: ConfigProto's.
+  time). Its threads do not spin (`quiet_threads`). `kwargs`: ConfigProto's.
   """
   config = tf.compat.v1.ConfigProto(
       device_count={'CPU': max(num_cpus, 1)}, inter_op_parallelism_threads=2,
       intra_op_parallelism_threads=1, **kwargs)
   config.graph_options.rewrite_options.meta_optimizer_iterations = (
       rewriter_config_pb2.RewriterConfig.ONE)
+  return quiet_threads(config)
+
+
+def quiet_threads(config: tf.compat.v1.ConfigProto) -> tf.compat.v1.ConfigProto:
+  """`config` with its thread pools' threads sleeping when out of work, not spinning
+  (`experimental.disable_thread_spinning`). The suite runs two test processes, and a
+  cluster test's tasks, on two cores: a thread spinning for work takes a core another
+  process's step needs (two test files side by side: an eighth of their time). How
+  fast a step reacts is no test's subject; what it computes does not change."""
+  config.experimental.disable_thread_spinning = True
   return config
 
 
