@@ -161,7 +161,7 @@ def main(argv):
   for name in names:
     print(f'{name:6s} {1 / statistics.median(seconds[name]):8.2f} steps/sec')
   for slower, faster in (('grid', 'plain'), ('grid', 'micro'), ('micro', 'plain')):
-    if faster in seconds:
+    if slower in seconds and faster in seconds:
       _print_ratio(slower, faster, seconds)
   ops = {name: _ops_ms(*sessions[name]) for name in names}
   print('ops\' own time per step, summed over devices: ' + ', '.join(
