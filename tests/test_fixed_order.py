@@ -23,9 +23,13 @@ def _values():
           for _ in range(S)]
 
 
+def _pair(a, b):
+  return (a + b).astype(np.float32)
+
+
 def _by_tree(v):
-  pair = lambda a, b: (a + b).astype(np.float32)  # noqa: E731
-  return pair(pair(pair(v[0], v[1]), pair(v[2], v[3])), pair(pair(v[4], v[5]), pair(v[6], v[7])))
+  return _pair(_pair(_pair(v[0], v[1]), _pair(v[2], v[3])),
+               _pair(_pair(v[4], v[5]), _pair(v[6], v[7])))
 
 
 def _total(devices=DEVICES):

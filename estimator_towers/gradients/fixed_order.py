@@ -16,10 +16,11 @@ the devices: where the variable's aggregation device is one of the towers'
 added on the device of its subtree that holds the aggregation device, or else
 of its left subtree, so each device sends its sum once ((N - 1) M bytes cross
 for M bytes of gradient, half the ring all-reduce's 2 (N - 1) M) and a
-level's additions run on several devices at once. Otherwise (the host CPU aggregating for GPUs) by a
-fixed-order reduce-scatter: each device's sum is cut into N chunks, chunk c's upper tree
-is added on device c (each device sends (N - 1) / N of the gradient's bytes),
-and the chunks are gathered on the aggregation device ((N - 1) / N more): the
+level's additions run on several devices at once. Otherwise (the host CPU
+aggregating for GPUs) by a fixed-order reduce-scatter: each device's sum is
+cut into N chunks, chunk c's upper tree is added on device c (each device
+sends (N - 1) / N of the gradient's bytes), and the chunks are gathered on
+the aggregation device ((N - 1) / N more): the
 ring all-reduce's bytes, never every device's whole gradient on one. Cutting
 a sum into chunks does not change its bits: addition is elementwise.
 
@@ -92,8 +93,9 @@ class FixedOrder:
             on_node: Callable[[int, list], None] | None = None) -> Any:
     """The sum of `parts` ({shard: value or None}) over the tree.
 
-    Above the devices: a fixed-order reduce-scatter and a gather on
-    `aggregation_device` (see the module docstring).
+    Above the devices: a tree reduction where `aggregation_device` is one of
+    theirs, otherwise a fixed-order reduce-scatter and a gather on it (see the
+    module docstring).
     """
     upper, sums = self.local(parts, on_node)
     if isinstance(upper, int):
@@ -122,7 +124,6 @@ class FixedOrder:
                                          for k in sums}))
     with tf.device(aggregation_device), tf.name_scope('fixed_order_gather'):
       return tf.reshape(tf.concat(reduced, 0), shape)
-
 
   def _tree_reduce(self, upper: int | tuple, sums: dict, aggregation_device: str) -> Any:
     """The tree above the devices, each node added on the device of its subtree that
