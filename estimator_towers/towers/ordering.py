@@ -26,6 +26,8 @@ from estimator_towers.base import updates
 
 # Ops that read a variable's value through its handle.
 _READS = frozenset({'ReadVariableOp', 'ResourceGather', 'ResourceGatherNd'})
+
+
 def _resource_accesses(ops: Sequence[tf.Operation]) -> dict:
   """{variable: [(position, op, is_write)]} for the top-level ops in `ops`."""
   accesses = {}
