@@ -212,6 +212,32 @@ def encoder_model_fn(width: int, layers: int, dropout: float = 0.0) -> Callable:
   return model_fn
 
 
+def lstm_model_fn(width: int) -> Callable:
+  """A 2-layer LSTM language model of `width` units with dropout: predicts each next token.
+
+  Features only ({'ids': [batch, tokens]}, `encoder_tokens`); two `LSTMCell`s
+  with dropout on their outputs (`DropoutWrapper`: draws inside the loop) in one
+  `tf.compat.v1.nn.dynamic_rnn` (a While loop); momentum SGD.
+  """
+  def model_fn(features, labels, mode):
+    del labels
+    ids = features['ids']
+    with tf.compat.v1.variable_scope('lm', initializer=_glorot(1)):
+      embeddings = tf.compat.v1.get_variable('embeddings', [ENCODER_VOCAB, width])
+      cells = tf.compat.v1.nn.rnn_cell.MultiRNNCell([
+          tf.compat.v1.nn.rnn_cell.DropoutWrapper(
+              tf.compat.v1.nn.rnn_cell.LSTMCell(width), output_keep_prob=0.9)
+          for _ in range(2)])
+      outputs, _ = tf.compat.v1.nn.dynamic_rnn(
+          cells, tf.nn.embedding_lookup(embeddings, ids[:, :-1]), dtype=tf.float32)
+      logits = tf.compat.v1.layers.dense(outputs, ENCODER_VOCAB)
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(ids[:, 1:], logits)
+    train_op = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9).minimize(
+        loss, tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+  return model_fn
+
+
 def encoder_tokens(num_examples: int, seq_length: int) -> dict:
   """Fixed random token ids for `encoder_model_fn`."""
   rng = np.random.RandomState(0)

@@ -42,28 +42,6 @@ benchlib.define_encoder_flags()
 flags.DEFINE_bool('quick', False, 'A smoke run: 1 warm-up step, 3 rounds of 3 steps.')
 
 
-def lstm_model_fn(width: int):
-  """A 2-layer LSTM language model of `width` units with dropout: predicts each next token."""
-  def model_fn(features, labels, mode):
-    del labels
-    ids = features['ids']
-    init = tf.compat.v1.glorot_uniform_initializer(seed=1)
-    with tf.compat.v1.variable_scope('lm', initializer=init):
-      embeddings = tf.compat.v1.get_variable('embeddings', [benchlib.ENCODER_VOCAB, width])
-      cells = tf.compat.v1.nn.rnn_cell.MultiRNNCell([
-          tf.compat.v1.nn.rnn_cell.DropoutWrapper(  # keyed draws inside the loop
-              tf.compat.v1.nn.rnn_cell.LSTMCell(width), output_keep_prob=0.9)
-          for _ in range(2)])
-      outputs, _ = tf.compat.v1.nn.dynamic_rnn(
-          cells, tf.nn.embedding_lookup(embeddings, ids[:, :-1]), dtype=tf.float32)
-      logits = tf.compat.v1.layers.dense(outputs, benchlib.ENCODER_VOCAB)
-    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(ids[:, 1:], logits)
-    optimizer = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9)
-    train_op = optimizer.minimize(loss, tf.compat.v1.train.get_global_step())
-    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
-  return model_fn
-
-
 def _session(model_fn, devices, data):
   """(session, train_op, graph) of `model_fn` on `devices`, features as `data` gives them."""
   with tf.Graph().as_default() as graph:
@@ -85,7 +63,7 @@ def main(argv):
   tokens = benchlib.encoder_tokens(1024, FLAGS.seq_length + 1)
   towers = benchlib.cpu_devices()
   sessions, graphs = {}, {}
-  for name, model_fn, data in (('lstm', lstm_model_fn(FLAGS.width), tokens),
+  for name, model_fn, data in (('lstm', benchlib.lstm_model_fn(FLAGS.width), tokens),
                                ('mlp', benchlib.mlp_model_fn(), benchlib.synthetic_data(1024))):
     for layout, devices in (('plain', towers[:1]), ('towered', towers)):
       session, fetch, graph = _session(model_fn, devices, data)

@@ -20,8 +20,10 @@ ResNet-8 (CIFAR-shaped input, seven fused batch norms, Momentum; global batch
 Each time is also given in process CPU seconds (`*_cpu_sec`: user and
 system time of every thread, TensorFlow's included), which a machine loaded
 by other jobs inflates far less than wall time. --first_step_model=bert
-times BERT's own pre-training model_fn instead (bench/bert_pretraining.py;
-no batch norm: `--first_step_contenders=plain,towered`).
+times BERT's own pre-training model_fn instead (bench/bert_pretraining.py),
+--first_step_model=lstm bench/lstm_bench.py's 2-layer LSTM language model with
+dropout (global batch --lstm_batch_size); neither has batch norm:
+`--first_step_contenders=plain,towered`.
 
 A time to first step is what a user waits for after starting a trainer, so
 each is measured in a fresh process (--fresh_processes, the default): the
@@ -41,6 +43,8 @@ collections walk every object still alive).
       --build_rounds=9
   python bench/sync_bn_bench.py --first_step_only --first_step_model=bert \
       --first_step_contenders=plain,towered --build_rounds=3
+  python bench/sync_bn_bench.py --first_step_only --first_step_model=lstm \
+      --first_step_contenders=plain,towered --build_rounds=4
 
 Where a step's time goes op by op:
   python bench/towers_profile.py --model=resnet --n=4 --profile_contenders=towered,synced
@@ -70,9 +74,11 @@ flags.DEFINE_integer('first_step_n', 8, 'N of the first-step comparison with pla
 flags.DEFINE_bool('fresh_processes', True, 'Time each first step in a fresh process.')
 flags.DEFINE_list('first_step_contenders', ['plain', 'towered', 'synced', 'mirrored'],
                   'Contenders of the first-step comparison (plain first).')
-flags.DEFINE_string('first_step_model', 'resnet', 'Model of the first-step comparison: resnet '
-                    '(ResNet-8) or bert (BERT\'s pre-training model_fn, bench/bert_pretraining.py; '
-                    'no batch norm: synced is towered).')
+flags.DEFINE_enum('first_step_model', 'resnet', ['resnet', 'bert', 'lstm'],
+                  'Model of the first-step comparison: resnet (ResNet-8), bert (BERT\'s '
+                  'pre-training model_fn, bench/bert_pretraining.py) or lstm (bench/lstm_bench.py\'s '
+                  '2-layer LSTM language model with dropout); bert and lstm have no batch norm: '
+                  'synced is towered.')
 flags.DEFINE_bool('first_step_only', False, 'Only the first-step comparison (table 2), with each '
                   'round\'s ratio to plain in the same round.')
 flags.DEFINE_string('measure_first_step', '', 'Internal: "contender:n"; time that first step '
@@ -129,7 +135,8 @@ def _in_fresh_process(contender: str, n: int) -> dict:
   argv = [sys.executable, os.path.abspath(__file__), f'--measure_first_step={contender}:{n}',
           '--nofresh_processes'] + [
               FLAGS[name].serialize() for name in ('batch_size', 'variable_strategy',
-                                                   'static_batch', 'first_step_model', 'bert_batch_size')]
+                                                   'static_batch', 'first_step_model', 'bert_batch_size',
+                                                   'lstm_batch_size')]
   done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
   lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT)]
   if done.returncode != 0 or not lines:
@@ -238,7 +245,8 @@ def print_tables(rates: list[dict], firsts: dict, n: int, rates_table: bool = Tr
           f"{r['ratio_first_step_sec']:.2f} |")
   if not firsts:
     return
-  model = {'resnet': 'ResNet-8', 'bert': 'BERT pre-training'}[FLAGS.first_step_model]
+  model = {'resnet': 'ResNet-8', 'bert': 'BERT pre-training',
+           'lstm': '2-layer LSTM language model'}[FLAGS.first_step_model]
   for unit, suffix in (('wall seconds', 'sec'), ('process CPU seconds', 'cpu_sec')):
     print(f'\ntime to first step, {model}, N={n} (plain: one device), medians, {unit}:\n')
     print('| contender | first step | graph | of which model_fn | session | first run | '
@@ -267,8 +275,10 @@ def main(argv):
   # MirroredStrategy must exist before any session ran (in this process: without fresh processes).
   strategies = ({n: tf.distribute.MirroredStrategy([f'/cpu:{i}' for i in range(n)])}
                 if n and not FLAGS.fresh_processes else {})
+  batch = {'bert': FLAGS.bert_batch_size, 'lstm': FLAGS.lstm_batch_size}.get(
+      FLAGS.first_step_model if FLAGS.first_step_only else 'resnet', FLAGS.batch_size)
   header = (f'{datetime.date.today()}  {machine()}  TensorFlow {tf.__version__}; global batch '
-            f'{FLAGS.batch_size}, {FLAGS.rounds} rounds, {FLAGS.build_rounds} builds'
+            f'{batch}, {FLAGS.rounds} rounds, {FLAGS.build_rounds} builds'
             f'{" (fresh processes)" if FLAGS.fresh_processes else " (in this process)"}')
   print(f'# {header}\n# {tb.load()} at start', flush=True)
   started = time.perf_counter()

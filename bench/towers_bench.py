@@ -80,6 +80,8 @@ flags.DEFINE_list('contenders', ['plain', 'towered', 'mirrored', 'handwritten'],
                   'Contenders to run.')
 flags.DEFINE_integer('batch_size', 256, 'Global batch size.')
 flags.DEFINE_integer('bert_batch_size', 32, 'Global batch size of --models=bert (sequences).')
+flags.DEFINE_integer('lstm_batch_size', 64, 'Global batch size of the LSTM language model '
+                     '(sequences of 32 tokens; sync_bn_bench.py --first_step_model=lstm).')
 flags.DEFINE_integer('rounds', 30, 'Steady-state rounds (one chunk per configuration each).')
 flags.DEFINE_integer('build_rounds', 3, 'Times each configuration is built from scratch '
                      '(time to first step).')
@@ -174,6 +176,15 @@ def handwritten_model_fn(logits_fn, n: int):
   return model_fn
 
 
+_LSTM_WIDTH, _LSTM_TOKENS = 64, 32   # bench/lstm_bench.py's defaults
+
+
+def _token_input_fn(batch_size: int):
+  """Batches of `batch_size` fixed token sequences (features only), repeated."""
+  tokens = benchlib.encoder_tokens(4 * batch_size, _LSTM_TOKENS + 1)
+  return lambda: tf.data.Dataset.from_tensor_slices(tokens).repeat().batch(batch_size)
+
+
 def make_input_fn(batch_size: int, static: bool):
   """One fixed synthetic batch, repeated; its first dimension unknown unless `static`.
 
@@ -224,6 +235,8 @@ def make_estimator(model: str, contender: str, n: int, strategies: dict,
   if model == 'bert':  # BERT's own pre-training model_fn (bench/bert_pretraining.py)
     import bert_pretraining  # pylint: disable=g-import-not-at-top
     model_fn, batch = bert_pretraining.model_fn(), FLAGS.bert_batch_size
+  elif model == 'lstm':  # bench/lstm_bench.py's 2-layer LSTM language model, features only
+    model_fn, batch = benchlib.lstm_model_fn(_LSTM_WIDTH), FLAGS.lstm_batch_size
   else:
     model_fn = plain_model_fn(LOGITS[model])
   distribute = None
@@ -245,6 +258,8 @@ def make_estimator(model: str, contender: str, n: int, strategies: dict,
       model_fn, model_dir=tempfile.mkdtemp(prefix='towers_bench_'), config=config)
   if model == 'bert':
     return estimator, bert_pretraining.input_fn(batch)
+  if model == 'lstm':
+    return estimator, _token_input_fn(batch)
   return estimator, make_input_fn(batch, FLAGS.static_batch)
 
 
