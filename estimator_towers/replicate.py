@@ -17,6 +17,8 @@ No stage's details live here.
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import inspect
 from typing import Any, Callable, Sequence
@@ -421,9 +423,8 @@ def _build_train(builder: builder_lib.TowerBuilder, plan: plan_lib.DevicePlan, f
       cross_example=plan.cross_example)
   others.attach(broker)
   kept = {}
-  if copies is not None:
-    copies.primary_started()
-  with interception.gradient_requests(broker.handle), broker.building(builder.primary), \
+  with copies.primary() if copies is not None else contextlib.nullcontext(), \
+      interception.gradient_requests(broker.handle), broker.building(builder.primary), \
       builder_lib.tower_collections(builder.base, kept), statistics.syncing():
     spec = builder.build(builder.primary, reuse=False)
   if not broker.requests:

@@ -38,18 +38,21 @@ _LOOPS = ('While', 'StatelessWhile')
 _CALLS = _LOOPS + ('PartitionedCall', 'StatefulPartitionedCall', 'If', 'StatelessIf')
 
 
-def _function_heavy(graph, op) -> int:
-  """A function-calling op's heavy ops: one for a While loop, plus its functions' own."""
-  count = 1 if op.type in _LOOPS else 0
-  for value in op.node_def.attr.values():
+def _function_heavy(graph, node) -> int:
+  """A function-calling op's heavy ops (`node`: its NodeDef): one for a While loop, plus its
+  functions' own, read off their FunctionDefs (a tower copy's loop calls copies of tower 0's
+  functions, which have no Python graph)."""
+  count = 1 if node.op in _LOOPS else 0
+  for value in node.attr.values():
     names = [value.func.name] if value.WhichOneof('value') == 'func' else [
         f.name for f in value.list.func]
     for name in names:
       function = graph._get_function(name)  # pylint: disable=protected-access
-      body = getattr(function, 'graph', None)
-      if body is not None:
-        count += sum(1 for o in body.get_operations() if o.type in heavy_ops.HEAVY) + sum(
-            _function_heavy(graph, o) for o in body.get_operations() if o.type in _CALLS)
+      for inner in getattr(getattr(function, 'definition', None), 'node_def', ()):
+        if inner.op in heavy_ops.HEAVY:
+          count += 1
+        elif inner.op in _CALLS:
+          count += _function_heavy(graph, inner)
   return count
 
 
@@ -62,7 +65,7 @@ def heavy(graph: tf.Graph) -> collections.Counter:
     if op.type in heavy_ops.HEAVY:
       counts[device] += 1
     elif op.type in _CALLS:
-      counts[device] += _function_heavy(graph, op)
+      counts[device] += _function_heavy(graph, op.node_def)
   return counts
 
 

@@ -10,6 +10,7 @@ by building, nor a case that must build by copying.
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util_v2  # pylint: disable=g-direct-tensorflow-import
 
 import testlib
 from estimator_towers import current_tower
@@ -201,6 +202,84 @@ def test_copies_draw_the_op_seeds_a_build_would(monkeypatch):
   seeds = _random_seeds(copied)
   assert len(seeds) == 3 and len(set(seeds)) == 3, seeds
   assert seeds == _random_seeds(built)
+
+
+def _rnn_model_fn(features, labels, mode):
+  """An LSTM over the features read as a sequence (a functional While loop and its gradient
+  loop), then dense."""
+  steps = features[:, :, None]   # a sequence of NUM_FEATURES steps of one value
+  init = tf.compat.v1.glorot_uniform_initializer(seed=3)
+  with tf.compat.v1.variable_scope('rnn', initializer=init):
+    outputs, _ = tf.compat.v1.nn.dynamic_rnn(
+        tf.compat.v1.nn.rnn_cell.LSTMCell(6), steps, dtype=tf.float32)
+  logits = tf.compat.v1.layers.dense(outputs[:, -1], testlib.NUM_CLASSES,
+                                     kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=5))
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(
+      loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def _seeded_loop_model_fn(features, labels, mode):
+  """A loop whose body draws with an op seed (per-shard draws): a build would seed it anew."""
+  _, noisy = tf.while_loop(lambda i, x: i < 2,
+                           lambda i, x: (i + 1, x + 0.01 * tf.random.uniform(tf.shape(x), seed=7)),
+                           [0, features])
+  return testlib.v1_model_fn(noisy, labels, mode, None)
+
+
+def _loop_functions(graph: tf.Graph, op: tf.Operation) -> dict:
+  """The FunctionDefs loop `op` calls, and those they call, by name."""
+  found, pending = {}, [op.get_attr('body').name, op.get_attr('cond').name]
+  while pending:
+    name = pending.pop()
+    if name in found:
+      continue
+    found[name] = graph._get_function(name).definition  # pylint: disable=protected-access
+    for node in found[name].node_def:
+      pending.extend(v.func.name for v in node.attr.values() if v.WhichOneof('value') == 'func')
+  return found
+
+
+def test_a_recurrent_tower_is_copied_with_its_loops_on_its_device(monkeypatch):
+  """A tower's loops (the LSTM's and its gradient's) are copied, not traced again: they call
+  copies of tower 0's functions whose ops run on the tower's own device; it trains as a
+  built tower and as plain."""
+  logged = []
+  monkeypatch.setattr(tower_copies, '_log_once', logged.append)
+  x, y = testlib.data(12)
+  plain, _ = _train(_rnn_model_fn, 1, x, y, 12)
+  copied, graph = _train(_rnn_model_fn, 3, x, y, 12)
+  assert not logged, logged
+  assert control_flow_util_v2._EXPERIMENTAL_OUTPUT_ALL_INTERMEDIATES_OVERRIDE is None  # pylint: disable=protected-access
+  loops = [op for op in graph.get_operations() if op.type in ('While', 'StatelessWhile')]
+  first = {name for op in loops if not op.name.startswith('tower_')
+           for name in _loop_functions(graph, op)}
+  for k in (1, 2):
+    assert _copied(graph, k)
+    mine = [op for op in loops if op.name.startswith(f'tower_{k}/')]
+    assert len(mine) == 2, [op.name for op in loops]   # the LSTM and its gradient
+    for op in mine:
+      assert tf.DeviceSpec.from_string(op.device).device_index == k, (op.name, op.device)
+      functions = _loop_functions(graph, op)
+      assert not set(functions) & first, sorted(functions)
+      devices = {node.device for f in functions.values() for node in f.node_def if node.device}
+      assert devices and all(tf.DeviceSpec.from_string(d).device_index == k for d in devices), (
+          op.name, devices)
+  monkeypatch.setattr(towers, '_tower_copies', lambda *args: None)
+  built, graph = _train(_rnn_model_fn, 3, x, y, 12)
+  assert _built(graph, 1)
+  testlib.assert_variables_close(copied, plain)
+  testlib.assert_variables_close(copied, built)
+
+
+def test_a_loop_with_a_seeded_draw_is_built_not_copied(monkeypatch):
+  logged = []
+  monkeypatch.setattr(tower_copies, '_log_once', logged.append)
+  x, y = testlib.data(8)
+  _, graph = _train(_seeded_loop_model_fn, 2, x, y, 8, seed=2, random_draws='per_shard')
+  assert _built(graph, 1)
+  assert any('draws seeded random numbers (RandomUniform' in m for m in logged), logged
 
 
 def _asks_its_tower_model_fn(features, labels, mode):

@@ -18,15 +18,25 @@ are built; this module reads and sets the control flow of ops already built.
 - A tower's loops and their gradients placed (`Operation._set_attr`, `_set_device`): a `While`
   kept as a loop of its own (`_lower_using_switch_merge`), an op's colocation groups
   (`_class`) narrowed or cleared (`placement.strategies`).
+- Loops a tower copy imports again (`towers.op_templates`): a function's FunctionDef read by
+  name and new ones added to the graph (`function.from_library`), and a functional loop
+  built with all its intermediates as outputs while tower 0 is built
+  (`control_flow_util_v2`'s override, read and put back), so that its gradient does not
+  rewrite it in place after its copies were made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from typing import Any, Iterator
 
 import tensorflow as tf
+
+from tensorflow.core.framework import function_pb2  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.framework import function as function_lib  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.ops import control_flow_util_v2  # pylint: disable=g-direct-tensorflow-import
 
 from tensorflow.python.ops import control_flow_v2_func_graphs  # pylint: disable=g-direct-tensorflow-import
 
@@ -139,6 +149,39 @@ def function_graphs(op: tf.Operation, attrs: tuple) -> list | None:
       return None
     graphs.append(function.graph)
   return graphs
+
+
+def function_def(graph: tf.Graph, name: str) -> Any:
+  """The FunctionDef of function `name` in `graph`'s library, or None."""
+  function = graph._get_function(name)  # pylint: disable=protected-access
+  return None if function is None else function.definition
+
+
+def has_function(graph: tf.Graph, name: str) -> bool:
+  """True if `graph`'s library holds a function `name`."""
+  return graph._get_function(name) is not None  # pylint: disable=protected-access
+
+
+def add_functions(graph: tf.Graph, function_defs: list) -> None:
+  """`function_defs` added to `graph`'s library (a name it holds already is left as it is)."""
+  library = function_pb2.FunctionDefLibrary()
+  library.function.extend(f for f in function_defs
+                          if graph._get_function(f.signature.name) is None)  # pylint: disable=protected-access
+  for function in function_lib.from_library(library):
+    function.add_to_graph(graph)
+
+
+@contextlib.contextmanager
+def loops_with_all_intermediates() -> Iterator[None]:
+  """Functional loops built in the block output every intermediate their gradient may need
+  (`tf.compat.v1.experimental.output_all_intermediates`), as Keras has them in graph mode:
+  differentiating one then adds a gradient loop without rewriting the loop itself."""
+  saved = control_flow_util_v2._EXPERIMENTAL_OUTPUT_ALL_INTERMEDIATES_OVERRIDE  # pylint: disable=protected-access
+  tf.compat.v1.experimental.output_all_intermediates(True)
+  try:
+    yield
+  finally:
+    control_flow_util_v2._EXPERIMENTAL_OUTPUT_ALL_INTERMEDIATES_OVERRIDE = saved  # pylint: disable=protected-access
 
 
 def keep_loop(op: tf.Operation) -> None:

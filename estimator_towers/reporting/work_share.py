@@ -48,15 +48,20 @@ def heavy_ops(graph: tf.Graph, tower_devices: Sequence[str]) -> dict:
 _LOOPS = ('While', 'StatelessWhile')
 
 
-def heavy_count(op: tf.Operation, depth: int = 0) -> int:
+def heavy_count(op: tf.Operation) -> int:
   """`op`'s heavy ops: 1 for a heavy op; for a While loop, 1 and its body's heavy ops (the
   steps of a recurrent network, on the loop's device), loops inside it included."""
   if op.type in HEAVY:
     return 1
-  if op.type not in _LOOPS or depth > 8:
-    return 0
-  graphs = control_flow.function_graphs(op, ('body',)) or []
-  return 1 + sum(heavy_count(o, depth + 1) for g in graphs for o in g.get_operations())
+  return _loop_heavy(op.graph, op.node_def) if op.type in _LOOPS else 0
+
+
+def _loop_heavy(graph: tf.Graph, node, depth: int = 0) -> int:
+  """A While loop's (a NodeDef's) heavy ops: 1 and its body's, read off the body's
+  FunctionDef (a tower copy's loop calls a copy of tower 0's body, with no Python graph)."""
+  body = control_flow.function_def(graph, node.attr['body'].func.name) if depth < 8 else None
+  return 1 + sum(1 if inner.op in HEAVY else _loop_heavy(graph, inner, depth + 1)
+                 if inner.op in _LOOPS else 0 for inner in getattr(body, 'node_def', ()))
 
 
 def _tower_of(device: str, towers: list) -> str:

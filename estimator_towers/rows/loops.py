@@ -339,14 +339,28 @@ def _changed(body) -> list:
 
 def _records(op, body) -> list:
   """For each loop-carried value, whether it is a record of the steps for the gradient: a
-  list the body pushes a value onto, which only gradient loops read."""
+  list the body pushes a value onto, which only gradient loops read (or nothing yet)."""
   result = []
   for o, out in zip(body.outputs, op.outputs):
     while o.op.type == 'Identity':
       o = o.op.inputs[0]
     result.append(o.op.type == 'TensorListPushBack' and all(
-        c.type in ('While', 'StatelessWhile') and c is not op for c in out.consumers()))
+        c.type in ('While', 'StatelessWhile', 'ZerosLike') and c is not op
+        for c in _readers(out)))   # ZerosLike: tf.gradients' zero gradient of an output
   return result
+
+
+def _readers(t) -> list:
+  """The ops that read `t`, through the Identity ops a functional loop puts on its outputs
+  (a loop built with all its intermediates as outputs: its records' readers)."""
+  found, pending = [], list(t.consumers())
+  while pending:
+    c = pending.pop()
+    if c.type == 'Identity':
+      pending.extend(c.outputs[0].consumers())
+    else:
+      found.append(c)
+  return found
 
 
 def _after(op, body, carried, steps):

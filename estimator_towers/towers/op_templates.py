@@ -17,9 +17,13 @@ name scope of its own. The rule for each op of an instance:
     the shared op itself) and takes its device from them;
   - a random op seeded by the graph-level seed draws the next op seed, as
     building it would; an explicit op seed stays.
+  - a functional loop calls copies of the template's functions, named for the
+    instance, their ops on the instance's device where they were on the
+    owner's (`loop_copies`).
 A template cannot be made (the reason is returned instead) of an op in a v1
-`tf.cond` or `tf.while_loop` or that calls a function (TensorFlow's gradient
-of a `tf.cond` rewrites the function in place), a Placeholder, a stateful op
+`tf.cond` or `tf.while_loop` or that calls a function other than a loop
+`loop_copies` can copy (TensorFlow's gradient of a `tf.cond` rewrites the
+function in place), a Placeholder, a stateful op
 with a shared name, an op that creates a resource (a copy would be a new,
 uninitialised table or queue), or an op a device scope of the model_fn placed (`pinned`)
 or that is on some other device.
@@ -35,6 +39,7 @@ import tensorflow as tf
 from estimator_towers.base import control_flow
 from estimator_towers.base import interception
 from estimator_towers.placement import strategies as placement_lib
+from estimator_towers.towers import loop_copies
 
 Counterpart = Callable[[tf.Tensor], 'tf.Tensor | None']
 
@@ -55,6 +60,7 @@ class Template:
     seeded: positions of the ops whose seeds are drawn anew per instance.
     made: the ops the owner made for itself (they have counterparts; any
       other op from outside is shared).
+    home: the owner's device.
   """
   ops: list
   node_defs: list
@@ -64,6 +70,7 @@ class Template:
   colocated: dict
   seeded: set
   made: set
+  home: str = ''
 
 
 def make(ops: list, made: set, home: str, pinned: set, seed_range: range
@@ -110,17 +117,21 @@ def make(ops: list, made: set, home: str, pinned: set, seed_range: range
     if _graph_seeded(op, op.graph, seed_range):
       seeded.add(len(node_defs))
     node_defs.append(node_def)
-  return Template(ops, node_defs, external, controls, devices, colocated, seeded, made)
+  return Template(ops, node_defs, external, controls, devices, colocated, seeded, made,
+                  home)
 
 
 def _device_rule(op: tf.Operation, home: str) -> str | None:
   """'home', 'resource', the device op keeps in every instance, or None (placed otherwise)."""
   if not op.device:
     return ''
+  home_spec = tf.DeviceSpec.from_string(home)
+  if op.type in loop_copies.LOOPS and tf.DeviceSpec.from_string(op.device) == home_spec:
+    return 'home'   # a tower's loop runs on its device, whatever variables it reads
   for tensor in op.inputs:
     if tensor.dtype == tf.resource:  # with the variable: the instance's, if it has its own
       return '' if op.type in placement_lib.CALL_OPS else 'resource'
-  if tf.DeviceSpec.from_string(op.device) == tf.DeviceSpec.from_string(home):
+  if tf.DeviceSpec.from_string(op.device) == home_spec:
     return 'home'
   return None
 
@@ -174,6 +185,19 @@ def instance(template: Template, prefix: str, device: str, theirs: Counterpart
       copied.device = template.devices[i]
     if i in template.seeded:
       copied.attr['seed'].i, copied.attr['seed2'].i = tf.compat.v1.random.get_seed(None)
+  loops = [(op, node_def, copied) for op, node_def, copied
+           in zip(template.ops, template.node_defs, graph_def.node)
+           if op.type in loop_copies.LOOPS]
+  if loops:
+    stale = [op.name for op, node_def, _ in loops if loop_copies.stale(op, node_def)]
+    if stale:
+      return None, (f'{stale[0]} was rewritten by its gradient after it was copied (a loop '
+                    f'built without all its intermediates as outputs)')
+    called, functions = loop_copies.copies(graph, [c for _, _, c in loops], prefix,
+                                           template.home, device)
+    for _, _, copied in loops:
+      loop_copies.rename(copied, called)
+    control_flow.add_functions(graph, functions)
   with graph.as_default(), graph.device(None):
     copies = interception.import_ops(graph_def, input_map,
                                      [renamed[op.name] for op in template.ops], colocated)
@@ -183,7 +207,9 @@ def instance(template: Template, prefix: str, device: str, theirs: Counterpart
 
   def counterpart(tensor: tf.Tensor) -> tf.Tensor | None:
     op = by_op.get(tensor.op) if isinstance(tensor, tf.Tensor) else None
-    return None if op is None else op.outputs[tensor.value_index]
+    if op is None or tensor.value_index >= len(op.outputs):  # an output added later
+      return None
+    return op.outputs[tensor.value_index]
   return counterpart, None
 
 
@@ -233,8 +259,7 @@ def _unsafe(op: tf.Operation) -> str | None:
   if control_flow.in_control_flow(op):
     return f'{op.name} is inside a v1 tf.cond or tf.while_loop'
   if control_flow.calls_function(op):
-    return (f'{op.name} calls a function (a tf.cond, tf.while_loop or tf.function '
-            f'in graph mode)')
+    return loop_copies.why_not(op)
   if op.type in ('Placeholder', 'PlaceholderV2'):
     return f'the model_fn made a placeholder ({op.name})'
   try:

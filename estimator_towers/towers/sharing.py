@@ -109,6 +109,8 @@ class VariableSharing:
   @contextlib.contextmanager
   def _creation_span(self) -> Iterator[None]:
     graph = tf.compat.v1.get_default_graph()
+    while getattr(graph, 'outer_graph', None) is not None:  # a loop's body: lifted out
+      graph = graph.outer_graph
     first = graph.version
     try:
       yield

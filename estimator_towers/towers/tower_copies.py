@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import tensorflow as tf
 
+from estimator_towers.base import control_flow
 from estimator_towers.base import updates
 from estimator_towers.base import interception
 from estimator_towers.base import logs
@@ -95,11 +96,18 @@ class TowerCopies:
     self._counterparts: dict[int, Counterpart] = {}
     self._prefixes: dict[int, str] = {}  # tower k's copies' name scope
 
-  def primary_started(self) -> None:
-    """Tower 0's build starts now."""
+  @contextlib.contextmanager
+  def primary(self) -> Iterator[None]:
+    """Tower 0's build (and the other towers', from its gradient requests) in the block.
+
+    Its functional loops output all their intermediates (`loop_copies`): their
+    gradients then leave them as their copies were made.
+    """
     self._start = self._graph.version
     self._reads = tower_context.reads()
     self._seeds = interception.op_seed_count(self._graph)
+    with control_flow.loops_with_all_intermediates():
+      yield
 
   # -- The forward pass -------------------------------------------------------
 
