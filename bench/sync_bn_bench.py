@@ -76,9 +76,9 @@ flags.DEFINE_list('first_step_contenders', ['plain', 'towered', 'synced', 'mirro
                   'Contenders of the first-step comparison (plain first).')
 flags.DEFINE_enum('first_step_model', 'resnet', ['resnet', 'bert', 'lstm'],
                   'Model of the first-step comparison: resnet (ResNet-8), bert (BERT\'s '
-                  'pre-training model_fn, bench/bert_pretraining.py) or lstm (bench/lstm_bench.py\'s '
-                  '2-layer LSTM language model with dropout); bert and lstm have no batch norm: '
-                  'synced is towered.')
+                  'pre-training model_fn, bench/bert_pretraining.py) or lstm '
+                  '(bench/lstm_bench.py\'s 2-layer LSTM language model with dropout); bert '
+                  'and lstm have no batch norm: synced is towered.')
 flags.DEFINE_bool('first_step_only', False, 'Only the first-step comparison (table 2), with each '
                   'round\'s ratio to plain in the same round.')
 flags.DEFINE_string('measure_first_step', '', 'Internal: "contender:n"; time that first step '
@@ -134,9 +134,9 @@ def _in_fresh_process(contender: str, n: int) -> dict:
   """`first_step` in a child process of this script (same flags), after its warm-up."""
   argv = [sys.executable, os.path.abspath(__file__), f'--measure_first_step={contender}:{n}',
           '--nofresh_processes'] + [
-              FLAGS[name].serialize() for name in ('batch_size', 'variable_strategy',
-                                                   'static_batch', 'first_step_model', 'bert_batch_size',
-                                                   'lstm_batch_size')]
+              FLAGS[name].serialize() for name in (
+                  'batch_size', 'variable_strategy', 'static_batch', 'first_step_model',
+                  'bert_batch_size', 'lstm_batch_size')]
   done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
   lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT)]
   if done.returncode != 0 or not lines:

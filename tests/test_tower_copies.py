@@ -212,8 +212,9 @@ def _rnn_model_fn(features, labels, mode):
   with tf.compat.v1.variable_scope('rnn', initializer=init):
     outputs, _ = tf.compat.v1.nn.dynamic_rnn(
         tf.compat.v1.nn.rnn_cell.LSTMCell(6), steps, dtype=tf.float32)
-  logits = tf.compat.v1.layers.dense(outputs[:, -1], testlib.NUM_CLASSES,
-                                     kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=5))
+  logits = tf.compat.v1.layers.dense(
+      outputs[:, -1], testlib.NUM_CLASSES,
+      kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=5))
   loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
   train_op = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(
       loss, tf.compat.v1.train.get_global_step())
@@ -251,7 +252,8 @@ def test_a_recurrent_tower_is_copied_with_its_loops_on_its_device(monkeypatch):
   plain, _ = _train(_rnn_model_fn, 1, x, y, 12)
   copied, graph = _train(_rnn_model_fn, 3, x, y, 12)
   assert not logged, logged
-  assert control_flow_util_v2._EXPERIMENTAL_OUTPUT_ALL_INTERMEDIATES_OVERRIDE is None  # pylint: disable=protected-access
+  override = control_flow_util_v2._EXPERIMENTAL_OUTPUT_ALL_INTERMEDIATES_OVERRIDE  # pylint: disable=protected-access
+  assert override is None, override   # put back after the build
   loops = [op for op in graph.get_operations() if op.type in ('While', 'StatelessWhile')]
   first = {name for op in loops if not op.name.startswith('tower_')
            for name in _loop_functions(graph, op)}
@@ -271,6 +273,42 @@ def test_a_recurrent_tower_is_copied_with_its_loops_on_its_device(monkeypatch):
   assert _built(graph, 1)
   testlib.assert_variables_close(copied, plain)
   testlib.assert_variables_close(copied, built)
+
+
+def _next_value_model_fn(features, labels, mode):
+  """Features only: an LSTM reads the first steps of each example and predicts its last."""
+  del labels
+  steps = features[:, :-1, None]
+  init = tf.compat.v1.glorot_uniform_initializer(seed=3)
+  with tf.compat.v1.variable_scope('rnn', initializer=init):
+    outputs, _ = tf.compat.v1.nn.dynamic_rnn(
+        tf.compat.v1.nn.rnn_cell.LSTMCell(4), steps, dtype=tf.float32)
+  guess = tf.compat.v1.layers.dense(
+      outputs[:, -1], 1, kernel_initializer=tf.compat.v1.glorot_uniform_initializer(seed=5))
+  loss = tf.reduce_mean(tf.square(guess[:, 0] - features[:, -1]))
+  train_op = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(
+      loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_a_features_only_recurrent_model_is_copied_and_trains_as_plain(monkeypatch):
+  logged = []
+  monkeypatch.setattr(tower_copies, '_log_once', logged.append)
+  x, _ = testlib.data(12)
+
+  def input_fn():
+    return tf.data.Dataset.from_tensor_slices(x).repeat(2).batch(12)
+  trained = {}
+  for n in (1, 3):
+    model_fn = (_next_value_model_fn if n == 1 else replicate_model_fn(
+        _next_value_model_fn, devices=testlib.cpu_devices(n)))
+    estimator = testlib.make_estimator(model_fn, num_cpus=n)
+    hook = _GraphOf()
+    estimator.train(input_fn, steps=2, hooks=[hook])
+    trained[n] = testlib.variables(estimator)
+  assert not logged, logged
+  assert _copied(hook.graph, 1) and _copied(hook.graph, 2)
+  testlib.assert_variables_close(trained[3], trained[1])
 
 
 def test_a_loop_with_a_seeded_draw_is_built_not_copied(monkeypatch):
