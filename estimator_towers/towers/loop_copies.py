@@ -67,14 +67,17 @@ def closure(graph: tf.Graph, names: set) -> dict | None:
   return found
 
 
-def copies(graph: tf.Graph, loops: list, suffix: str, home: str, device: str
-           ) -> tuple[dict, list]:
-  """(new name by old, the new FunctionDefs) of the functions `loops` (NodeDefs) call, for a
-  copy on `device` of a tower on `home`."""
+def called_by(graph: tf.Graph, loops: list) -> dict:
+  """The FunctionDefs `loops` (loop ops) call, and those they call, by name."""
   names = set()
-  for node in loops:
-    names |= _called(node, graph)
-  functions = closure(graph, names) or {}
+  for op in loops:
+    names |= _called(op.node_def, graph)
+  return closure(graph, names) or {}
+
+
+def copies(functions: dict, suffix: str, home: str, device: str) -> tuple[dict, list]:
+  """(new name by old, the new FunctionDefs) of `functions` (`called_by`'s), for a copy on
+  `device` of a tower on `home`."""
   tag = re.sub(r'[^A-Za-z0-9_]', '_', suffix)
   renamed = {name: f'{name}_{tag}' for name in functions}
   home_spec = tf.DeviceSpec.from_string(home)

@@ -61,6 +61,8 @@ class Template:
     made: the ops the owner made for itself (they have counterparts; any
       other op from outside is shared).
     home: the owner's device.
+    functions: the FunctionDefs the ops' functional loops call, by name
+      (`loop_copies.called_by`), copied per instance.
   """
   ops: list
   node_defs: list
@@ -71,6 +73,7 @@ class Template:
   seeded: set
   made: set
   home: str = ''
+  functions: dict = dataclasses.field(default_factory=dict)
 
 
 def make(ops: list, made: set, home: str, pinned: set, seed_range: range
@@ -117,8 +120,9 @@ def make(ops: list, made: set, home: str, pinned: set, seed_range: range
     if _graph_seeded(op, op.graph, seed_range):
       seeded.add(len(node_defs))
     node_defs.append(node_def)
+  loops = [op for op in ops if op.type in loop_copies.LOOPS]
   return Template(ops, node_defs, external, controls, devices, colocated, seeded, made,
-                  home)
+                  home, loop_copies.called_by(ops[0].graph, loops) if loops else {})
 
 
 def _device_rule(op: tf.Operation, home: str) -> str | None:
@@ -185,19 +189,9 @@ def instance(template: Template, prefix: str, device: str, theirs: Counterpart
       copied.device = template.devices[i]
     if i in template.seeded:
       copied.attr['seed'].i, copied.attr['seed2'].i = tf.compat.v1.random.get_seed(None)
-  loops = [(op, node_def, copied) for op, node_def, copied
-           in zip(template.ops, template.node_defs, graph_def.node)
-           if op.type in loop_copies.LOOPS]
-  if loops:
-    stale = [op.name for op, node_def, _ in loops if loop_copies.stale(op, node_def)]
-    if stale:
-      return None, (f'{stale[0]} was rewritten by its gradient after it was copied (a loop '
-                    f'built without all its intermediates as outputs)')
-    called, functions = loop_copies.copies(graph, [c for _, _, c in loops], prefix,
-                                           template.home, device)
-    for _, _, copied in loops:
-      loop_copies.rename(copied, called)
-    control_flow.add_functions(graph, functions)
+  why = _loops_copied(template, graph_def, prefix, device)
+  if why:
+    return None, why
   with graph.as_default(), graph.device(None):
     copies = interception.import_ops(graph_def, input_map,
                                      [renamed[op.name] for op in template.ops], colocated)
@@ -211,6 +205,25 @@ def instance(template: Template, prefix: str, device: str, theirs: Counterpart
       return None
     return op.outputs[tensor.value_index]
   return counterpart, None
+
+
+def _loops_copied(template: Template, graph_def, prefix: str, device: str) -> str | None:
+  """The instance's loops (in `graph_def`) call copies of the template's functions, added to
+  the graph; or why they cannot (tower 0's loop was rewritten since the template was read)."""
+  loops = [(op, node_def, copied) for op, node_def, copied
+           in zip(template.ops, template.node_defs, graph_def.node)
+           if op.type in loop_copies.LOOPS]
+  if not loops:
+    return None
+  stale = [op.name for op, node_def, _ in loops if loop_copies.stale(op, node_def)]
+  if stale:
+    return (f'{stale[0]} was rewritten in place by its gradient (a loop built without all '
+            f'its intermediates as outputs)')
+  called, functions = loop_copies.copies(template.functions, prefix, template.home, device)
+  for _, _, copied in loops:
+    loop_copies.rename(copied, called)
+  control_flow.add_functions(template.ops[0].graph, functions)
+  return None
 
 
 def _resource_device(op: tf.Operation, input_map: dict) -> str | None:
