@@ -18,7 +18,6 @@ No stage's details live here.
 from __future__ import annotations
 
 import contextlib
-
 import functools
 import inspect
 from typing import Any, Callable, Sequence

@@ -37,7 +37,6 @@ import tensorflow as tf
 from tensorflow.core.framework import function_pb2  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import function as function_lib  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import control_flow_util_v2  # pylint: disable=g-direct-tensorflow-import
-
 from tensorflow.python.ops import control_flow_v2_func_graphs  # pylint: disable=g-direct-tensorflow-import
 
 
