@@ -23,8 +23,9 @@ import re
 import tensorflow as tf
 
 from estimator_towers.base import control_flow
+from estimator_towers.placement import strategies as placement_lib
 
-LOOPS = ('While', 'StatelessWhile')
+LOOPS = placement_lib.LOOP_OPS
 _FUNCTION_ATTRS = ('cond', 'body')
 
 
