@@ -30,18 +30,11 @@ _FUNCTION_ATTRS = ('cond', 'body')
 
 
 def why_not(op: tf.Operation) -> str | None:
-  """Why a function-calling `op` cannot be copied, or None."""
+  """Why a function-calling `op` cannot be copied, or None for a loop (whose functions
+  `called_by` checks)."""
   if op.type not in LOOPS:
     return (f'{op.name} calls a function (a tf.cond or tf.function in graph mode, or a v1 '
             f'loop\'s)')
-  functions = closure(op.graph, _called(op.node_def, op.graph))
-  if functions is None:
-    return f'{op.name} is a loop whose functions are not all in the graph\'s library'
-  for name, function in functions.items():
-    for node in function.node_def:
-      if 'seed2' in node.attr and (node.attr['seed'].i or node.attr['seed2'].i):
-        return (f'{op.name} is a loop whose function {name} draws seeded random numbers '
-                f'({node.op} {node.name})')
   return None
 
 
@@ -68,12 +61,21 @@ def closure(graph: tf.Graph, names: set) -> dict | None:
   return found
 
 
-def called_by(graph: tf.Graph, loops: list) -> dict:
-  """The FunctionDefs `loops` (loop ops) call, and those they call, by name."""
+def called_by(graph: tf.Graph, loops: list) -> dict | str:
+  """The FunctionDefs `loops` (loop ops) call, and those they call, by name; or why the
+  loops cannot be copied (a function not in the graph's library, a seeded draw)."""
   names = set()
   for op in loops:
     names |= _called(op.node_def, graph)
-  return closure(graph, names) or {}
+  functions = closure(graph, names)
+  if functions is None:
+    return f'{loops[0].name} is a loop whose functions are not all in the graph\'s library'
+  for name, function in functions.items():
+    for node in function.node_def:
+      if 'seed2' in node.attr and (node.attr['seed'].i or node.attr['seed2'].i):
+        return (f'the loop function {name} draws seeded random numbers '
+                f'({node.op} {node.name})')
+  return functions
 
 
 def copies(functions: dict, suffix: str, home: str, device: str) -> tuple[dict, list]:

@@ -121,8 +121,11 @@ def make(ops: list, made: set, home: str, pinned: set, seed_range: range
       seeded.add(len(node_defs))
     node_defs.append(node_def)
   loops = [op for op in ops if op.type in loop_copies.LOOPS]
+  functions = loop_copies.called_by(ops[0].graph, loops) if loops else {}
+  if isinstance(functions, str):
+    return functions
   return Template(ops, node_defs, external, controls, devices, colocated, seeded, made,
-                  home, loop_copies.called_by(ops[0].graph, loops) if loops else {})
+                  home, functions)
 
 
 def _device_rule(op: tf.Operation, home: str) -> str | None:
