@@ -172,6 +172,37 @@ def test_copies_run_on_their_towers_devices():
                          for op in convs), [(op.name, op.device) for op in convs]
 
 
+def _ancestors(ops) -> set:
+  """`ops` and every op they read, directly or not (data and control inputs)."""
+  found, stack = set(), list(ops)
+  while stack:
+    op = stack.pop()
+    if op not in found:
+      found.add(op)
+      stack.extend(t.op for t in op.inputs)
+      stack.extend(op.control_inputs)
+  return found
+
+
+@pytest.mark.parametrize('model_fn', [_convnet_model_fn, _embedding_model_fn],
+                         ids=['convnet', 'ratio_loss_embedding'])
+def test_a_copy_holds_only_ops_its_step_runs(model_fn):
+  """A copy leaves out what tower 0's passes made that no step reads: the gradients
+  tf.gradients makes on the way and nobody asked for (the first layer's input, a loss
+  normaliser's), a loss's static shape checks, the value a moving average's update
+  returns. Each copy is the first tower's ops a step runs, and they still train as
+  plain (test_copied_towers_train_as_plain, test_copied_synchronised_batch_norm_...)."""
+  x, y = testlib.data(18)
+  _, graph = _train(model_fn, 3, x, y, 9, steps=1)
+  fetched = graph.get_collection(tf.compat.v1.GraphKeys.TRAIN_OP) + [
+      op for op in graph.get_operations() if op.type in ('ScalarSummary', 'MergeSummary')]
+  run = _ancestors(fetched)
+  for k in (1, 2):
+    copy = [op for op in graph.get_operations() if op.name.startswith(f'tower_{k}/')]
+    assert copy and _copied(graph, k)
+    assert not [op.name for op in copy if op not in run]
+
+
 def _dropout_model_fn(features, labels, mode):
   hidden = tf.compat.v1.layers.dense(
       features, 8, activation=tf.nn.relu,

@@ -211,7 +211,8 @@ class BackwardPasses:
         or not all(t.op in made for g in first for t in tower_copies.components(g))):
       return None
     theirs = copies.copy_pass(k, recording, {a.ref(): b for a, b in zip(seeds0, seeds)
-                                             if a is not None})
+                                             if a is not None},
+                              [t for g in first for t in tower_copies.components(g)])
     if theirs is None:
       return None
     grads = [tower_copies.map_gradient(theirs, g) for g in first]

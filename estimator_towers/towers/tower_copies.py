@@ -149,7 +149,8 @@ class TowerCopies:
       return ('the model_fn asked which tower it builds (current_tower, '
               'loss_denominator or global_mean)')
     shared = self._sync.shared_ops()
-    kept = _kept([op for op in segment if op not in shared])
+    kept = _unread(_kept([op for op in segment if op not in shared]), request,
+                   self._made_by_primary())
     ops, inputs = set(kept), {t.ref() for t in self._inputs_of(self._primary)}
     for tensor in request:
       if isinstance(tensor, tf.Tensor) and tensor.op not in ops and tensor.ref() not in inputs:
@@ -214,16 +215,21 @@ class TowerCopies:
     yield recording
     recording.ops = self._graph.get_operations()[recording.first:]
 
-  def copy_pass(self, k: int, recording: Recording, seeds: dict) -> Counterpart | None:
+  def copy_pass(self, k: int, recording: Recording, seeds: dict, results: Sequence[tf.Tensor]
+                ) -> Counterpart | None:
     """Tower k's copy of a recorded pass of tower 0; None if it cannot be.
 
     `seeds` maps tower 0's initial gradients (by `ref()`) to tower k's; the
-    rest of tower 0's tensors map to tower k's forward pass.
+    rest of tower 0's tensors map to tower k's forward pass. `results`: the
+    tensors of the pass a copy must have (its gradients); the copy holds
+    the recorded ops they need (`_needed`), not those only tower 0's own
+    pass made on the way (gradients nobody asked for).
     """
     if recording.template is None:
       shared = self._sync.shared_ops()  # the joins of batch statistics' gradients
+      needed = _needed(recording.ops, results)
       recording.template = self._template(
-          [op for op in recording.ops if op not in shared],
+          [op for op in recording.ops if op not in shared and op in needed],
           range(recording.seeds, interception.op_seed_count(self._graph)), shared)
     if isinstance(recording.template, str) or k not in self._counterparts:
       return None
@@ -333,6 +339,40 @@ def _kept(segment: Sequence[tf.Operation]) -> list:
     if consumers and all(c in members and c in dropped for c in consumers):
       dropped.add(op)
   return [op for op in segment if op not in dropped]
+
+
+# Ops whose output only describes a tensor, is a constant or reads a variable: for nothing if unread.
+_DESCRIBING = frozenset({'Shape', 'ShapeN', 'Rank', 'Size', 'Const', 'ReadVariableOp'})
+
+
+def _unread(segment: Sequence[tf.Operation], request: Sequence, made: set) -> list:
+  """The segment less the ops of `_DESCRIBING` that no op tower 0 `made` reads (data or
+  control), but for the gradient request's: a loss's static shape checks, the value an
+  update of a moving average returns, a variable's initial value (read by its creation)."""
+  read = {t.op for t in request if isinstance(t, tf.Tensor)}
+  for op in made:
+    read.update(t.op for t in op.inputs)
+    read.update(op.control_inputs)
+  return [op for op in segment if op.type not in _DESCRIBING or op in read]
+
+
+def _needed(ops: Sequence[tf.Operation], results: Sequence[tf.Tensor]) -> set:
+  """The ops of `ops` that `results` or a stateful op of `ops` reads, directly or not.
+
+  The walk stays within `ops` (a sync point's join made among them leads on to
+  the towers' parts it reads); data and control inputs alike.
+  """
+  members = set(ops)
+  stack = [t.op for t in results] + [op for op in ops if op.op_def.is_stateful]
+  found = set()
+  while stack:
+    op = stack.pop()
+    if op in found or op not in members:
+      continue
+    found.add(op)
+    stack.extend(t.op for t in op.inputs)
+    stack.extend(op.control_inputs)
+  return found
 
 
 def _log_once(reason: str) -> None:
