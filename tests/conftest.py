@@ -22,6 +22,16 @@ leaves the few-test files that run clusters or whole programs (SimCLR's upstream
 docs' programs) for the end, where one process may run them while the other has nothing
 left. Which process runs a file, and so which tests share a process, is all that changes.
 
+TensorFlow's CPU kernels: Eigen's, not oneDNN's (TF_ENABLE_ONEDNN_OPTS=0, unless the
+environment sets it; set before TensorFlow is imported, and inherited by the processes the
+tests start). TensorFlow turns oneDNN on by itself on x86 CPUs with AVX-512 VNNI and newer,
+so without this the kernels, and with them the last bits of a result, would depend on the
+machine the suite runs on. The suite's bit-for-bit checks (the fixed shard grid across
+workers) and the self-test's rounding floor were made on Eigen's kernels; with oneDNN's
+the grid's batch-norm model across two workers differs from one device in the last bit
+(docs/limits.md). CI runs the core equivalence tests a second time with oneDNN on
+(.ci/run). oneDNN off is also a tenth quicker here: fewer first-call kernel set-ups.
+
 TF1 behaviour: with ESTIMATOR_TOWERS_TEST_BEHAVIOUR set to 'v1'
 (`tf.compat.v1.disable_v2_behavior()`) or one of its parts ('tensorshape',
 'ref_variables', 'control_flow_v1': testlib.TF1_BEHAVIOURS), that behaviour
@@ -37,7 +47,10 @@ import shutil
 import tempfile
 
 import pytest
-import tensorflow as tf  # pylint: disable=unused-import
+
+os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')  # before TensorFlow is imported
+
+import tensorflow as tf  # pylint: disable=unused-import,g-import-not-at-top,wrong-import-position
 
 import estimator_towers  # pylint: disable=unused-import
 
@@ -54,7 +67,9 @@ gc.freeze()
 
 
 def pytest_report_header(config):  # pylint: disable=unused-argument
-  return f'behaviour: {BEHAVIOUR or "TF2"} (ESTIMATOR_TOWERS_TEST_BEHAVIOUR)'
+  onednn = 'off' if os.environ['TF_ENABLE_ONEDNN_OPTS'] in ('0', 'false', 'False') else 'on'
+  return (f'behaviour: {BEHAVIOUR or "TF2"} (ESTIMATOR_TOWERS_TEST_BEHAVIOUR); oneDNN CPU '
+          f'kernels: {onednn} (TF_ENABLE_ONEDNN_OPTS)')
 
 
 @pytest.fixture(scope='session', autouse=True)
