@@ -444,7 +444,7 @@ def _build_train(builder: builder_lib.TowerBuilder, plan: plan_lib.DevicePlan, f
   tower_summaries.of_built_towers(shards.active, losses, shards.sizes)
   train_op = variable_sharing.refresh(spec.train_op)  # itself without copies
   merged = specs_lib.merge_train(spec, loss, train_op, others.counterparts)
-  work_share.report(graph, builder.tower_devices)
+  work_share.report(graph, builder.tower_devices, [merged.train_op, merged.loss])
   if across is None:
     return merged
   merged = merged._replace(train_op=cross_worker.share_updates(

@@ -112,6 +112,7 @@ class EstimatorGraph:
         hooks += list(spec.training_hooks) + list(spec.training_chief_hooks)
         self._fetch = [spec.train_op, spec.loss]
         self._values = None
+        tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.TRAIN_OP, spec.train_op)  # as Estimator
       elif mode == ModeKeys.EVAL:
         hooks += list(spec.evaluation_hooks)
         metrics = dict(spec.eval_metric_ops)

@@ -56,11 +56,12 @@ def _function_heavy(graph, node) -> int:
   return count
 
 
-def heavy(graph: tf.Graph) -> collections.Counter:
-  """Heavy ops per device ('CPU:k'), a While loop and its body's heavy ops counted on its
-  device (tests/heavy_ops.py counts the ops of the graph only)."""
+def heavy(graph: tf.Graph, ops=heavy_ops.run_by_a_step) -> collections.Counter:
+  """Heavy ops of `ops(graph)` per device ('CPU:k'; what a step runs, or for the plain
+  graph what it needs: tests/heavy_ops.py), a While loop and its body's heavy ops counted
+  on its device (tests/heavy_ops.py counts the graph's ops only, not a loop body's)."""
   counts = collections.Counter()
-  for op in graph.get_operations():
+  for op in ops(graph):
     device = heavy_ops._device(op)  # pylint: disable=protected-access
     if op.type in heavy_ops.HEAVY:
       counts[device] += 1
@@ -123,7 +124,8 @@ def _train(name, layout=None):
     graph.run()
   finally:
     graph.close()
-  return each.steps, heavy(graph.graph), warned
+  return each.steps, heavy(graph.graph, heavy_ops.run_by_a_step if layout else
+                             heavy_ops.needed_by_a_step), warned
 
 
 CASES = [(name, layout) for name in loop_models.MODELS for layout in LAYOUTS]

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ['ancestors']
+__all__ = ['ancestors', 'ancestors_of_all']
 
 
 def ancestors(op: tf.Operation) -> set[tf.Operation]:
   """`op` and every op it waits for, through inputs and control inputs."""
-  seen, stack = set(), [op]
+  return ancestors_of_all([op])
+
+
+def ancestors_of_all(ops) -> set[tf.Operation]:
+  """Every op of `ops` and every op they wait for: what a run of them runs."""
+  seen, stack = set(), list(ops)
   while stack:
     node = stack.pop()
     if node not in seen:

@@ -14,18 +14,22 @@ instead, at the head: `request_seeds`). A head that holds no heavy op (a max
 or a logsumexp over the batch's per-example losses: B numbers) gets no
 warning: nothing heavy waits for it.
 
-The share is counted on the towered graph itself: (the head device's heavy
-ops - the most any other device holds) / all heavy ops. An op without a
-device counts on the first tower's device.
+The share is counted on the towered graph itself, on the ops a training
+step runs (the train op and the loss, and what they wait for: a gradient
+TensorFlow made on the way that no step reads is no work): (the head
+device's heavy ops - the most any other device holds) / all heavy ops. An
+op without a device counts on the first tower's device.
 """
 
 from __future__ import annotations
 
 import collections
+import weakref
 from typing import Sequence
 
 import tensorflow as tf
 
+from estimator_towers.base import ancestry
 from estimator_towers.base import control_flow
 from estimator_towers.base import logs
 from estimator_towers.base import spelling
@@ -35,17 +39,34 @@ from estimator_towers.rows.op_tables import HEAVY
 
 
 
-def heavy_ops(graph: tf.Graph, tower_devices: Sequence[str]) -> dict:
-  """Heavy ops per tower device (canonical names, in the towers' order)."""
+def heavy_ops(graph: tf.Graph, tower_devices: Sequence[str], fetches: Sequence = ()) -> dict:
+  """Heavy ops per tower device (canonical names, in the towers' order) that a run of
+  `fetches` (ops or tensors; by default the step `report` was given for the graph, or the
+  graph's TRAIN_OP collection) runs; every op of the graph if there are none."""
   canonical = [devices_lib.canonical(d) for d in tower_devices]
   counts = collections.Counter()
-  for op in graph.get_operations():
+  for op in _run(graph, fetches):
     if op.type in HEAVY or op.type in _LOOPS:
       counts[_tower_of(op.device, canonical)] += heavy_count(op)
   return {d: counts.get(d, 0) for d in canonical}
 
 
 _LOOPS = ('While', 'StatelessWhile')
+
+
+# Per TRAIN graph, what its step fetches (`report`): the default of `heavy_ops`.
+_steps: 'weakref.WeakKeyDictionary[tf.Graph, list]' = weakref.WeakKeyDictionary()
+
+
+def _run(graph: tf.Graph, fetches: Sequence) -> list:
+  """The graph's ops a run of `fetches` (or of its step's, or its TRAIN_OP collection's)
+  runs, in creation order."""
+  fetches = ([getattr(f, 'op', f) for f in fetches if f is not None] or _steps.get(graph)
+             or graph.get_collection(tf.compat.v1.GraphKeys.TRAIN_OP))
+  if not fetches:
+    return graph.get_operations()
+  run = ancestry.ancestors_of_all(fetches)
+  return [op for op in graph.get_operations() if op in run]
 
 
 def heavy_count(op: tf.Operation) -> int:
@@ -79,8 +100,10 @@ def _tower_of(device: str, towers: list) -> str:
   return spec.to_string()
 
 
-def report(graph: tf.Graph, tower_devices: Sequence[str]) -> None:
-  """Logs the heavy ops per device of a TRAIN graph, and warns of a head built once."""
+def report(graph: tf.Graph, tower_devices: Sequence[str], fetches: Sequence) -> None:
+  """Logs the heavy ops per device of a TRAIN graph's step (`fetches`: its train op and
+  loss), and warns of a head built once."""
+  _steps[graph] = [getattr(f, 'op', f) for f in fetches if f is not None]
   counts = heavy_ops(graph, tower_devices)
   total = sum(counts.values())
   once = whole_batch_head.built_once(graph) if _in_heads(graph) else []

@@ -149,8 +149,10 @@ def instance(template: Template, prefix: str, device: str, theirs: Counterpart
 
   The template ops' names are unique, so templates of one owner can share a
   prefix. `counterpart(tensor)` is the instance's tensor for a tensor of the
-  template's ops (None for any other).
+  template's ops (None for any other); a template of no ops has an empty instance.
   """
+  if not template.ops:
+    return (lambda tensor: None), None
   graph = template.ops[0].graph
   device = tf.DeviceSpec.from_string(device).to_string()
   renamed = {op.name: f'{prefix}/{op.name}' for op in template.ops}
