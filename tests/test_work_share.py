@@ -71,6 +71,35 @@ def test_every_train_graph_logs_its_heavy_ops_per_device(said):
   assert not [m for level, m in said if level == 'W'], said
 
 
+def _conv_model_fn(features, labels, mode):
+  """A convolution first: TensorFlow builds its input's gradient, which no step reads."""
+  image = tf.reshape(features['x'], [-1, 2, 3, 1])
+  h = tf.compat.v1.layers.conv2d(image, 4, 2, padding='same', activation=tf.nn.relu)
+  logits = tf.compat.v1.layers.dense(tf.compat.v1.layers.flatten(h), 3)
+  loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+  train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+      loss, tf.compat.v1.train.get_global_step())
+  return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def test_the_counts_are_of_the_ops_a_step_runs(said):
+  """The first tower's first convolution's input gradient is in the graph (the other towers
+  are copies of what a step runs, without it) but no step runs it: not counted, so every
+  device holds the same count, and no warning."""
+  graph = heavy_ops.train_graph(
+      et.replicate_model_fn(_conv_model_fn, devices=testlib.cpu_devices(3)), X, Y)
+  built = [op for op in graph.get_operations() if op.type == 'Conv2DBackpropInput']
+  assert len(built) == 1 and heavy_ops._device(built[0]) == 'CPU:0'  # pylint: disable=protected-access
+  counts = heavy_ops.per_device(graph)
+  assert set(counts) == {'CPU:0', 'CPU:1', 'CPU:2'} and len(set(counts.values())) == 1, counts
+  lines = [m for level, m in said if 'heavy ops' in m]
+  assert lines == [
+      'estimator_towers: train graph\'s heavy ops (matrix products, einsums, convolutions and '
+      'their gradients) per device: '
+      + ', '.join(f'/device:CPU:{i} {counts[f"CPU:{i}"]} (33%)' for i in range(3)) + '.'], said
+  assert not [m for level, m in said if level == 'W'], said
+
+
 def test_an_unknown_op_that_sends_work_to_one_device_warns_with_its_share(said):
   graph = _graph({'unknown_first': True})
   counts = heavy_ops.per_device(graph)   # the independent count of the same graph
