@@ -67,13 +67,18 @@ def run_by_a_step(graph: tf.Graph) -> list:
 
 def needed_by_a_step(graph: tf.Graph) -> list:
   """The ops a training step needs: what the stateful ops it runs (the variables' updates,
-  reads and random draws) read, directly or not. Not an op it runs only because a control
+  reads and random draws; ref variables' too) read, directly or not. Not an op it runs only because a control
   input waits for it: the optimizer's gates (`gate_gradients=GATE_OP`) make a plain step
   compute its input's gradient, which nothing reads (the towers' backward passes have no
   gates)."""
   waited = run_by_a_step(graph)
-  needed = _walk([op for op in waited if op.op_def.is_stateful], controls=False)
+  needed = _walk([op for op in waited if _stateful(op)], controls=False)
   return [op for op in graph.get_operations() if op in needed]
+
+
+def _stateful(op: tf.Operation) -> bool:
+  """A stateful op, or one that writes or reads a ref variable (TF1 behaviour's updates)."""
+  return op.op_def.is_stateful or any(arg.is_ref for arg in op.op_def.input_arg)
 
 
 def _walk(ops, controls: bool) -> set:
