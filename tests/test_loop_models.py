@@ -5,7 +5,7 @@ The models (tests/loop_models.py: `dynamic_rnn`, `bidirectional_dynamic_rnn` wit
 LSTM, GRU, SimpleRNN and Bidirectional, a `tf.function` step called in graph mode, a seq2seq
 decoder loop with attention) are read through their loops and calls (`rows/loops.py`), so
 each tower runs the whole model on its shard (its loops and calls on its own device, the
-loops not inlined: `placement/strategies.py`).
+gradients' loops not inlined: `placement/strategies.py`).
 The reference is the undecorated model_fn on one device on the same data: after steps 1
 and 2 every variable and Momentum slot within 1e-5, on 2 and 3 towers, 2x2 and 1x2
 micro-batches; every device holds at least 0.9 of the plain graph's heavy ops (matrix

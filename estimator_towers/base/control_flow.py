@@ -15,8 +15,8 @@ are built; this module reads and sets the control flow of ops already built.
   inside; `Graph._functions`): a functional `If`'s branches, a `While`'s condition and body,
   a call's function, read by the row reader (`rows`) and counted by `reporting.work_share`;
   every function body's nodes (`draws.step_order`).
-- A tower's loops and their gradients placed (`Operation._set_attr`, `_set_device`): a `While`
-  kept as a loop of its own (`_lower_using_switch_merge`), an op's colocation groups
+- A tower's loops and their gradients placed (`Operation._set_attr`, `_set_device`): a
+  gradient's `While` kept as a loop of its own (`_lower_using_switch_merge`), an op's colocation groups
   (`_class`) narrowed or cleared (`placement.strategies`).
 - Loops a tower copy imports again (`towers.op_templates`): a function's FunctionDef read by
   name and new ones added to the graph (`function.from_library`), and a functional loop
@@ -184,9 +184,11 @@ def loops_with_all_intermediates() -> Iterator[None]:
 
 
 def keep_loop(op: tf.Operation) -> None:
-  """`op` (a While loop) runs as a loop of its own, its body not inlined into the graph (its
-  attribute `_lower_using_switch_merge`): two inlined copies of a body would share its ops'
-  colocation groups, which name ops inside it, across devices."""
+  """`op` (a While loop, built) runs as a loop of its own, its body not inlined into the graph
+  (its attribute `_lower_using_switch_merge`): the gradient loops of a tower's loops, whose
+  inlined copies would share their ops' colocation groups, which name ops inside them,
+  across devices. (A forward loop is inlined, as on one device: while_v2 sets the attribute
+  itself once the loop is built.)"""
   op._set_attr('_lower_using_switch_merge', tf.compat.v1.AttrValue(b=False))  # pylint: disable=protected-access
 
 

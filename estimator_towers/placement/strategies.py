@@ -164,8 +164,6 @@ def tower_device(device: str, pinned: set | None = None):
     chosen = device
     if op.type in LOOP_OPS + FUNCTION_CALLS:
       _loop_devices.setdefault(op.graph, {})[op.name] = device
-    if op.type in LOOP_OPS:
-      control_flow.keep_loop(op)
     for tensor in op.inputs:
       if tensor.dtype == tf.resource:
         chosen = device if op.type in LOOP_OPS + FUNCTION_CALLS else '' if op.type in CALL_OPS else (
