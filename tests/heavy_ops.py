@@ -61,7 +61,7 @@ def run_by_a_step(graph: tf.Graph) -> list:
   train_ops = graph.get_collection(tf.compat.v1.GraphKeys.TRAIN_OP)
   if not train_ops:
     return graph.get_operations()
-  run = _walk(train_ops, controls=True)
+  run = walk(train_ops, controls=True)
   return [op for op in graph.get_operations() if op in run]
 
 
@@ -72,7 +72,7 @@ def needed_by_a_step(graph: tf.Graph) -> list:
   compute its input's gradient, which nothing reads (the towers' backward passes have no
   gates)."""
   waited = run_by_a_step(graph)
-  needed = _walk([op for op in waited if _stateful(op)], controls=False)
+  needed = walk([op for op in waited if _stateful(op)], controls=False)
   return [op for op in graph.get_operations() if op in needed]
 
 
@@ -81,7 +81,7 @@ def _stateful(op: tf.Operation) -> bool:
   return op.op_def.is_stateful or any(arg.is_ref for arg in op.op_def.input_arg)
 
 
-def _walk(ops, controls: bool) -> set:
+def walk(ops, controls: bool = True) -> set:
   """`ops` and the ops they read, transitively (and wait for, with `controls`)."""
   found, stack = set(), list(ops)
   while stack:

@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util_v2  # pylint: disable=g-direct-tensorflow-import
 
+import heavy_ops
 import testlib
 from estimator_towers import current_tower
 from estimator_towers import replicate as towers
@@ -172,18 +173,6 @@ def test_copies_run_on_their_towers_devices():
                          for op in convs), [(op.name, op.device) for op in convs]
 
 
-def _ancestors(ops) -> set:
-  """`ops` and every op they read, directly or not (data and control inputs)."""
-  found, stack = set(), list(ops)
-  while stack:
-    op = stack.pop()
-    if op not in found:
-      found.add(op)
-      stack.extend(t.op for t in op.inputs)
-      stack.extend(op.control_inputs)
-  return found
-
-
 @pytest.mark.parametrize('model_fn', [_convnet_model_fn, _embedding_model_fn],
                          ids=['convnet', 'ratio_loss_embedding'])
 def test_a_copy_holds_only_ops_its_step_runs(model_fn):
@@ -196,7 +185,7 @@ def test_a_copy_holds_only_ops_its_step_runs(model_fn):
   _, graph = _train(model_fn, 3, x, y, 9, steps=1)
   fetched = graph.get_collection(tf.compat.v1.GraphKeys.TRAIN_OP) + [
       op for op in graph.get_operations() if op.type in ('ScalarSummary', 'MergeSummary')]
-  run = _ancestors(fetched)
+  run = heavy_ops.walk(fetched)  # what the step runs
   for k in (1, 2):
     copy = [op for op in graph.get_operations() if op.name.startswith(f'tower_{k}/')]
     assert copy and _copied(graph, k)

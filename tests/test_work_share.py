@@ -59,8 +59,9 @@ def _graph(model, **plan):
       et.replicate_model_fn(model_fn, devices=testlib.cpu_devices(3), **plan), X, Y)
 
 
-def test_every_train_graph_logs_its_heavy_ops_per_device(said):
-  graph = _graph({})
+def _assert_even_and_logged(graph, said):
+  """The graph's heavy ops (tests/heavy_ops.py's count) are the same on its 3 devices, the
+  library logged exactly those counts, and warned of nothing."""
   counts = heavy_ops.per_device(graph)
   assert set(counts) == {'CPU:0', 'CPU:1', 'CPU:2'} and len(set(counts.values())) == 1, counts
   lines = [m for level, m in said if 'heavy ops' in m]
@@ -69,6 +70,10 @@ def test_every_train_graph_logs_its_heavy_ops_per_device(said):
       'their gradients) per device: '
       + ', '.join(f'/device:CPU:{i} {counts[f"CPU:{i}"]} (33%)' for i in range(3)) + '.'], said
   assert not [m for level, m in said if level == 'W'], said
+
+
+def test_every_train_graph_logs_its_heavy_ops_per_device(said):
+  _assert_even_and_logged(_graph({}), said)
 
 
 def _conv_model_fn(features, labels, mode):
@@ -90,14 +95,7 @@ def test_the_counts_are_of_the_ops_a_step_runs(said):
       et.replicate_model_fn(_conv_model_fn, devices=testlib.cpu_devices(3)), X, Y)
   built = [op for op in graph.get_operations() if op.type == 'Conv2DBackpropInput']
   assert len(built) == 1 and heavy_ops._device(built[0]) == 'CPU:0'  # pylint: disable=protected-access
-  counts = heavy_ops.per_device(graph)
-  assert set(counts) == {'CPU:0', 'CPU:1', 'CPU:2'} and len(set(counts.values())) == 1, counts
-  lines = [m for level, m in said if 'heavy ops' in m]
-  assert lines == [
-      'estimator_towers: train graph\'s heavy ops (matrix products, einsums, convolutions and '
-      'their gradients) per device: '
-      + ', '.join(f'/device:CPU:{i} {counts[f"CPU:{i}"]} (33%)' for i in range(3)) + '.'], said
-  assert not [m for level, m in said if level == 'W'], said
+  _assert_even_and_logged(graph, said)
 
 
 def test_an_unknown_op_that_sends_work_to_one_device_warns_with_its_share(said):
