@@ -11,9 +11,11 @@ ops is one `import_graph_def` per tower and pass (`op_templates`).
 The rule: tower k's forward pass is tower 0's ops from the start of its
 model_fn to its first gradient request, less the ops that created variables
 (only tower 0 creates them), the ops that update a variable with what only
-feeds them (the other towers' updates are dropped anyway) and the sync points'
-joins (shared: a copy joins them); its backward pass is tower 0's (the
-gradient of tower 0's seeds alone). In a copy, tower 0's shard, forward
+feeds them (the other towers' updates are dropped anyway), the sync points'
+joins (shared: a copy joins them) and the shapes, constants and variable
+reads nothing reads; its backward pass is the part of tower 0's (the
+gradient of tower 0's seeds alone) that its gradients and stateful ops
+need. A copy holds what its step runs, not what TensorFlow built on the way. In a copy, tower 0's shard, forward
 tensors, seeds and sync-point results become tower k's, anything else from
 outside (variables, the global step) stays but for the handles of variables
 tower k has its own copy of (`replicated`, `collective`), which become the
@@ -347,8 +349,9 @@ _DESCRIBING = frozenset({'Shape', 'ShapeN', 'Rank', 'Size', 'Const', 'ReadVariab
 
 def _unread(segment: Sequence[tf.Operation], request: Sequence, made: set) -> list:
   """The segment less the ops of `_DESCRIBING` that no op tower 0 `made` reads (data or
-  control), but for the gradient request's: a loss's static shape checks, the value an
-  update of a moving average returns, a variable's initial value (read by its creation)."""
+  control) and the gradient `request` does not name: a loss's static shape checks, the
+  value an update of a moving average returns, a variable's initial value (which only its
+  creation, not copied, reads)."""
   read = {t.op for t in request if isinstance(t, tf.Tensor)}
   for op in made:
     read.update(t.op for t in op.inputs)
