@@ -119,11 +119,16 @@ class Cluster:
       finally:
         self.kill()
       failed = [t for t, code in codes.items() if code != 0]
-      if attempt or not failed or _PORT_TAKEN not in self.log(failed[0]):
+      if attempt or not failed or not self.port_taken():
         break
       self.cluster = {t: [f'127.0.0.1:{_free_port()}'] for t in self.cluster}
     for task_type, code in codes.items():
       assert code == 0, f'{task_type} exited with {code}:\n' + self.report(task_type)
+
+  def port_taken(self) -> bool:
+    """Whether a task's server could not bind its port (any task's: the others then time
+    out waiting for it, and fail first)."""
+    return any(_PORT_TAKEN in self.log(task_type) for task_type, _ in self.tasks)
 
   def report(self, failed):
     """The failed task's log's end, and every task's error lines (a task's own error is
@@ -188,7 +193,7 @@ class TogetherRuns:
     for key, cluster in self.clusters.items():
       why = self._failure(cluster, tmp)
       # A run after a failed one may have failed of it (its tasks then out of step): alone.
-      if why and (_PORT_TAKEN in why or earlier_failed):
+      if why and (cluster.port_taken() or earlier_failed):
         earlier_failed = True
         with open(cluster.spec_path) as f:
           spec = json.load(f)
