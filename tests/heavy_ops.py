@@ -67,10 +67,10 @@ def run_by_a_step(graph: tf.Graph) -> list:
 
 def needed_by_a_step(graph: tf.Graph) -> list:
   """The ops a training step needs: what the stateful ops it runs (the variables' updates,
-  reads and random draws; ref variables' too) read, directly or not. Not an op it runs only because a control
-  input waits for it: the optimizer's gates (`gate_gradients=GATE_OP`) make a plain step
-  compute its input's gradient, which nothing reads (the towers' backward passes have no
-  gates)."""
+  reads and random draws; ref variables' too) read, directly or not. Not an op it runs
+  only because a control input waits for it: the optimizer's gates
+  (`gate_gradients=GATE_OP`) make a plain step compute its input's gradient, which
+  nothing reads (the towers' backward passes have no gates)."""
   waited = run_by_a_step(graph)
   needed = walk([op for op in waited if _stateful(op)], controls=False)
   return [op for op in graph.get_operations() if op in needed]
