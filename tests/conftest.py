@@ -29,7 +29,8 @@ so without this the kernels, and with them the last bits of a result, would depe
 machine the suite runs on. The suite's bit-for-bit checks (the fixed shard grid across
 workers) and the self-test's rounding floor were made on Eigen's kernels; with oneDNN's
 the grid's batch-norm model across two workers differs from one device in the last bit
-(docs/limits.md). CI runs the core equivalence tests again with oneDNN on (.ci/run). oneDNN off is also a tenth quicker here: fewer first-call kernel set-ups.
+(docs/limits.md). CI runs the core equivalence tests again with oneDNN on (.ci/run).
+oneDNN off is also a tenth quicker here: fewer first-call kernel set-ups.
 
 TF1 behaviour: with ESTIMATOR_TOWERS_TEST_BEHAVIOUR set to 'v1'
 (`tf.compat.v1.disable_v2_behavior()`) or one of its parts ('tensorshape',

@@ -18,12 +18,13 @@ def ancestors(op: tf.Operation) -> set[tf.Operation]:
   return ancestors_of_all([op])
 
 
-def ancestors_of_all(ops) -> set[tf.Operation]:
-  """Every op of `ops` and every op they wait for: what a run of them runs."""
+def ancestors_of_all(ops, within=None) -> set[tf.Operation]:
+  """Every op of `ops` and every op they wait for: what a run of them runs. With `within`
+  (a set of ops), the walk stays inside it: only its ops are found and followed."""
   seen, stack = set(), list(ops)
   while stack:
     node = stack.pop()
-    if node not in seen:
+    if node not in seen and (within is None or node in within):
       seen.add(node)
       stack.extend([t.op for t in node.inputs] + list(node.control_inputs))
   return seen

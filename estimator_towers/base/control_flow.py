@@ -16,8 +16,8 @@ are built; this module reads and sets the control flow of ops already built.
   a call's function, read by the row reader (`rows`) and counted by `reporting.work_share`;
   every function body's nodes (`draws.step_order`).
 - A tower's loops and their gradients placed (`Operation._set_attr`, `_set_device`): a
-  gradient's `While` kept as a loop of its own (`_lower_using_switch_merge`), an op's colocation groups
-  (`_class`) narrowed or cleared (`placement.strategies`).
+  gradient's `While` kept as a loop of its own (`_lower_using_switch_merge`), an op's
+  colocation groups (`_class`) narrowed or cleared (`placement.strategies`).
 - Loops a tower copy imports again (`towers.op_templates`): a function's FunctionDef read by
   name and new ones added to the graph (`function.from_library`), and a functional loop
   built with all its intermediates as outputs while tower 0 is built

@@ -58,10 +58,15 @@ _LOOPS = ('While', 'StatelessWhile')
 _steps: 'weakref.WeakKeyDictionary[tf.Graph, list]' = weakref.WeakKeyDictionary()
 
 
+def _ops(fetches: Sequence) -> list:
+  """The ops of `fetches` (ops or tensors; None left out)."""
+  return [getattr(f, 'op', f) for f in fetches if f is not None]
+
+
 def _run(graph: tf.Graph, fetches: Sequence) -> list:
   """The graph's ops a run of `fetches` (or of its step's, or its TRAIN_OP collection's)
   runs, in creation order."""
-  fetches = ([getattr(f, 'op', f) for f in fetches if f is not None] or _steps.get(graph)
+  fetches = (_ops(fetches) or _steps.get(graph)
              or graph.get_collection(tf.compat.v1.GraphKeys.TRAIN_OP))
   if not fetches:
     return graph.get_operations()
@@ -103,7 +108,7 @@ def _tower_of(device: str, towers: list) -> str:
 def report(graph: tf.Graph, tower_devices: Sequence[str], fetches: Sequence) -> None:
   """Logs the heavy ops per device of a TRAIN graph's step (`fetches`: its train op and
   loss), and warns of a head built once."""
-  _steps[graph] = [getattr(f, 'op', f) for f in fetches if f is not None]
+  _steps[graph] = _ops(fetches)
   counts = heavy_ops(graph, tower_devices)
   total = sum(counts.values())
   once = whole_batch_head.built_once(graph) if _in_heads(graph) else []

@@ -15,7 +15,8 @@ feeds them (the other towers' updates are dropped anyway), the sync points'
 joins (shared: a copy joins them) and the shapes, constants and variable
 reads nothing reads; its backward pass is the part of tower 0's (the
 gradient of tower 0's seeds alone) that its gradients and stateful ops
-need. A copy holds what its step runs, not what TensorFlow built on the way. In a copy, tower 0's shard, forward
+need. A copy holds what its step runs, not what TensorFlow built on the
+way. In a copy, tower 0's shard, forward
 tensors, seeds and sync-point results become tower k's, anything else from
 outside (variables, the global step) stays but for the handles of variables
 tower k has its own copy of (`replicated`, `collective`), which become the
@@ -40,6 +41,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import tensorflow as tf
 
+from estimator_towers.base import ancestry
 from estimator_towers.base import control_flow
 from estimator_towers.base import updates
 from estimator_towers.base import interception
@@ -343,7 +345,8 @@ def _kept(segment: Sequence[tf.Operation]) -> list:
   return [op for op in segment if op not in dropped]
 
 
-# Ops whose output only describes a tensor, is a constant or reads a variable: for nothing if unread.
+# Ops whose output only describes a tensor, is a constant or reads a variable: computed for
+# nothing if unread.
 _DESCRIBING = frozenset({'Shape', 'ShapeN', 'Rank', 'Size', 'Const', 'ReadVariableOp'})
 
 
@@ -365,17 +368,8 @@ def _needed(ops: Sequence[tf.Operation], results: Sequence[tf.Tensor]) -> set:
   The walk stays within `ops` (a sync point's join made among them leads on to
   the towers' parts it reads); data and control inputs alike.
   """
-  members = set(ops)
-  stack = [t.op for t in results] + [op for op in ops if op.op_def.is_stateful]
-  found = set()
-  while stack:
-    op = stack.pop()
-    if op in found or op not in members:
-      continue
-    found.add(op)
-    stack.extend(t.op for t in op.inputs)
-    stack.extend(op.control_inputs)
-  return found
+  roots = [t.op for t in results] + [op for op in ops if op.op_def.is_stateful]
+  return ancestry.ancestors_of_all(roots, within=set(ops))
 
 
 def _log_once(reason: str) -> None:
